@@ -1,0 +1,211 @@
+"""The corpus: a parquet file read in record batches as (ids, texts), checked before any work is done. No ML."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from retrieval.errors import CorpusError
+from retrieval.files import sha256
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ID_COLUMN = "id"
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    """Where the corpus is and how to read it.
+
+    ``id_column=None`` means "the column ``id`` if the file has one, else row numbers"; a column named
+    explicitly must exist. ``title_column`` is prepended to the text (``title + " " + text``, as BEIR does).
+    ``vectors_column`` names a fixed-size list column of precomputed embeddings: rows are then not encoded.
+    """
+
+    path: Path
+    text_column: str = "text"
+    id_column: str | None = None
+    title_column: str | None = None
+    vectors_column: str | None = None
+    skip_empty: bool = False
+
+    def settings(self) -> dict[str, object]:
+        """What, besides the file's bytes, decides which rows and texts come out (for fingerprints)."""
+        return {
+            "text_column": self.text_column,
+            "id_column": self.id_column,
+            "title_column": self.title_column,
+            "vectors_column": self.vectors_column,
+            "skip_empty": self.skip_empty,
+        }
+
+
+@dataclass
+class Batch:
+    """Rows of one record batch that passed the checks; ``vectors`` only with a vectors column."""
+
+    ids: list[str]
+    texts: list[str]
+    vectors: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class CorpusReport:
+    """What a validation pass over the corpus found."""
+
+    rows: int
+    usable: int
+    skipped: int
+    first_skipped: list[str] = field(default_factory=list)
+
+
+class Corpus:
+    """A validated parquet corpus. Opening it checks the file and its columns; ``validate`` checks values."""
+
+    def __init__(self, spec: CorpusSpec):
+        self.spec = spec
+        path = Path(spec.path)
+        if not path.exists():
+            raise CorpusError(f"corpus file not found: {path}")
+        if path.is_dir():
+            raise CorpusError(f"corpus path is a directory, not a parquet file: {path}")
+        try:
+            self._file = pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as err:
+            raise CorpusError(f"{path} is not a readable parquet file ({err}); convert it to parquet first") from err
+        self.path = path
+        names = self._file.schema_arrow.names
+        self.id_column = spec.id_column
+        if self.id_column is None and DEFAULT_ID_COLUMN in names:
+            self.id_column = DEFAULT_ID_COLUMN
+        wanted = {"--text-column": spec.text_column, "--id-column": self.id_column}
+        wanted |= {"--title-column": spec.title_column, "--vectors-column": spec.vectors_column}
+        for option, column in wanted.items():
+            if column is not None and column not in names:
+                if option == "--text-column" and spec.vectors_column:
+                    continue
+                raise CorpusError(
+                    f"{path} has no column {column!r} (columns: {', '.join(names)}); choose one with {option}"
+                )
+        self.has_text = spec.text_column in names
+        self.vector_dim: int | None = None
+        if spec.vectors_column:
+            vtype = self._file.schema_arrow.field(spec.vectors_column).type
+            if not (pa.types.is_fixed_size_list(vtype) or pa.types.is_list(vtype)):
+                raise CorpusError(
+                    f"column {spec.vectors_column!r} holds {vtype}, not a list of floats; store one vector per row"
+                )
+            if pa.types.is_fixed_size_list(vtype):
+                self.vector_dim = vtype.list_size
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._file.metadata.num_rows)
+
+    def fingerprint(self) -> str:
+        """sha256 of the file's bytes: two corpora with the same fingerprint give the same rows."""
+        return sha256(self.path)
+
+    def _columns(self) -> list[str]:
+        cols = [c for c in (self.id_column, self.spec.title_column) if c]
+        if self.has_text:
+            cols.append(self.spec.text_column)
+        if self.spec.vectors_column:
+            cols.append(self.spec.vectors_column)
+        return cols
+
+    def _texts(self, rb: pa.RecordBatch) -> list[str | None]:
+        if not self.has_text:
+            return [""] * rb.num_rows
+        texts = rb.column(self.spec.text_column).cast(pa.string()).to_pylist()
+        if self.spec.title_column:
+            titles = rb.column(self.spec.title_column).cast(pa.string()).to_pylist()
+            texts = [None if t is None else f"{h or ''} {t}".strip() for h, t in zip(titles, texts, strict=True)]
+        return texts
+
+    def _raw_batches(self, rows: int) -> Iterator[tuple[list[str], list[str | None], pa.RecordBatch]]:
+        start = 0
+        for rb in self._file.iter_batches(batch_size=rows, columns=self._columns()):
+            if self.id_column:
+                ids = [str(v) if v is not None else None for v in rb.column(self.id_column).to_pylist()]
+                if any(v is None for v in ids):
+                    raise CorpusError(f"column {self.id_column!r} has null ids; every row needs an id")
+            else:
+                ids = [str(i) for i in range(start, start + rb.num_rows)]
+            start += rb.num_rows
+            yield ids, self._texts(rb), rb  # type: ignore[misc]
+
+    def _usable(self, texts: list[str | None], rb: pa.RecordBatch) -> np.ndarray:
+        if self.spec.vectors_column:
+            return np.asarray(rb.column(self.spec.vectors_column).is_valid())
+        return np.array([t is not None and t.strip() != "" for t in texts], dtype=bool)
+
+    def validate(self, rows: int = 65536) -> CorpusReport:
+        """One cheap pass over ids and texts: empty texts, duplicate ids, too few rows. Raises CorpusError."""
+        seen: set[str] = set()
+        total = usable = 0
+        bad: list[str] = []
+        for ids, texts, rb in self._raw_batches(rows):
+            ok = self._usable(texts, rb)
+            total += len(ids)
+            usable += int(ok.sum())
+            bad.extend(i for i, good in zip(ids, ok, strict=True) if not good and len(bad) < 5)
+            for i in ids:
+                if i in seen:
+                    raise CorpusError(
+                        f"duplicate id {i!r} in column {self.id_column!r}; ids must be unique "
+                        "(pick another --id-column, or drop it to use row numbers)"
+                    )
+                seen.add(i)
+        skipped = total - usable
+        what = "null vectors" if self.spec.vectors_column else "null or empty text"
+        if total == 0:
+            raise CorpusError(f"{self.path} holds no rows; nothing to index")
+        if skipped and not self.spec.skip_empty:
+            raise CorpusError(
+                f"{skipped} of {total} rows have {what} (first ids: {', '.join(bad)}); "
+                "fix them or pass --skip-empty to leave them out"
+            )
+        if skipped:
+            log.warning("skipping %d of %d rows with %s (first ids: %s)", skipped, total, what, ", ".join(bad))
+        if usable < 2:
+            raise CorpusError(f"{self.path} has {usable} usable row(s); at least 2 are needed to fit a transform")
+        return CorpusReport(rows=total, usable=usable, skipped=skipped, first_skipped=bad)
+
+    def batches(self, rows: int, skip_batches: int = 0) -> Iterator[Batch]:
+        """Usable rows in record batches of ``rows`` raw rows (fewer after skipping); the first
+        ``skip_batches`` record batches are read but not returned (to resume a build)."""
+        for n, (ids, texts, rb) in enumerate(self._raw_batches(rows)):
+            if n < skip_batches:
+                continue
+            ok = self._usable(texts, rb)
+            keep = np.flatnonzero(ok)
+            vectors = None
+            if self.spec.vectors_column:
+                vectors = _vectors(rb.column(self.spec.vectors_column).filter(pa.array(ok)), self.spec.vectors_column)
+            yield Batch(
+                ids=[ids[i] for i in keep],
+                texts=[texts[i] or "" for i in keep],
+                vectors=vectors,
+            )
+
+
+def _vectors(column: pa.Array, name: str) -> np.ndarray:
+    """A list column as a float32 matrix; ragged lists are refused."""
+    if len(column) == 0:
+        return np.zeros((0, 0), dtype=np.float32)
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    if lengths.min() != lengths.max():
+        raise CorpusError(f"column {name!r} holds vectors of different lengths ({lengths.min()}..{lengths.max()})")
+    flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    return flat.reshape(len(column), int(lengths[0]))

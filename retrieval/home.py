@@ -1,0 +1,38 @@
+"""Where index directories live by default, and which one ``search`` uses when none is named."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from retrieval.errors import IndexDirError
+
+LAST_NAME = ".last-built"
+
+
+def index_root() -> Path:
+    """``$RETRIEVAL_INDEX_ROOT``, else ``indexes/`` under the current directory."""
+    return Path(os.environ.get("RETRIEVAL_INDEX_ROOT", "indexes"))
+
+
+def default_out(corpus_path: Path) -> Path:
+    """``indexes/<corpus stem>``."""
+    return index_root() / Path(corpus_path).stem
+
+
+def remember(directory: Path) -> None:
+    """Make ``directory`` the index ``search`` uses by default."""
+    root = index_root()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / LAST_NAME).write_text(str(Path(directory).resolve()) + "\n")
+
+
+def default_index() -> Path:
+    """The last index built, or a clear error when there is none."""
+    pointer = index_root() / LAST_NAME
+    if not pointer.is_file():
+        raise IndexDirError(
+            f"no index has been built yet (nothing recorded in {pointer}); run `retrieval index CORPUS.parquet` "
+            "first, or pass --index DIR"
+        )
+    return Path(pointer.read_text().strip())

@@ -1,0 +1,157 @@
+"""The FAISS side: index kinds, training on a sample, adding in blocks, search knobs, save and load."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+from retrieval.errors import ConfigError, IndexDirError
+
+log = logging.getLogger(__name__)
+
+KINDS = ("flat", "hnsw", "ivf")
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """Which FAISS index to build over the transformed vectors (inner product on L2-normalised rows).
+
+    ``kind`` is flat, hnsw, ivf, or any FAISS ``index_factory`` string for what follows the transform
+    (``HNSW32``, ``IVF4096,SQ8``, ``IVF1024,PQ32x8,Refine(Flat)``...). ``None`` knobs get defaults from N.
+    """
+
+    kind: str = "flat"
+    m: int = 32
+    ef_construction: int = 200
+    ef_search: int = 128
+    nlist: int | None = None
+    nprobe: int | None = None
+    train_size: int | None = None
+
+    def factory(self, n: int) -> str:
+        if self.kind == "flat":
+            return "Flat"
+        if self.kind == "hnsw":
+            return f"HNSW{self.m}"
+        if self.kind == "ivf":
+            return f"IVF{self.nlist_for(n)},Flat"
+        return self.kind
+
+    def nlist_for(self, n: int) -> int:
+        """About 4 sqrt(N) lists, and never so many that a list gets fewer than ~39 training points."""
+        if self.nlist is not None:
+            return self.nlist
+        return max(1, min(int(4 * math.sqrt(n)), n // 39))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def create_index(spec: IndexSpec, dim: int, n: int) -> faiss.Index:
+    factory = spec.factory(n)
+    try:
+        index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as err:
+        raise ConfigError(
+            f"FAISS cannot build index type {factory!r} ({str(err).splitlines()[0]}); use flat, hnsw, ivf "
+            "or a valid index_factory string such as HNSW32 or IVF1024,SQ8"
+        ) from err
+    hnsw = _hnsw(index)
+    if hnsw is not None:
+        hnsw.efConstruction = spec.ef_construction
+    return index
+
+
+def train_size(index: faiss.Index, spec: IndexSpec, n: int) -> int:
+    """How many rows to train on: 0 when the index needs no training."""
+    if index.is_trained:
+        return 0
+    if spec.train_size is not None:
+        return min(spec.train_size, n)
+    ivf = _ivf(index)
+    lists = ivf.nlist if ivf is not None else 256
+    return min(n, max(100 * lists, 65536))
+
+
+def train(index: faiss.Index, sample: np.ndarray) -> None:
+    ivf = _ivf(index)
+    if ivf is not None and sample.shape[0] < ivf.nlist:
+        raise ConfigError(
+            f"IVF with {ivf.nlist} lists needs at least that many training rows (got {sample.shape[0]}); "
+            "lower --nlist or use --index-type flat"
+        )
+    index.train(np.ascontiguousarray(sample, dtype=np.float32))
+
+
+def set_search_params(index: faiss.Index, ef_search: int | None = None, nprobe: int | None = None) -> None:
+    """Apply search-time knobs where the index has them; silently ignore those it does not have."""
+    hnsw = _hnsw(index)
+    if ef_search is not None and hnsw is not None:
+        hnsw.efSearch = int(ef_search)
+    ivf = _ivf(index)
+    if nprobe is not None and ivf is not None:
+        ivf.nprobe = int(min(nprobe, ivf.nlist))
+
+
+def default_search_params(index: faiss.Index, spec: IndexSpec) -> dict[str, int]:
+    params: dict[str, int] = {}
+    if _hnsw(index) is not None:
+        params["ef_search"] = spec.ef_search
+    ivf = _ivf(index)
+    if ivf is not None:
+        params["nprobe"] = spec.nprobe or max(1, min(ivf.nlist, int(round(math.sqrt(ivf.nlist)))))
+    return params
+
+
+def describe(index: faiss.Index) -> dict[str, Any]:
+    """What ``retrieval info`` shows of a FAISS index."""
+    info: dict[str, Any] = {"class": type(index).__name__, "ntotal": int(index.ntotal), "dim": int(index.d)}
+    hnsw = _hnsw(index)
+    if hnsw is not None:
+        info |= {
+            "M": int(hnsw.nb_neighbors(1)),
+            "efConstruction": int(hnsw.efConstruction),
+            "efSearch": int(hnsw.efSearch),
+        }
+    ivf = _ivf(index)
+    if ivf is not None:
+        info |= {"nlist": int(ivf.nlist), "nprobe": int(ivf.nprobe)}
+    return info
+
+
+def flat_vectors(index: faiss.Index) -> np.ndarray | None:
+    """A zero-copy (ntotal, d) view of a flat inner-product index's vectors, or None for other kinds."""
+    if not isinstance(index, faiss.IndexFlatIP) or index.ntotal == 0:
+        return None
+    return faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
+
+
+def save_index(index: faiss.Index, path: Path) -> None:
+    faiss.write_index(index, str(path))
+
+
+def load_index(path: Path) -> faiss.Index:
+    try:
+        return faiss.read_index(str(path))
+    except RuntimeError as err:
+        raise IndexDirError(f"cannot read FAISS index {path}: it is corrupt; rebuild with --overwrite") from err
+
+
+def _hnsw(index: faiss.Index) -> Any:
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexRefine):
+        index = faiss.downcast_index(index.base_index)
+    return index.hnsw if hasattr(index, "hnsw") else None
+
+
+def _ivf(index: faiss.Index) -> Any:
+    try:
+        return faiss.extract_index_ivf(index)
+    except RuntimeError:
+        return None

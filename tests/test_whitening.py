@@ -1,0 +1,233 @@
+"""Tests for retrieval.whitening: the kernel against the paper's reference, its variants, and save/load."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from retrieval.errors import ConfigError, IndexDirError
+from retrieval.moments import RunningMoments
+from retrieval.whitening import RawTransform, Whitening, l2_normalize, load_transform
+
+N, D = 2000, 16
+
+# The kernel is fitted from float64 moments; the reference uses np.cov on the same data. The two covariances
+# differ by ~1e-16 relative, and eigenvectors amplify that by lam_max / (smallest eigengap), about 1e3 here,
+# so 1e-9 (relative to the largest entry) leaves a wide margin while catching any formula slip.
+TOL64 = 1e-9
+# transform() runs in float32 (24-bit mantissa, ~6e-8 relative per operation, summed over D terms).
+TOL32 = 1e-5
+
+
+@pytest.fixture(scope="module")
+def data() -> np.ndarray:
+    """Full-rank (N >> D) anisotropic data with a large common mean and well-separated eigenvalues."""
+    rng = np.random.default_rng(1338)
+    rotation, _ = np.linalg.qr(rng.normal(size=(D, D)))
+    scales = np.geomspace(3.0, 0.3, D)  # eigenvalues from ~9 down to ~0.09
+    return (100.0 + (rng.normal(size=(N, D)) * scales) @ rotation.T).astype(np.float32)
+
+
+def fit(x: np.ndarray, **kwargs) -> Whitening:
+    return Whitening.fit(RunningMoments.from_array(x), **kwargs)
+
+
+def align_signs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a`` with each column's sign flipped to agree with the same column of ``b``."""
+    return a * np.sign(np.sum(a * b, axis=0))
+
+
+def test_full_whitening_equals_the_papers_reference(data: np.ndarray) -> None:
+    x = data.astype(np.float64)
+    # Su et al. (2021), compute_kernel_bias: W = U / sqrt(s) from the SVD of the covariance.
+    mu = x.mean(axis=0)
+    u, s, _ = np.linalg.svd(np.cov(x.T, bias=True))
+    reference = u / np.sqrt(s)
+
+    whitening = fit(data, gamma=1.0, epsilon=0.0)
+    assert whitening.kernel.shape == (D, D) and whitening.n == N
+    np.testing.assert_allclose(whitening.mean, mu, rtol=TOL64)
+    kernel = align_signs(whitening.kernel, reference)
+    np.testing.assert_allclose(kernel, reference, rtol=TOL64, atol=TOL64 * np.abs(reference).max())
+    np.testing.assert_allclose(whitening.eigenvalues, s, rtol=TOL64)
+
+    y = (x - whitening.mean) @ whitening.kernel
+    np.testing.assert_allclose(np.cov(y.T, bias=True), np.eye(D), atol=TOL64)
+
+
+def test_truncation_keeps_the_top_directions(data: np.ndarray) -> None:
+    full = fit(data)
+    k = 5
+    top = fit(data, dim=k)
+    assert top.kernel.shape == (D, k) and (top.dim_in, top.dim_out) == (D, k)
+    np.testing.assert_array_equal(top.kernel, full.kernel[:, :k])
+    np.testing.assert_array_equal(top.eigenvalues, full.eigenvalues)
+    lam = full.eigenvalues
+    assert np.all(np.diff(lam) <= 0)
+    assert top.explained_variance == pytest.approx(lam[:k].sum() / lam.sum(), rel=1e-12)
+    assert full.explained_variance == pytest.approx(1.0, rel=1e-12)
+    assert top.transform(data).shape == (N, k)
+
+
+def test_gamma_zero_is_an_orthonormal_rotation(data: np.ndarray) -> None:
+    kernel = fit(data, gamma=0.0).kernel
+    np.testing.assert_allclose(kernel.T @ kernel, np.eye(D), atol=TOL64)
+
+
+def test_soft_whitening_scales_columns_by_lambda_to_minus_a_quarter(data: np.ndarray) -> None:
+    rotation = fit(data, gamma=0.0, epsilon=0.0)
+    soft = fit(data, gamma=0.5, epsilon=0.0)
+    np.testing.assert_allclose(soft.kernel, rotation.kernel * rotation.eigenvalues**-0.25, rtol=1e-12)
+
+
+def test_epsilon_is_relative_to_the_largest_eigenvalue(data: np.ndarray) -> None:
+    plain, shrunk = fit(data, epsilon=0.0), fit(data, epsilon=0.1)
+    lam = plain.eigenvalues
+    expected = plain.kernel * np.sqrt(lam / (lam + 0.1 * lam[0]))
+    np.testing.assert_allclose(shrunk.kernel, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows", [8, 16, 40])  # N < D, N == D, and N > D but of rank 8
+def test_rank_deficient_data_stays_finite(rows: int) -> None:
+    rng = np.random.default_rng(7)
+    base = 100.0 + rng.normal(size=(8, D)).astype(np.float32)
+    x = base[rng.integers(0, 8, size=rows)]  # duplicate rows: rank <= 7 after centring
+    whitening = fit(x, gamma=1.0)
+    assert np.isfinite(whitening.kernel).all()
+    assert np.all(whitening.eigenvalues >= 0)
+    y = whitening.transform(x)
+    assert np.isfinite(y).all()
+
+
+def test_identical_rows_stay_finite() -> None:
+    x = np.full((10, 4), 3.0, dtype=np.float32)
+    whitening = fit(x)
+    assert np.isfinite(whitening.kernel).all() and whitening.explained_variance == 1.0
+    np.testing.assert_array_equal(whitening.transform(x), np.zeros((10, 4), np.float32))
+
+
+def test_singular_covariance_without_epsilon_is_refused() -> None:
+    x = np.array([[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]], dtype=np.float32)  # rank 1
+    with pytest.raises(ConfigError, match="singular"):
+        fit(x, epsilon=0.0)
+    assert fit(x, dim=1, epsilon=0.0).dim_out == 1  # the kept direction alone is fine
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dim": 0}, "--dim must be between 1 and 16"),
+        ({"dim": D + 1}, "--dim must be between 1 and 16"),
+        ({"gamma": -0.5}, "--gamma"),
+        ({"epsilon": -1e-6}, "--epsilon"),
+    ],
+)
+def test_bad_options_are_refused(data: np.ndarray, kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        fit(data, **kwargs)
+
+
+def test_too_few_rows_are_refused() -> None:
+    with pytest.raises(ConfigError, match="at least 2"):
+        fit(np.ones((1, 3)))
+    with pytest.raises(ConfigError):
+        Whitening.fit(RunningMoments(3))
+
+
+def test_few_rows_log_a_warning(data: np.ndarray, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="retrieval.whitening"):
+        fit(data[: 5 * D])
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="retrieval.whitening"):
+        fit(data[: 5 * D - 1])
+    assert "only 79 rows" in caplog.text and "--no-whiten" in caplog.text
+
+
+def test_transform_centres_whitens_and_normalises(data: np.ndarray) -> None:
+    whitening = fit(data, dim=10)
+    x = data.astype(np.float64)
+    expected = (x - whitening.mean) @ whitening.kernel
+
+    raw = whitening.transform(data, normalize=False)
+    assert raw.dtype == np.float32 and raw.shape == (N, 10)
+    np.testing.assert_allclose(raw, expected, rtol=TOL32, atol=TOL32 * np.abs(expected).max())
+
+    y = whitening.transform(data)
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(y, axis=1), 1.0, atol=1e-6)  # float32 rounding of a unit norm
+    unit = expected / np.linalg.norm(expected, axis=1, keepdims=True)
+    np.testing.assert_allclose(y, unit, atol=TOL32)
+
+    one = whitening.transform(data[3])
+    assert one.shape == (1, 10)
+    np.testing.assert_array_equal(one, whitening.transform(data[3:4]))
+    with pytest.raises(ValueError):
+        whitening.transform(data[:, :5])
+
+
+def test_l2_normalize_keeps_zero_rows_zero() -> None:
+    x = np.array([[3.0, 4.0], [0.0, 0.0]])
+    y = l2_normalize(x)
+    assert y.dtype == np.float32
+    np.testing.assert_array_equal(y, np.array([[0.6, 0.8], [0.0, 0.0]], dtype=np.float32))
+
+
+def test_raw_transform_only_normalises(data: np.ndarray) -> None:
+    raw = RawTransform(D)
+    assert (raw.dim_in, raw.dim_out) == (D, D)
+    np.testing.assert_array_equal(raw.transform(data), l2_normalize(data))
+    np.testing.assert_array_equal(raw.transform(data, normalize=False), data)
+    assert raw.transform(data[0]).shape == (1, D)
+
+
+def test_deterministic_signs(data: np.ndarray) -> None:
+    first = fit(data, dim=8)
+    np.testing.assert_array_equal(fit(data, dim=8).kernel, first.kernel)
+    permuted = data[np.random.default_rng(3).permutation(N)]
+    kernel = fit(permuted, dim=8).kernel  # summed in another order: equal up to rounding, same signs
+    np.testing.assert_allclose(kernel, first.kernel, rtol=TOL64, atol=TOL64 * np.abs(first.kernel).max())
+    top = np.abs(first.kernel).argmax(axis=0)
+    assert np.all(first.kernel[top, np.arange(8)] > 0)
+
+
+def test_whitening_round_trip_is_exact(data: np.ndarray, tmp_path) -> None:
+    whitening = fit(data, dim=6, gamma=0.5, epsilon=1e-4)
+    path = tmp_path / "transform.npz"
+    whitening.save(path)
+    for loaded in (Whitening.load(path), load_transform(path)):
+        assert isinstance(loaded, Whitening)
+        for name in ("mean", "kernel", "eigenvalues"):
+            np.testing.assert_array_equal(getattr(loaded, name), getattr(whitening, name))
+        assert (loaded.gamma, loaded.epsilon, loaded.n) == (0.5, 1e-4, N)
+        np.testing.assert_array_equal(loaded.transform(data), whitening.transform(data))
+
+
+def test_raw_round_trip(tmp_path) -> None:
+    path = tmp_path / "transform.npz"
+    RawTransform(D).save(path)
+    assert load_transform(path) == RawTransform(D)
+    with pytest.raises(IndexDirError, match="kind 'raw'"):
+        Whitening.load(path)
+
+
+@pytest.mark.parametrize(
+    ("arrays", "message"),
+    [
+        ({"format_version": 1, "kind": "mystery"}, "kind 'mystery'"),
+        ({"format_version": 2, "kind": "raw", "dim": 3}, "format version 2"),
+        ({"kind": "raw", "dim": 3}, "format version None"),
+    ],
+)
+def test_unknown_files_are_refused(tmp_path, arrays: dict, message: str) -> None:
+    path = tmp_path / "transform.npz"
+    with open(path, "wb") as fh:
+        np.savez(fh, **arrays)
+    with pytest.raises(IndexDirError, match=message):
+        load_transform(path)
+
+
+def test_missing_file_is_refused(tmp_path) -> None:
+    with pytest.raises(IndexDirError, match="cannot read"):
+        load_transform(tmp_path / "absent.npz")
