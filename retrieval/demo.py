@@ -37,7 +37,10 @@ def docstring_paragraphs(stdlib: Path | None = None, min_words: int = 8) -> Iter
                 yield f"{name}#{number}", name, " ".join(paragraph.split())
 
 
-def _documented(tree: ast.Module, module: str) -> Iterator[tuple[str, ast.AST]]:
+Documented = ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def _documented(tree: ast.Module, module: str) -> Iterator[tuple[str, Documented]]:
     yield module, tree
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):

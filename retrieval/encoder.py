@@ -134,9 +134,13 @@ class TransformerEncoder:
             )
             raise ModelError(f"cannot load model {model!r} offline or from the hub: {hint}") from err
         self.pooling = pooling
-        self.max_length = max_length or default_max_length(self.folder, self.tokenizer.model_max_length)
-        if self.max_length < 1:
-            raise ConfigError(f"--max-length must be at least 1 (got {self.max_length})")
+        # A tokenizer without a saved maximum reports ~1e30: never go past the model's position embeddings.
+        positions = int(getattr(self.model.config, "max_position_embeddings", None) or 1 << 30)
+        self.max_length = max_length or min(default_max_length(self.folder, self.tokenizer.model_max_length), positions)
+        if not 1 <= self.max_length <= positions:
+            raise ConfigError(
+                f"--max-length must be between 1 and the model's {positions} positions (got {max_length})"
+            )
         self.batch_size = batch_size
         self.precision = precision
         self.bf16 = precision == "bf16" or (precision == "auto" and cpu_supports_bf16())
@@ -245,7 +249,8 @@ def load_encoder(info: dict[str, Any], batch_size: int = 32) -> Encoder:
             f"this index was built from {info.get('kind')} vectors, not text: pass query vectors, "
             "or an Encoder object, to search it"
         )
-    source = info.get("model_path") if info.get("model_path") and Path(info["model_path"]).is_dir() else info["model"]
+    path = info.get("model_path")
+    source = str(path) if path and Path(path).is_dir() else str(info["model"])
     encoder = TransformerEncoder(
         model=source,
         pooling=info["pooling"],

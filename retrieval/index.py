@@ -126,10 +126,22 @@ def describe(index: faiss.Index) -> dict[str, Any]:
 
 
 def flat_vectors(index: faiss.Index) -> np.ndarray | None:
-    """A zero-copy (ntotal, d) view of a flat inner-product index's vectors, or None for other kinds."""
+    """A zero-copy (ntotal, d) view of a flat inner-product index's vectors, or None for other kinds.
+
+    The view keeps the index alive (a bare ``rev_swig_ptr`` would dangle once the index is freed).
+    """
     if not isinstance(index, faiss.IndexFlatIP) or index.ntotal == 0:
         return None
-    return faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
+    view = faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
+    return np.asarray(_Owned(view, index))
+
+
+class _Owned:
+    """Exposes ``view``'s memory to numpy while holding ``owner``: the array made from it keeps both alive."""
+
+    def __init__(self, view: np.ndarray, owner: Any):
+        self.__array_interface__ = view.__array_interface__
+        self.owner = owner
 
 
 def save_index(index: faiss.Index, path: Path) -> None:

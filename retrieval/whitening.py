@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import zipfile
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -235,7 +236,7 @@ def _read(path: str | os.PathLike[str], kind: str | None = None) -> dict[str, np
     try:
         with np.load(path, allow_pickle=False) as npz:
             data = {name: npz[name] for name in npz.files}
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, zipfile.BadZipFile) as err:  # a truncated .npz is a bad zip
         raise IndexDirError(f"cannot read the transform {path}: {err}; rebuild the index") from err
     version = int(data["format_version"]) if "format_version" in data else None
     if version != FORMAT_VERSION:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,6 +14,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
+
+# huggingface_hub reads these once, when it is first imported (by a session fixture, before any
+# function-scoped monkeypatch runs): set them here so an unknown model fails at once instead of retrying
+# the network for ~50 s.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
 class FakeEncoder:
@@ -91,6 +98,7 @@ VOCAB = (
         "about topic whitening vectors search query index corpus sentence cosine model retrieval fast slow"
     ).split()
     + [str(i) for i in range(10)]
+    + [f"##{i}" for i in range(10)]  # so every number has its own tokens: "42" -> 4 ##2
 )
 
 
@@ -103,7 +111,10 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     folder = tmp_path_factory.mktemp("tiny-bert")
     (folder / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), do_lower_case=True)
+    # from_pretrained reads vocab.txt in both transformers 4 and 5 (v5's constructor ignores ``vocab_file=``,
+    # which silently made every word [UNK]).
+    tokenizer = BertTokenizerFast.from_pretrained(folder, do_lower_case=True)
+    assert tokenizer.tokenize("whitening vectors") == ["whitening", "vectors"]
     tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
     config = BertConfig(

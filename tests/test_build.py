@@ -1,0 +1,439 @@
+"""The indexing job with the fake encoder: what it writes, that queries see the same transform, and that a
+failed or refused build never leaves a half index nor harms the previous one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import FakeEncoder, write_corpus
+
+from retrieval import files
+from retrieval.build import BuildOptions, TransformSpec, build_index
+from retrieval.corpus import CorpusSpec
+from retrieval.errors import ConfigError, CorpusError, IndexDirError, RetrievalError
+from retrieval.index import flat_vectors, load_index
+from retrieval.manifest import SCHEMA_VERSION, Manifest
+from retrieval.moments import RunningMoments
+from retrieval.search import Searcher, stash_of
+from retrieval.stash import VectorStash
+from retrieval.whitening import Whitening, l2_normalize, load_transform
+
+N, D, K = 300, 16, 8
+
+# The FAISS index holds float32 vectors made by the same float32 code the query side runs: identical up to
+# BLAS summation order, far below 1e-6.
+SAME_TRANSFORM_ATOL = 1e-6
+
+
+def texts_of(path: Path) -> tuple[list[str], list[str]]:
+    table = pq.read_table(path)
+    return table.column("id").to_pylist(), table.column("text").to_pylist()
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def siblings(out: Path) -> list[str]:
+    """Everything next to ``out`` (work and old directories are hidden siblings)."""
+    return sorted(p.name for p in out.parent.iterdir()) if out.parent.exists() else []
+
+
+def build(corpus: Path, out: Path, encoder: FakeEncoder | None = None, **kwargs) -> Manifest:
+    transform = kwargs.pop("transform", TransformSpec(dim=K))
+    return build_index(CorpusSpec(corpus), encoder or FakeEncoder(), out, transform, **kwargs)
+
+
+@pytest.fixture
+def built(corpus: Path, tmp_path: Path) -> tuple[Path, FakeEncoder, Manifest]:
+    encoder = FakeEncoder()
+    out = tmp_path / "out" / "idx"
+    manifest = build(corpus, out, encoder)
+    return out, encoder, manifest
+
+
+# ----- the index answers with the same transform -----------------------------------------------------------
+def test_a_document_finds_itself_first(built: tuple[Path, FakeEncoder, Manifest], corpus: Path) -> None:
+    out, encoder, _ = built
+    searcher = Searcher.load(out, encoder=encoder)
+    ids, texts = texts_of(corpus)
+    for row in (0, 1, 77, 299):
+        hits = searcher.search(texts[row], k=3)
+        assert hits[0].id == ids[row] and hits[0].row == row and hits[0].text == texts[row]
+        # a unit vector against itself: cosine 1 up to float32 rounding
+        assert hits[0].score == pytest.approx(1.0, abs=1e-5)
+        assert hits[1].score < hits[0].score
+
+
+def test_index_time_and_query_time_transforms_agree(built: tuple[Path, FakeEncoder, Manifest], corpus: Path) -> None:
+    out, encoder, _ = built
+    searcher = Searcher.load(out, encoder=encoder)
+    _, texts = texts_of(corpus)
+    stored = flat_vectors(searcher.index)
+    assert stored.shape == (N, K)
+    rows = [0, 5, 150, 299]
+    query = searcher.transform.transform(encoder.encode([texts[r] for r in rows]))
+    np.testing.assert_allclose(query, stored[rows], atol=SAME_TRANSFORM_ATOL)
+    # and what was stored is what a fresh fit of the saved moments gives (the saved file knows its k)
+    transform = load_transform(out / "transform.npz")
+    assert isinstance(transform, Whitening) and transform.kernel.shape == (D, K)
+    refit = Whitening.fit(RunningMoments.load(out / "moments.npz"), dim=K, gamma=transform.gamma)
+    np.testing.assert_allclose(refit.transform(encoder.encode(texts[:4])), stored[:4], atol=1e-5)
+
+
+def test_stored_vectors_are_unit_length(built: tuple[Path, FakeEncoder, Manifest]) -> None:
+    stored = flat_vectors(load_index(built[0] / "index.faiss"))
+    # float32 normalisation: |x| = 1 within a few ulps
+    np.testing.assert_allclose(np.linalg.norm(stored, axis=1), 1.0, atol=1e-6)
+
+
+def test_saved_moments_equal_the_one_shot_covariance(built: tuple[Path, FakeEncoder, Manifest], corpus: Path) -> None:
+    out, _, _ = built
+    _, texts = texts_of(corpus)
+    x = FakeEncoder().encode(texts).astype(np.float64)
+    moments = RunningMoments.load(out / "moments.npz")
+    assert moments.n == N
+    # float64 accumulation of float32 vectors (a large common mean included): rtol 1e-6 per the issue;
+    # atol scaled to the largest entry for near-zero off-diagonals.
+    np.testing.assert_allclose(moments.mean, x.mean(axis=0), rtol=1e-6)
+    cov = np.cov(x.T, bias=True)
+    np.testing.assert_allclose(moments.covariance(), cov, rtol=1e-6, atol=1e-9 * np.abs(cov).max())
+
+
+def test_manifest_describes_the_directory(built: tuple[Path, FakeEncoder, Manifest], corpus: Path) -> None:
+    out, encoder, returned = built
+    manifest = Manifest.load(out)
+    on_disk = json.loads((out / "manifest.json").read_text())
+    assert on_disk["schema_version"] == SCHEMA_VERSION == manifest.schema_version
+    assert manifest.encoder == encoder.describe()
+    t = manifest.transform
+    assert (t["kind"], t["d"], t["k"], t["pooling"]) == ("whitening", D, K, "mean")
+    assert t["gamma"] == TransformSpec().gamma and t["epsilon"] == TransformSpec().epsilon
+    assert t["n_fit"] == N and 0.5 < t["explained_variance"] <= 1.0
+    assert manifest.n == N == manifest.index["ntotal"]
+    assert manifest.index["type"] == "flat" and manifest.index["metric"] == "inner_product"
+    c = manifest.corpus
+    assert (c["rows"], c["indexed"], c["skipped"]) == (N, N, 0)
+    assert c["sha256"] == files.sha256(corpus) and c["path"] == str(corpus.resolve())
+    assert set(manifest.timings) >= {"validate", "encode", "fit", "index", "write"}
+    assert all(v >= 0 for v in manifest.timings.values())
+    # the returned manifest also counts the time spent writing manifest.json itself
+    assert manifest.timings.keys() == returned.timings.keys()
+    assert {k: v for k, v in manifest.timings.items() if k != "write"} == {
+        k: v for k, v in returned.timings.items() if k != "write"
+    }
+    assert {"numpy", "faiss", "pyarrow", "retrieval"} <= set(manifest.versions)
+    assert manifest.stash == {"dtype": "float32", "poolings": ["mean"], "rows": N}
+    # every file but the manifest is listed, with its true size and sha256
+    listed = set(manifest.files)
+    present = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert listed == present
+    assert {"transform.npz", "moments.npz", "index.faiss", "docs.parquet", "vectors/stash.json"} <= listed
+    for name, record in manifest.files.items():
+        assert record == {"bytes": (out / name).stat().st_size, "sha256": files.sha256(out / name)}
+    manifest.verify(out)
+    # nothing is left beside the index
+    assert siblings(out) == ["idx"]
+
+
+def test_docs_table_maps_rows_to_ids_and_texts(built: tuple[Path, FakeEncoder, Manifest], corpus: Path) -> None:
+    assert texts_of(built[0] / "docs.parquet") == texts_of(corpus)
+
+
+def test_progress_reports_every_row(corpus: Path, tmp_path: Path) -> None:
+    seen: dict[str, list[tuple[int, int]]] = {}
+    build(corpus, tmp_path / "idx", progress=lambda s, n, total: seen.setdefault(s, []).append((n, total)))
+    assert sum(n for n, _ in seen["encode"]) == N and {t for _, t in seen["encode"]} == {N}
+    assert sum(n for n, _ in seen["index"]) == N
+
+
+# ----- variants ------------------------------------------------------------------------------------------
+def test_no_keep_vectors_drops_the_stash(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "idx"
+    manifest = build(corpus, out, options=BuildOptions(keep_vectors=False))
+    assert not (out / "vectors").exists()
+    assert manifest.stash is None
+    assert not [name for name in manifest.files if name.startswith("vectors")]
+    Manifest.load(out).verify(out)
+    with pytest.raises(IndexDirError, match="kept no raw vectors"):
+        stash_of(out)
+    searcher = Searcher.load(out, encoder=FakeEncoder())
+    with pytest.raises(IndexDirError, match="--no-keep-vectors"):
+        searcher.search_raw(FakeEncoder().encode(["x"]), k=3, rescore=10)
+
+
+def test_no_whiten_indexes_the_raw_normalised_vectors(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "idx"
+    manifest = build(corpus, out, transform=TransformSpec(whiten=False))
+    assert (manifest.transform["kind"], manifest.transform["d"], manifest.transform["k"]) == ("raw", D, D)
+    _, texts = texts_of(corpus)
+    stored = flat_vectors(load_index(out / "index.faiss"))
+    # no centring, no kernel: only the float32 L2 normalisation
+    np.testing.assert_allclose(stored, l2_normalize(FakeEncoder().encode(texts)), atol=1e-6)
+    # raw vectors share a large common mean: their average cosine is high (0.86 here); whitened ones near 0
+    assert (stored @ stored.T).mean() > 0.8
+    build(corpus, tmp_path / "w")
+    whitened_index = load_index(tmp_path / "w" / "index.faiss")
+    whitened = flat_vectors(whitened_index)
+    assert abs((whitened @ whitened.T).mean()) < 0.1
+
+
+def test_no_whiten_with_a_smaller_dim_is_refused(corpus: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--no-whiten"):
+        build(corpus, tmp_path / "idx", transform=TransformSpec(dim=4, whiten=False))
+
+
+def test_full_dim_is_the_default(corpus: Path, tmp_path: Path) -> None:
+    manifest = build(corpus, tmp_path / "idx", transform=TransformSpec())
+    assert manifest.transform["k"] == D
+
+
+@pytest.mark.parametrize("dim", [0, -1, D + 1])
+def test_bad_dim_is_refused_before_anything_is_written(corpus: Path, tmp_path: Path, dim: int) -> None:
+    encoder = FakeEncoder()
+    out = tmp_path / "out" / "idx"
+    with pytest.raises(ConfigError, match=rf"--dim must be between 1 and the encoder's dimension {D} \(got {dim}\)"):
+        build(corpus, out, encoder, transform=TransformSpec(dim=dim))
+    assert encoder.calls == 0
+    assert not out.parent.exists()
+
+
+@pytest.mark.parametrize("spec", [TransformSpec(gamma=-0.5), TransformSpec(epsilon=-1.0)])
+def test_bad_gamma_or_epsilon_is_refused(corpus: Path, tmp_path: Path, spec: TransformSpec) -> None:
+    with pytest.raises(ConfigError, match="--gamma|--epsilon"):
+        build(corpus, tmp_path / "idx", transform=spec)
+    assert not (tmp_path / "idx").exists()
+
+
+def test_bad_corpus_writes_nothing(tmp_path: Path) -> None:
+    path = write_corpus(tmp_path / "c.parquet", n=5, id=["a", "b", "a", "c", "d"])
+    out = tmp_path / "out" / "idx"
+    with pytest.raises(CorpusError, match="duplicate id 'a'"):
+        build(path, out)
+    assert not out.parent.exists()
+
+
+def test_skip_empty_indexes_only_the_usable_rows(tmp_path: Path) -> None:
+    texts = [f"text number {i}" for i in range(40)]
+    texts[3] = texts[30] = ""
+    path = write_corpus(tmp_path / "c.parquet", n=40, text=texts)
+    out = tmp_path / "idx"
+    manifest = build_index(CorpusSpec(path, skip_empty=True), FakeEncoder(), out, TransformSpec(dim=4))
+    assert manifest.n == 38 and (manifest.corpus["rows"], manifest.corpus["skipped"]) == (40, 2)
+    ids, _ = texts_of(out / "docs.parquet")
+    assert "doc3" not in ids and "doc30" not in ids and len(ids) == 38
+
+
+def test_title_column_is_part_of_what_is_encoded(tmp_path: Path) -> None:
+    path = write_corpus(tmp_path / "c.parquet", n=30, title=[f"Title {i}" for i in range(30)])
+    out = tmp_path / "idx"
+    encoder = FakeEncoder()
+    build_index(CorpusSpec(path, title_column="title"), encoder, out, TransformSpec(dim=4))
+    hits = Searcher.load(out, encoder=encoder).search("Title 4 document number 4 about topic 4", k=1)
+    assert hits[0].id == "doc4" and hits[0].score == pytest.approx(1.0, abs=1e-5)
+
+
+def test_precomputed_vectors_column_needs_no_encoder(tmp_path: Path) -> None:
+    x = FakeEncoder().encode([f"t{i}" for i in range(50)])
+    path = tmp_path / "v.parquet"
+    column = pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), D)
+    pq.write_table(pa.table({"id": [f"v{i}" for i in range(50)], "emb": column}), path)
+    out = tmp_path / "idx"
+    manifest = build_index(CorpusSpec(path, vectors_column="emb"), None, out, TransformSpec(dim=4))
+    assert manifest.encoder["kind"] == "vectors" and manifest.n == 50
+    searcher = Searcher.load(out)
+    assert searcher.encoder is None
+    hits = searcher.search_vectors(x[7], k=2)[0]
+    assert hits[0].id == "v7" and hits[0].score == pytest.approx(1.0, abs=1e-5)
+    with pytest.raises(ConfigError, match="precomputed vectors"):
+        searcher.search("text", k=2)
+
+
+# ----- streaming windows -----------------------------------------------------------------------------------
+def test_windows_that_do_not_divide_n_give_the_same_index(corpus: Path, tmp_path: Path) -> None:
+    small = build(corpus, tmp_path / "w7", options=BuildOptions(window_rows=7))
+    whole = build(corpus, tmp_path / "wN", options=BuildOptions(window_rows=N))
+    assert len(stash_of(tmp_path / "w7").parts) == -(-N // 7) == 43
+    assert len(stash_of(tmp_path / "wN").parts) == 1
+    assert small.n == whole.n == N
+    assert texts_of(tmp_path / "w7" / "docs.parquet") == texts_of(tmp_path / "wN" / "docs.parquet")
+    a = RunningMoments.load(tmp_path / "w7" / "moments.npz")
+    b = RunningMoments.load(tmp_path / "wN" / "moments.npz")
+    # the same float64 sums in another grouping: agreement to ~1e-12 relative
+    np.testing.assert_allclose(a.covariance(), b.covariance(), rtol=1e-9, atol=1e-12 * np.abs(b.covariance()).max())
+    va = flat_vectors(load_index(tmp_path / "w7" / "index.faiss"))
+    vb = flat_vectors(load_index(tmp_path / "wN" / "index.faiss"))
+    # kernels equal to ~1e-9; the float32 transform then adds a few ulps: 1e-5 on unit vectors
+    np.testing.assert_allclose(va, vb, atol=1e-5)
+
+
+# ----- existing, overwritten and failed builds -------------------------------------------------------------
+def test_existing_index_is_not_replaced_without_overwrite(
+    built: tuple[Path, FakeEncoder, Manifest], corpus: Path
+) -> None:
+    out = built[0]
+    before = snapshot(out)
+    encoder = FakeEncoder()
+    with pytest.raises(ConfigError, match="already exists; pass --overwrite"):
+        build(corpus, out, encoder)
+    assert encoder.calls == 0
+    assert snapshot(out) == before
+
+
+def test_overwrite_replaces_the_index(built: tuple[Path, FakeEncoder, Manifest], tmp_path: Path) -> None:
+    out = built[0]
+    other = write_corpus(tmp_path / "other.parquet", n=50)
+    manifest = build(other, out, options=BuildOptions(overwrite=True))
+    assert manifest.n == 50 == Manifest.load(out).n
+    assert Manifest.load(out).corpus["sha256"] == files.sha256(other)
+    Manifest.load(out).verify(out)
+    assert siblings(out) == ["idx"]
+
+
+class FailingEncoder(FakeEncoder):
+    """Fails on the n-th call: with a RetrievalError, NaN vectors, or a crash that is not ours."""
+
+    def __init__(self, fail_on: int, how: str):
+        super().__init__()
+        self.fail_on, self.how = fail_on, how
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        out = super().encode(texts)
+        if self.calls >= self.fail_on:
+            if self.how == "error":
+                raise CorpusError("the encoder gave up")
+            if self.how == "crash":
+                raise RuntimeError("out of memory")
+            out[len(out) // 2] = np.nan
+        return out
+
+
+@pytest.mark.parametrize(
+    ("how", "error", "message"),
+    [("error", CorpusError, "the encoder gave up"), ("nan", CorpusError, "NaN or inf \\(first ids: doc")],
+)
+def test_failed_build_leaves_the_previous_index_intact(
+    built: tuple[Path, FakeEncoder, Manifest], corpus: Path, how: str, error: type[Exception], message: str
+) -> None:
+    out = built[0]
+    before = snapshot(out)
+    with pytest.raises(error, match=message):
+        build(corpus, out, FailingEncoder(3, how), options=BuildOptions(overwrite=True, window_rows=50))
+    assert snapshot(out) == before
+    assert siblings(out) == ["idx"]  # no work directory behind
+    Searcher.load(out, encoder=FakeEncoder())
+
+
+def test_failed_first_build_leaves_nothing(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out" / "idx"
+    with pytest.raises(RetrievalError):
+        build(corpus, out, FailingEncoder(2, "error"), options=BuildOptions(window_rows=50))
+    assert not out.exists() and siblings(out) == []
+
+
+def test_crash_keeps_the_previous_index_and_the_work_for_resume(
+    built: tuple[Path, FakeEncoder, Manifest], corpus: Path
+) -> None:
+    out = built[0]
+    before = snapshot(out)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        build(corpus, out, FailingEncoder(3, "crash"), options=BuildOptions(overwrite=True, window_rows=50))
+    assert snapshot(out) == before
+    # an unexpected crash is what --resume is for: the two finished windows stay in the work directory
+    work = files.work_dir(out)
+    assert VectorStash.open(work / "vectors").source_batches == 2
+    resumed = build(corpus, out, FakeEncoder(), options=BuildOptions(overwrite=True, window_rows=50, resume=True))
+    assert resumed.n == N and siblings(out) == ["idx"]
+
+
+def test_interrupted_publish_is_recovered(built: tuple[Path, FakeEncoder, Manifest]) -> None:
+    out = built[0]
+    before = snapshot(out)
+    out.rename(files.work_dir(out, "old"))  # killed between the two renames of publish()
+    searcher = Searcher.load(out, encoder=FakeEncoder())
+    assert searcher.manifest.n == N and snapshot(out) == before
+
+
+# ----- the stash -------------------------------------------------------------------------------------------
+@pytest.fixture
+def stash(tmp_path: Path) -> tuple[VectorStash, np.ndarray]:
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(23, 5)).astype(np.float32)
+    stash = VectorStash.create(tmp_path / "stash", 5, ["mean", "cls"], meta={"k": 1})
+    for start, stop in ((0, 10), (10, 17), (17, 23)):  # parts of 10, 7 and 6 rows
+        ids = [f"r{i}" for i in range(start, stop)]
+        stash.append({"mean": x[start:stop], "cls": -x[start:stop]}, ids, [f"text {i}" for i in range(start, stop)])
+    return stash, x
+
+
+def test_stash_parts_and_reopen(stash: tuple[VectorStash, np.ndarray]) -> None:
+    s, x = stash
+    again = VectorStash.open(s.root)
+    assert len(again) == 23 and [p["rows"] for p in again.parts] == [10, 7, 6]
+    assert again.poolings == ["mean", "cls"] and again.meta == {"k": 1} and again.dim == 5
+    assert again.source_batches == 3
+    assert all(p.is_file() for p in again.files()) and len(again.files()) == 1 + 3 * 3
+    ids = [i for t in again.iter_docs() for i in t.column("id").to_pylist()]
+    assert ids == [f"r{i}" for i in range(23)]
+
+
+@pytest.mark.parametrize("block_rows", [1, 4, 7, 100])
+def test_stash_iter_blocks_returns_every_row_in_order(stash: tuple[VectorStash, np.ndarray], block_rows: int) -> None:
+    s, x = stash
+    blocks = list(s.iter_blocks(block_rows))
+    assert all(b.shape[0] <= block_rows and b.dtype == np.float32 for b in blocks)
+    np.testing.assert_array_equal(np.concatenate(blocks), x)
+    np.testing.assert_array_equal(np.concatenate(list(s.iter_blocks(block_rows, pooling="cls"))), -x)
+
+
+def test_stash_read_rows_in_any_order(stash: tuple[VectorStash, np.ndarray]) -> None:
+    s, x = stash
+    rows = np.array([22, 0, 9, 10, 16, 17, 3, 9])  # across part boundaries, unsorted, repeated
+    np.testing.assert_array_equal(s.read_rows(rows), x[rows])
+    np.testing.assert_array_equal(s.read_rows(rows, pooling="cls"), -x[rows])
+    assert s.read_rows(np.array([], dtype=np.int64)).shape == (0, 5)
+
+
+def test_stash_sample(stash: tuple[VectorStash, np.ndarray]) -> None:
+    s, x = stash
+    sample = s.sample(8, seed=3)
+    assert sample.shape == (8, 5)
+    # every sampled row is a distinct row of x
+    matches = [np.flatnonzero((x == row).all(axis=1)) for row in sample]
+    assert all(len(m) == 1 for m in matches) and len({int(m[0]) for m in matches}) == 8
+    np.testing.assert_array_equal(s.sample(8, seed=3), sample)  # seeded
+    np.testing.assert_array_equal(s.sample(100), x)  # more than there are: all rows, in order
+
+
+def test_stash_float16(tmp_path: Path) -> None:
+    x = np.random.default_rng(1).normal(size=(9, 4)).astype(np.float32)
+    s = VectorStash.create(tmp_path / "s", 4, ["mean"], dtype="float16")
+    s.append({"mean": x}, [str(i) for i in range(9)], [""] * 9)
+    got = np.concatenate(list(VectorStash.open(tmp_path / "s").iter_blocks()))
+    assert got.dtype == np.float32
+    # float16 keeps 11 significant bits: relative error <= 2**-11
+    np.testing.assert_allclose(got, x, rtol=2**-11, atol=1e-4)
+
+
+def test_stash_errors(stash: tuple[VectorStash, np.ndarray], tmp_path: Path) -> None:
+    s, _ = stash
+    with pytest.raises(IndexDirError, match="not 'first-last-avg'"):
+        list(s.iter_parts("first-last-avg"))
+    with pytest.raises(IndexDirError, match="unknown stash dtype"):
+        VectorStash.create(tmp_path / "x", 4, ["mean"], dtype="int8")
+    with pytest.raises(IndexDirError, match="no vector stash"):
+        VectorStash.open(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("name", ["moments.npz", "transform.npz"])
+def test_truncated_npz_files_are_index_errors(built: tuple[Path, FakeEncoder, Manifest], name: str) -> None:
+    path = built[0] / name
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(IndexDirError, match="cannot read"):
+        RunningMoments.load(path) if name == "moments.npz" else load_transform(path)

@@ -1,0 +1,258 @@
+"""The command line on the real transformers path (the tiny random BERT as --model): index, search, info,
+help text, and every bad input from issue 2 giving one clear line on stderr, a non-zero exit, nothing written."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import typer
+from conftest import write_corpus
+from typer.testing import CliRunner
+
+from retrieval.cli import app
+
+runner = CliRunner()
+
+
+def run(*args: str | Path) -> click.testing.Result:
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def stderr_lines(result: click.testing.Result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def assert_one_clear_error(result: click.testing.Result, *fragments: str) -> str:
+    """Exit 1, exactly one non-empty line on stderr, no traceback, nothing on stdout; returns the line."""
+    lines = stderr_lines(result)
+    assert result.exit_code == 1, (result.exit_code, result.output, result.exception)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.output and result.stdout == ""
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def assert_nothing_written(root: Path) -> None:
+    """No index, no hidden work directory, no default-index pointer under the index root."""
+    found = sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+    assert found == []
+
+
+@pytest.fixture(scope="module")
+def built(tiny_bert: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One index built through the CLI, shared by the read-only tests (module-scoped: set the index root
+    here too, since the autouse isolated_home fixture is not active yet when this runs)."""
+    root = tmp_path_factory.mktemp("cli")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RETRIEVAL_INDEX_ROOT", str(root / "indexes"))
+        corpus = write_corpus(root / "corpus.parquet", n=200)
+        result = run("index", corpus, "--model", tiny_bert, "--dim", 8, "--out", root / "idx")
+        assert result.exit_code == 0, result.output
+    yield root / "idx"
+
+
+# ----- the happy path --------------------------------------------------------------------------------------
+def test_index_then_search_uses_the_last_built_index(tiny_bert: Path, corpus: Path, isolated_home: Path) -> None:
+    result = run("index", corpus, "--model", tiny_bert, "--dim", 8, "--precision", "fp32")
+    assert result.exit_code == 0, result.output
+    out = isolated_home / "corpus"
+    assert (out / "manifest.json").is_file()
+    assert "built " in result.stderr and "300 rows, 32 -> 8 dims" in result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["encoder"]["model_path"] == str(tiny_bert.resolve())
+    assert (manifest["encoder"]["pooling"], manifest["encoder"]["precision"]) == ("mean", "fp32")
+    assert (manifest["transform"]["d"], manifest["transform"]["k"], manifest["index"]["ntotal"]) == (32, 8, 300)
+
+    result = run("search", "document number 42 about topic 0", "-k", 3, "--json")
+    assert result.exit_code == 0, result.output
+    hits = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [h["rank"] for h in hits] == [1, 2, 3]
+    assert set(hits[0]) == {"rank", "id", "score", "text"}
+    # the document's own text finds itself, with cosine 1 up to float32 rounding
+    assert hits[0]["id"] == "doc42" and hits[0]["text"] == "document number 42 about topic 0"
+    assert hits[0]["score"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_search_prints_a_table(built: Path) -> None:
+    result = run("search", "document number 7 about topic 0", "--index", built, "-k", 2)
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.stdout.splitlines() if "rank" in line)
+    assert all(name in header for name in ("rank", "score", "id", "text"))
+    rows = [line for line in result.stdout.splitlines() if "│ doc" in line]
+    assert len(rows) == 2 and "doc7 " in rows[0] and "1.0000" in rows[0]
+
+
+def test_search_json_is_one_object_per_line(built: Path) -> None:
+    result = run("search", "topic 3", "--index", built, "-k", 5, "--json")
+    assert result.exit_code == 0, result.output
+    hits = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(hits) == 5 and [h["rank"] for h in hits] == [1, 2, 3, 4, 5]
+    scores = [h["score"] for h in hits]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_info_shows_what_the_index_holds(built: Path, tiny_bert: Path) -> None:
+    result = run("info", built)
+    assert result.exit_code == 0, result.output
+    for fragment in ("32 -> 8", "whitening", "mean", "200", "spectrum", str(tiny_bert)):
+        assert fragment in result.stdout, fragment
+    result = run("info", built, "--json", "--verify")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["manifest"]["transform"]["k"] == 8 and report["manifest"]["index"]["ntotal"] == 200
+    assert len(report["spectrum"]["top"]) == 10
+
+
+def command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    paths = []
+    for name, command in group.commands.items():
+        paths.append((*prefix, name))
+        if isinstance(command, click.Group):
+            paths += command_paths(command, (*prefix, name))
+    return paths
+
+
+COMMANDS = command_paths(typer.main.get_command(app))  # type: ignore[arg-type]
+
+
+def test_the_core_commands_exist() -> None:
+    assert {("index",), ("search",), ("info",), ("demo",)} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=" ".join)
+def test_every_command_has_help_text(path: tuple[str, ...]) -> None:
+    command: click.Command = typer.main.get_command(app)  # type: ignore[assignment]
+    for name in path:
+        command = command.commands[name]  # type: ignore[attr-defined]
+    assert (command.help or "").strip(), f"{' '.join(path)} has no docstring"
+    result = run(*path, "--help")
+    assert result.exit_code == 0, result.output
+    assert command.help.strip().splitlines()[0][:40] in " ".join(result.stdout.split())
+    for param in command.params:
+        if isinstance(param, click.Option) and param.name != "help":
+            assert (param.help or "").strip(), f"{' '.join(path)} {param.opts[0]} has no help"
+
+
+# ----- bad input: one clear line, exit 1, nothing written --------------------------------------------------
+def write(path: Path, **columns: list) -> Path:
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+BAD_CORPORA = {
+    "missing file": (lambda d: d / "absent.parquet", [], ["corpus file not found"]),
+    "not parquet": (lambda d: _text(d / "bad.parquet", "id,text\n1,hello\n"), [], ["not a readable parquet file"]),
+    "missing text column": (
+        lambda d: write(d / "c.parquet", id=["a", "b"], body=["x", "y"]),
+        [],
+        ["no column 'text'", "columns: id, body", "--text-column"],
+    ),
+    "missing id column": (
+        lambda d: write(d / "c.parquet", text=["x", "y"]),
+        ["--id-column", "doc_id"],
+        ["no column 'doc_id'", "columns: text"],
+    ),
+    "empty texts": (
+        lambda d: write(d / "c.parquet", id=["a", "b", "c", "d"], text=["x", None, "", "y"]),
+        [],
+        ["2 of 4 rows have null or empty text", "first ids: b, c", "--skip-empty"],
+    ),
+    "duplicate ids": (
+        lambda d: write(d / "c.parquet", id=["a", "b", "a"], text=["x", "y", "z"]),
+        [],
+        ["duplicate id 'a'"],
+    ),
+    "empty corpus": (
+        lambda d: write(d / "c.parquet", id=pa.array([], pa.string()), text=pa.array([], pa.string())),
+        [],
+        ["holds no rows"],
+    ),
+    "one row": (lambda d: write(d / "c.parquet", id=["a"], text=["x"]), [], ["at least 2 are needed"]),
+    "dim 0": (lambda d: write_corpus(d / "c.parquet", n=20), ["--dim", "0"], ["--dim must be between 1", "32"]),
+    "dim above d": (
+        lambda d: write_corpus(d / "c.parquet", n=20),
+        ["--dim", "33"],
+        ["--dim must be between 1", "dimension 32 (got 33)"],
+    ),
+    "unknown pooling": (lambda d: write_corpus(d / "c.parquet", n=20), ["--pooling", "max"], ["unknown pooling"]),
+}
+
+
+def _text(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case", list(BAD_CORPORA))
+def test_bad_input_to_index(case: str, tiny_bert: Path, tmp_path: Path, isolated_home: Path) -> None:
+    make, options, fragments = BAD_CORPORA[case]
+    source = tmp_path / "src"
+    source.mkdir()
+    corpus = make(source)
+    result = run("index", corpus, "--model", tiny_bert, *options)
+    assert_one_clear_error(result, *fragments)
+    assert_nothing_written(isolated_home)
+
+
+def test_skip_empty_builds_and_says_how_many(tiny_bert: Path, tmp_path: Path, isolated_home: Path) -> None:
+    texts = [f"document number {i}" for i in range(30)]
+    texts[4] = None
+    corpus = write(tmp_path / "c.parquet", id=[f"d{i}" for i in range(30)], text=texts)
+    result = run("index", corpus, "--model", tiny_bert, "--dim", 4, "--skip-empty")
+    assert result.exit_code == 0, result.output
+    assert "skipping 1 of 30 rows" in result.stderr and "29 rows" in result.stderr
+
+
+def test_unknown_model_says_how_to_install_the_default(corpus: Path, isolated_home: Path) -> None:
+    result = run("index", corpus, "--model", "no-such-org/no-such-model")
+    assert_one_clear_error(result, "cannot load model 'no-such-org/no-such-model'", "pip install")
+    assert_nothing_written(isolated_home)
+
+
+def test_existing_index_needs_overwrite(built: Path, tiny_bert: Path, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.parquet", n=20)
+    before = (built / "manifest.json").read_bytes()
+    result = run("index", corpus, "--model", tiny_bert, "--out", built)
+    assert_one_clear_error(result, "already exists", "--overwrite")
+    assert (built / "manifest.json").read_bytes() == before
+
+
+def test_search_with_no_index_built(isolated_home: Path) -> None:
+    assert_one_clear_error(run("search", "anything"), "no index has been built yet", "retrieval index")
+    assert_one_clear_error(run("info"), "no index has been built yet")
+    assert_nothing_written(isolated_home)
+
+
+def test_search_a_missing_directory(tmp_path: Path) -> None:
+    assert_one_clear_error(run("search", "anything", "--index", tmp_path / "nope"), "no index directory")
+
+
+def test_search_a_corrupt_index(built: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = Path(shutil.copytree(built, tmp_path / "copy"))
+    data = bytearray((copy / "index.faiss").read_bytes())
+    data[-10] ^= 0xFF
+    (copy / "index.faiss").write_bytes(bytes(data))
+    assert_one_clear_error(run("search", "anything", "--index", copy), "index.faiss", "checksum mismatch")
+    assert_one_clear_error(run("info", copy, "--verify"), "checksum mismatch")
+
+
+def test_search_a_truncated_index(built: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = Path(shutil.copytree(built, tmp_path / "copy"))
+    (copy / "transform.npz").write_bytes((copy / "transform.npz").read_bytes()[:50])
+    assert_one_clear_error(run("search", "anything", "--index", copy), "transform.npz", "truncated")
+
+
+def test_search_k_below_one(built: Path) -> None:
+    assert_one_clear_error(run("search", "anything", "--index", built, "-k", "0"), "-k must be at least 1")

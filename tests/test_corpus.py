@@ -1,0 +1,208 @@
+"""The corpus reader: ids, texts, titles, vectors, and every bad input refused with a clear message."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import write_corpus
+
+from retrieval.corpus import Corpus, CorpusSpec
+from retrieval.errors import CorpusError
+
+
+def read_all(corpus: Corpus, rows: int = 64) -> tuple[list[str], list[str]]:
+    ids: list[str] = []
+    texts: list[str] = []
+    for batch in corpus.batches(rows):
+        ids += batch.ids
+        texts += batch.texts
+    return ids, texts
+
+
+def write_table(path: Path, **columns: list) -> Path:
+    pq.write_table(pa.table(columns), path, row_group_size=4)
+    return path
+
+
+# ----- ids and texts ---------------------------------------------------------------------------------------
+def test_id_column_used_by_default_when_present(corpus: Path) -> None:
+    source = Corpus(CorpusSpec(corpus))
+    report = source.validate()
+    ids, texts = read_all(source)
+    assert source.id_column == "id"
+    assert (report.rows, report.usable, report.skipped) == (300, 300, 0)
+    assert ids == [f"doc{i}" for i in range(300)]
+    assert texts[5] == "document number 5 about topic 5"
+
+
+def test_row_numbers_when_there_is_no_id_column(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "c.parquet", text=["alpha", "beta", "gamma"])
+    source = Corpus(CorpusSpec(path))
+    source.validate()
+    assert source.id_column is None
+    assert read_all(source, rows=2) == (["0", "1", "2"], ["alpha", "beta", "gamma"])
+
+
+def test_numeric_ids_become_strings(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "c.parquet", doc_id=[10, 20, 30], text=["a", "b", "c"])
+    ids, _ = read_all(Corpus(CorpusSpec(path, id_column="doc_id")))
+    assert ids == ["10", "20", "30"]
+
+
+def test_explicit_missing_column_names_the_existing_ones(corpus: Path) -> None:
+    with pytest.raises(CorpusError) as info:
+        Corpus(CorpusSpec(corpus, id_column="doc_id"))
+    message = str(info.value)
+    assert "'doc_id'" in message and "id, text" in message and "--id-column" in message
+    with pytest.raises(CorpusError, match=r"no column 'body' \(columns: id, text\).*--text-column"):
+        Corpus(CorpusSpec(corpus, text_column="body"))
+    with pytest.raises(CorpusError, match=r"no column 'heading'.*--title-column"):
+        Corpus(CorpusSpec(corpus, title_column="heading"))
+
+
+def test_title_is_prepended_to_the_text(tmp_path: Path) -> None:
+    path = write_table(
+        tmp_path / "c.parquet", id=["a", "b", "c"], title=["Cats", None, ""], text=["purr", "bark", "moo"]
+    )
+    _, texts = read_all(Corpus(CorpusSpec(path, title_column="title")))
+    assert texts == ["Cats purr", "bark", "moo"]
+
+
+# ----- empty texts -----------------------------------------------------------------------------------------
+def empty_corpus(tmp_path: Path) -> Path:
+    texts = [f"text {i}" for i in range(20)]
+    for i in (3, 7, 11):
+        texts[i] = None
+    texts[15] = "   "
+    return write_table(tmp_path / "c.parquet", id=[f"d{i}" for i in range(20)], text=texts)
+
+
+def test_null_and_empty_texts_are_refused_with_count_and_first_ids(tmp_path: Path) -> None:
+    source = Corpus(CorpusSpec(empty_corpus(tmp_path)))
+    with pytest.raises(CorpusError) as info:
+        source.validate()
+    message = str(info.value)
+    assert message.startswith("4 of 20 rows have null or empty text")
+    assert "first ids: d3, d7, d11, d15" in message
+    assert "--skip-empty" in message
+
+
+def test_first_ids_are_at_most_five(tmp_path: Path) -> None:
+    texts = [None] * 8 + ["ok"] * 4
+    path = write_table(tmp_path / "c.parquet", id=[f"d{i}" for i in range(12)], text=texts)
+    with pytest.raises(CorpusError, match=r"8 of 12 rows .*first ids: d0, d1, d2, d3, d4\)"):
+        Corpus(CorpusSpec(path)).validate()
+
+
+def test_skip_empty_skips_and_reports(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    source = Corpus(CorpusSpec(empty_corpus(tmp_path), skip_empty=True))
+    with caplog.at_level(logging.WARNING, logger="retrieval.corpus"):
+        report = source.validate()
+    assert (report.rows, report.usable, report.skipped) == (20, 16, 4)
+    assert report.first_skipped == ["d3", "d7", "d11", "d15"]
+    assert "skipping 4 of 20 rows" in caplog.text
+    ids, texts = read_all(source, rows=4)
+    assert len(ids) == 16 and "d3" not in ids and "d15" not in ids
+    assert all(t.strip() for t in texts)
+
+
+def test_skip_empty_still_needs_two_usable_rows(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "c.parquet", id=["a", "b", "c"], text=[None, "", "only one"])
+    with pytest.raises(CorpusError, match="1 usable row"):
+        Corpus(CorpusSpec(path, skip_empty=True)).validate()
+
+
+# ----- bad files and bad shapes ------------------------------------------------------------------------------
+def test_duplicate_ids_are_refused(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "c.parquet", id=["a", "b", "c", "b"], text=["1", "2", "3", "4"])
+    with pytest.raises(CorpusError, match=r"duplicate id 'b' in column 'id'"):
+        Corpus(CorpusSpec(path)).validate()
+
+
+def test_duplicates_across_record_batches_are_found(tmp_path: Path) -> None:
+    path = write_corpus(tmp_path / "c.parquet", n=10, id=[f"d{i}" for i in range(9)] + ["d0"])
+    with pytest.raises(CorpusError, match="duplicate id 'd0'"):
+        Corpus(CorpusSpec(path)).validate(rows=3)
+
+
+def test_null_ids_are_refused(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "c.parquet", id=["a", None, "c"], text=["1", "2", "3"])
+    with pytest.raises(CorpusError, match="null ids"):
+        Corpus(CorpusSpec(path)).validate()
+
+
+def test_empty_corpus_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "text": pa.array([], pa.string())}), path)
+    with pytest.raises(CorpusError, match="holds no rows"):
+        Corpus(CorpusSpec(path)).validate()
+
+
+def test_one_row_is_refused(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "c.parquet", id=["a"], text=["lonely"])
+    with pytest.raises(CorpusError, match=r"1 usable row\(s\); at least 2"):
+        Corpus(CorpusSpec(path)).validate()
+
+
+def test_two_rows_are_enough(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "c.parquet", id=["a", "b"], text=["one", "two"])
+    assert Corpus(CorpusSpec(path)).validate().usable == 2
+
+
+def test_not_parquet_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "c.parquet"
+    path.write_text("id,text\n1,hello\n")
+    with pytest.raises(CorpusError, match="not a readable parquet file"):
+        Corpus(CorpusSpec(path))
+
+
+def test_missing_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CorpusError, match="corpus file not found"):
+        Corpus(CorpusSpec(tmp_path / "nope.parquet"))
+
+
+def test_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CorpusError, match="is a directory"):
+        Corpus(CorpusSpec(tmp_path))
+
+
+# ----- vectors ---------------------------------------------------------------------------------------------
+def test_fixed_size_list_vectors_are_read_as_float32(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    vectors = rng.normal(size=(10, 5))  # float64 on disk
+    column = pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), 5)
+    path = tmp_path / "v.parquet"
+    pq.write_table(pa.table({"id": [f"v{i}" for i in range(10)], "emb": column}), path, row_group_size=4)
+    source = Corpus(CorpusSpec(path, vectors_column="emb"))
+    assert source.vector_dim == 5 and not source.has_text
+    source.validate()
+    got = np.concatenate([b.vectors for b in source.batches(3)])
+    assert got.dtype == np.float32
+    # float64 -> float32 rounding only.
+    np.testing.assert_allclose(got, vectors, rtol=1e-6)
+
+
+def test_ragged_vectors_are_refused(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "v.parquet", id=["a", "b"], emb=[[1.0, 2.0], [1.0, 2.0, 3.0]])
+    with pytest.raises(CorpusError, match="different lengths"):
+        list(Corpus(CorpusSpec(path, vectors_column="emb")).batches(8))
+
+
+def test_vectors_column_of_strings_is_refused(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "v.parquet", id=["a", "b"], emb=["x", "y"])
+    with pytest.raises(CorpusError, match="not a list of floats"):
+        Corpus(CorpusSpec(path, vectors_column="emb"))
+
+
+def test_fingerprint_changes_with_content(tmp_path: Path) -> None:
+    a = write_corpus(tmp_path / "a.parquet", n=10)
+    b = write_corpus(tmp_path / "b.parquet", n=10)
+    c = write_corpus(tmp_path / "c.parquet", n=11)
+    fa, fb, fc = (Corpus(CorpusSpec(p)).fingerprint() for p in (a, b, c))
+    assert fa == fb != fc
+    assert len(fa) == 64

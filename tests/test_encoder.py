@@ -1,0 +1,230 @@
+"""The transformers encoder on a tiny random BERT: pooling maths, padding, order, identity, and load errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from retrieval import encoder as encoder_module  # noqa: E402
+from retrieval.encoder import (  # noqa: E402
+    INSTALL_DEFAULT,
+    Encoder,
+    TransformerEncoder,
+    check_compatible,
+    load_encoder,
+)
+from retrieval.errors import ConfigError, ModelError  # noqa: E402
+
+TEXTS = [
+    "whitening vectors",
+    "the index of a corpus is fast",
+    "a",
+    "search query about the model and the sentence cosine retrieval of a document number 7",
+    "topic 3",
+]
+LONG = " ".join(["the document about whitening and retrieval of vectors"] * 5)
+
+# fp32 on a 2-layer, 32-wide model: padding and batch composition change only summation order.
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def models(tiny_bert: Path) -> dict[str, TransformerEncoder]:
+    """One fp32 encoder per pooling (loading the tiny model takes ~0.1 s)."""
+    return {
+        p: TransformerEncoder(str(tiny_bert), pooling=p, max_length=48, batch_size=32, precision="fp32")
+        for p in ("mean", "cls", "first-last-avg")
+    }
+
+
+def reference(enc: TransformerEncoder, text: str) -> dict[str, np.ndarray]:
+    """Each pooling computed by hand from one unpadded forward pass of the model itself."""
+    tokens = enc.tokenizer([text], truncation=True, max_length=enc.max_length, return_tensors="pt")
+    with torch.inference_mode():
+        result = enc.model(**tokens, output_hidden_states=True)
+    states = [h[0].numpy().astype(np.float64) for h in result.hidden_states]
+    return {
+        "mean": result.last_hidden_state[0].numpy().mean(axis=0),
+        "cls": result.last_hidden_state[0, 0].numpy(),
+        "first-last-avg": (states[1].mean(axis=0) + states[-1].mean(axis=0)) / 2,
+        "wrong-first-last-avg": (states[0].mean(axis=0) + states[-1].mean(axis=0)) / 2,
+    }
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "first-last-avg"])
+def test_pooling_matches_a_hand_computation(models: dict[str, TransformerEncoder], pooling: str) -> None:
+    enc = models[pooling]
+    got = enc.encode(TEXTS)
+    assert got.shape == (len(TEXTS), 32) and got.dtype == np.float32
+    for row, text in zip(got, TEXTS, strict=True):
+        np.testing.assert_allclose(row, reference(enc, text)[pooling], atol=ATOL)
+
+
+def test_first_last_avg_uses_the_first_transformer_layer_not_the_embeddings(
+    models: dict[str, TransformerEncoder],
+) -> None:
+    enc = models["first-last-avg"]
+    got = enc.encode([TEXTS[1]])[0]
+    ref = reference(enc, TEXTS[1])
+    # The embedding layer (hidden_states[0]) differs from layer 1 by O(1) on a random model.
+    assert np.abs(got - ref["wrong-first-last-avg"]).max() > 100 * ATOL
+    np.testing.assert_allclose(got, ref["first-last-avg"], atol=ATOL)
+
+
+def test_poolings_differ_from_each_other(models: dict[str, TransformerEncoder]) -> None:
+    vectors = {p: e.encode([TEXTS[1]])[0] for p, e in models.items()}
+    assert np.abs(vectors["mean"] - vectors["cls"]).max() > 1e-2
+    assert np.abs(vectors["mean"] - vectors["first-last-avg"]).max() > 1e-2
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "first-last-avg"])
+def test_padding_does_not_change_a_text_vector(models: dict[str, TransformerEncoder], pooling: str) -> None:
+    enc = models[pooling]
+    alone = enc.encode(["topic 3"])[0]
+    batched = enc.encode([LONG, "topic 3"])  # "topic 3" is padded to the long text's length
+    np.testing.assert_allclose(batched[1], alone, atol=ATOL)
+
+
+def test_length_sorted_batches_come_back_in_input_order(tiny_bert: Path) -> None:
+    # batch_size 2 forces several batches, each holding texts that were far apart in the input.
+    enc = TransformerEncoder(str(tiny_bert), max_length=48, batch_size=2, precision="fp32")
+    got = enc.encode(TEXTS)
+    one_by_one = np.stack([enc.encode([t])[0] for t in TEXTS])
+    np.testing.assert_allclose(got, one_by_one, atol=ATOL)
+    # and the rows are really different, so a permutation would have been caught
+    assert min(np.abs(got[i] - got[j]).max() for i in range(5) for j in range(i)) > 1e-3
+
+
+def test_encode_poolings_gives_all_poolings_in_one_pass(
+    models: dict[str, TransformerEncoder],
+) -> None:
+    seen: list[int] = []
+    got = models["mean"].encode_poolings(TEXTS, ["mean", "first-last-avg"], on_batch=seen.append)
+    assert sum(seen) == len(TEXTS)
+    for pooling in ("mean", "first-last-avg"):
+        np.testing.assert_allclose(got[pooling], models[pooling].encode(TEXTS), atol=ATOL)
+
+
+def test_empty_input_gives_an_empty_matrix(models: dict[str, TransformerEncoder]) -> None:
+    assert models["mean"].encode([]).shape == (0, 32)
+
+
+def test_text_longer_than_max_length_is_truncated(tiny_bert: Path) -> None:
+    enc = TransformerEncoder(str(tiny_bert), max_length=8, precision="fp32")
+    # Same first 8 tokens (incl. [CLS] and [SEP]): same vector, whatever follows.
+    a = enc.encode(["whitening vectors search query index corpus sentence cosine model"])
+    b = enc.encode(["whitening vectors search query index corpus sentence fast slow"])
+    np.testing.assert_allclose(a, b, atol=ATOL)
+
+
+def test_default_max_length_fits_the_model_positions(tiny_bert: Path) -> None:
+    """The tiny model has 64 positions and its tokenizer no max: texts must not overflow the model."""
+    enc = TransformerEncoder(str(tiny_bert), precision="fp32")
+    assert enc.max_length <= 64
+    assert np.isfinite(enc.encode([LONG * 4])).all()
+
+
+def test_bf16_is_close_to_fp32(tiny_bert: Path, models: dict[str, TransformerEncoder]) -> None:
+    enc = TransformerEncoder(str(tiny_bert), max_length=48, precision="bf16")
+    assert enc.describe()["precision"] == "bf16"
+    a, b = enc.encode(TEXTS), models["mean"].encode(TEXTS)
+    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    # bf16 keeps 8 bits of mantissa; on a random 2-layer model cosines stay well above 0.99.
+    assert cos.min() > 0.99
+
+
+# ----- identity --------------------------------------------------------------------------------------------
+def test_describe_holds_the_identity_fields(tiny_bert: Path, models: dict[str, TransformerEncoder]) -> None:
+    enc = models["first-last-avg"]
+    info = enc.describe()
+    assert isinstance(enc, Encoder)
+    assert info["kind"] == "transformers"
+    assert info["model"] == str(tiny_bert)
+    assert info["model_path"] == str(tiny_bert.resolve())
+    assert info["architecture"] == "BertModel"
+    assert info["pooling"] == "first-last-avg"
+    assert info["max_length"] == 48
+    assert info["precision"] == "fp32"
+    assert info["dim"] == enc.dim == 32
+    assert len(info["weights_sha256"]) == 64
+    assert info["weights_sha256"] == models["mean"].describe()["weights_sha256"]
+
+
+def test_check_compatible_accepts_the_same_and_refuses_other_settings(
+    models: dict[str, TransformerEncoder],
+) -> None:
+    built = models["mean"].describe()
+    check_compatible(built, dict(built))
+    check_compatible(built, built | {"precision": "bf16", "model": "renamed-folder"})  # same weights
+    with pytest.raises(ConfigError, match=r"pooling 'mean' but the query encoder uses 'cls'"):
+        check_compatible(built, models["cls"].describe())
+    with pytest.raises(ConfigError, match=r"max_length 48 but the query encoder uses 128"):
+        check_compatible(built, built | {"max_length": 128})
+    with pytest.raises(ConfigError, match=r"built with model .* but the query encoder uses 'other'"):
+        check_compatible(built, built | {"model": "other", "weights_sha256": "0" * 64})
+
+
+def test_check_compatible_by_hub_name_and_revision_when_no_weights_hash() -> None:
+    built = {"model": "org/a", "revision": "r1", "weights_sha256": None, "pooling": "mean", "max_length": 8}
+    check_compatible(built, dict(built))
+    with pytest.raises(ConfigError, match="model"):
+        check_compatible(built, built | {"revision": "r2"})
+
+
+def test_load_encoder_rebuilds_the_same_encoder(models: dict[str, TransformerEncoder]) -> None:
+    info = models["cls"].describe()
+    enc = load_encoder(info)
+    assert enc.describe() == info
+    np.testing.assert_allclose(enc.encode(TEXTS), models["cls"].encode(TEXTS), atol=ATOL)
+
+
+def test_load_encoder_refuses_vector_indexes() -> None:
+    with pytest.raises(ConfigError, match="precomputed|vectors"):
+        load_encoder({"kind": "vectors", "dim": 4})
+
+
+# ----- bad settings ----------------------------------------------------------------------------------------
+def test_unknown_pooling_is_refused(tiny_bert: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown pooling 'max'; choose one of mean, cls, first-last-avg"):
+        TransformerEncoder(str(tiny_bert), pooling="max")
+
+
+def test_unknown_precision_and_bad_sizes_are_refused(tiny_bert: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown precision"):
+        TransformerEncoder(str(tiny_bert), precision="fp8")
+    with pytest.raises(ConfigError, match="--batch-size"):
+        TransformerEncoder(str(tiny_bert), batch_size=0)
+
+
+def test_unknown_hub_model_offline_gives_the_install_hint() -> None:
+    with pytest.raises(ModelError) as info:
+        TransformerEncoder("no-such-org/no-such-model")
+    message = str(info.value)
+    assert "'no-such-org/no-such-model'" in message
+    assert "--model" in message and INSTALL_DEFAULT in message
+    assert "\n" not in message
+
+
+def test_default_model_missing_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(encoder_module.OFFLINE_PACKAGES, "all-MiniLM-L6-v2", ("no_such_package_here", "model"))
+    monkeypatch.setenv("RETRIEVAL_MODELS", str(tmp_path / "models"))
+    monkeypatch.chdir(tmp_path)  # so no folder called all-MiniLM-L6-v2 can be picked up
+    with pytest.raises(ModelError, match=rf"install the default with `{INSTALL_DEFAULT}`"):
+        TransformerEncoder("all-MiniLM-L6-v2")
+
+
+def test_folder_without_a_model_is_a_model_error(tmp_path: Path) -> None:
+    (tmp_path / "empty-model").mkdir()
+    with pytest.raises(ModelError, match="cannot load model"):
+        TransformerEncoder(str(tmp_path / "empty-model"))
+
+
+def test_max_length_beyond_the_model_positions_is_refused(tiny_bert: Path) -> None:
+    with pytest.raises(ConfigError, match=r"--max-length must be between 1 and the model's 64 positions \(got 100\)"):
+        TransformerEncoder(str(tiny_bert), max_length=100)
+    with pytest.raises(ConfigError, match=r"--max-length"):
+        TransformerEncoder(str(tiny_bert), max_length=-1)

@@ -1,0 +1,250 @@
+"""Searching a built index: typed hits, k edge cases, refusing the wrong encoder or a damaged index,
+re-scoring by raw cosine, and the single-query flat fast path against FAISS's own search."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import shutil
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+from conftest import FakeEncoder, write_corpus
+
+from retrieval import home
+from retrieval.build import TransformSpec, build_index
+from retrieval.corpus import CorpusSpec
+from retrieval.errors import ConfigError, IndexDirError
+from retrieval.index import flat_vectors, load_index
+from retrieval.search import Hit, Searcher, stash_of
+from retrieval.whitening import l2_normalize
+
+# float32 inner products of unit vectors summed in different orders (BLAS vs FAISS kernels).
+SCORE_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One index over 300 fake documents, reduced to 4 of 16 dims (so re-scoring has something to fix).
+    Module-scoped: tests that damage an index copy it first."""
+    root = tmp_path_factory.mktemp("search")
+    corpus = write_corpus(root / "corpus.parquet")
+    build_index(CorpusSpec(corpus), FakeEncoder(), root / "idx", TransformSpec(dim=4))
+    return root / "idx"
+
+
+@pytest.fixture
+def searcher(index_dir: Path) -> Searcher:
+    return Searcher.load(index_dir, encoder=FakeEncoder())
+
+
+@pytest.fixture
+def damaged(index_dir: Path, tmp_path: Path) -> Path:
+    """A private copy of the index to break."""
+    return Path(shutil.copytree(index_dir, tmp_path / "copy"))
+
+
+def queries(n: int = 5) -> np.ndarray:
+    return FakeEncoder().encode([f"a query about topic {i}" for i in range(n)])
+
+
+# ----- hits ------------------------------------------------------------------------------------------------
+def test_hits_are_typed_ranked_and_json_able(searcher: Searcher) -> None:
+    hits = searcher.search("document number 12 about topic 5", k=5)
+    assert [h.rank for h in hits] == [1, 2, 3, 4, 5]
+    assert all(isinstance(h, Hit) for h in hits)
+    first = hits[0]
+    assert (first.id, first.row, first.text) == ("doc12", 12, "document number 12 about topic 5")
+    assert isinstance(first.score, float) and first.score == pytest.approx(1.0, abs=SCORE_ATOL)
+    scores = [h.score for h in hits]
+    assert scores == sorted(scores, reverse=True)
+    assert all(searcher.docs.ids[h.row] == h.id for h in hits)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.score = 0.0  # type: ignore[misc]
+    decoded = json.loads(json.dumps([dataclasses.asdict(h) for h in hits]))
+    assert decoded[0] == {"rank": 1, "id": "doc12", "score": first.score, "text": first.text, "row": 12}
+
+
+def test_k_larger_than_n_returns_every_document(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.parquet", n=6)
+    build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "idx", TransformSpec(dim=3))
+    searcher = Searcher.load(tmp_path / "idx", encoder=FakeEncoder())
+    hits = searcher.search("anything", k=50)
+    assert sorted(h.id for h in hits) == [f"doc{i}" for i in range(6)]
+    assert [h.rank for h in hits] == list(range(1, 7))
+    batch = searcher.search_batch(["one", "two"], k=50)  # the FAISS path (nq = 2) too
+    assert [len(b) for b in batch] == [6, 6]
+
+
+@pytest.mark.parametrize("k", [0, -3])
+def test_k_below_one_is_refused(searcher: Searcher, k: int) -> None:
+    with pytest.raises(ConfigError, match=rf"-k must be at least 1 \(got {k}\)"):
+        searcher.search("query", k=k)
+
+
+def test_query_vectors_of_the_wrong_width_are_refused(searcher: Searcher) -> None:
+    with pytest.raises(ConfigError, match="query vectors have 8 dims; this index takes 16"):
+        searcher.search_vectors(np.zeros((1, 8), dtype=np.float32))
+
+
+def test_search_batch_equals_single_searches(searcher: Searcher) -> None:
+    texts = ["document number 3 about topic 3", "topic 5", "whatever else"]
+    batch = searcher.search_batch(texts, k=4)
+    for text, hits in zip(texts, batch, strict=True):
+        single = searcher.search(text, k=4)
+        assert [h.id for h in hits] == [h.id for h in single]
+        np.testing.assert_allclose([h.score for h in hits], [h.score for h in single], atol=SCORE_ATOL)
+
+
+# ----- the wrong encoder -----------------------------------------------------------------------------------
+def test_an_index_built_by_another_model_is_refused(index_dir: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        Searcher.load(index_dir, encoder=FakeEncoder(name="other-model"))
+    message = str(info.value)
+    assert "built with model 'fake'" in message and "'other-model'" in message
+    assert "\n" not in message
+
+
+def test_an_index_built_with_another_pooling_is_refused(index_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="built with pooling 'mean' but the query encoder uses 'cls'"):
+        Searcher.load(index_dir, encoder=FakeEncoder(pooling="cls"))
+
+
+def test_an_index_from_a_python_encoder_needs_one_to_search_text(index_dir: Path) -> None:
+    searcher = Searcher.load(index_dir)  # only transformers encoders can be rebuilt from a manifest
+    assert searcher.encoder is None
+    with pytest.raises(ConfigError, match="search it with search_vectors"):
+        searcher.search("text")
+    assert searcher.search_vectors(FakeEncoder().encode(["document number 1 about topic 1"]))[0][0].id == "doc1"
+
+
+# ----- damaged or missing indexes --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["index.faiss", "transform.npz", "docs.parquet"])
+def test_a_flipped_byte_is_a_checksum_error(damaged: Path, name: str) -> None:
+    path = damaged / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(IndexDirError, match=rf"{name} is corrupt or truncated \(checksum mismatch\)"):
+        Searcher.load(damaged, encoder=FakeEncoder())
+
+
+@pytest.mark.parametrize("name", ["index.faiss", "transform.npz"])
+def test_a_truncated_file_is_refused(damaged: Path, name: str) -> None:
+    path = damaged / name
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(IndexDirError, match="checksum mismatch"):
+        Searcher.load(damaged, encoder=FakeEncoder())
+    # without the checksum check, the readers still refuse it with an IndexDirError, not a crash
+    with pytest.raises(IndexDirError, match="corrupt|cannot read"):
+        Searcher.load(damaged, encoder=FakeEncoder(), verify=False)
+
+
+def test_a_missing_file_is_refused(damaged: Path) -> None:
+    (damaged / "docs.parquet").unlink()
+    with pytest.raises(IndexDirError, match="docs.parquet is missing"):
+        Searcher.load(damaged, encoder=FakeEncoder())
+
+
+def test_a_missing_manifest_is_refused(damaged: Path) -> None:
+    (damaged / "manifest.json").unlink()
+    with pytest.raises(IndexDirError, match="has no manifest.json: it is not a complete index"):
+        Searcher.load(damaged, encoder=FakeEncoder())
+
+
+def test_a_garbled_manifest_is_refused(damaged: Path) -> None:
+    (damaged / "manifest.json").write_text('{"schema_version": 1, ')
+    with pytest.raises(IndexDirError, match="not valid JSON"):
+        Searcher.load(damaged, encoder=FakeEncoder())
+
+
+def test_another_schema_version_is_refused(damaged: Path) -> None:
+    data = json.loads((damaged / "manifest.json").read_text())
+    data["schema_version"] = 99
+    (damaged / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(IndexDirError, match="schema version 99; this retrieval reads version 1"):
+        Searcher.load(damaged, encoder=FakeEncoder())
+
+
+def test_an_index_that_does_not_match_its_manifest_is_refused(damaged: Path) -> None:
+    other = faiss.IndexFlatIP(4)
+    other.add(np.eye(4, dtype=np.float32))
+    faiss.write_index(other, str(damaged / "index.faiss"))
+    with pytest.raises(IndexDirError, match="does not match its manifest"):
+        Searcher.load(damaged, encoder=FakeEncoder(), verify=False)
+
+
+def test_a_missing_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(IndexDirError, match="no index directory at .*retrieval index CORPUS"):
+        Searcher.load(tmp_path / "nothing-here")
+
+
+def test_no_index_built_yet(isolated_home: Path) -> None:
+    with pytest.raises(IndexDirError, match="no index has been built yet.*retrieval index CORPUS.parquet"):
+        home.default_index()
+    isolated_home.mkdir(parents=True)  # an empty root is no better
+    with pytest.raises(IndexDirError, match="no index has been built yet"):
+        home.default_index()
+
+
+def test_the_last_built_index_is_remembered(isolated_home: Path, index_dir: Path) -> None:
+    home.remember(index_dir)
+    assert home.default_index() == index_dir.resolve()
+    assert home.default_out(Path("/data/scifact.parquet")) == isolated_home / "scifact"
+
+
+# ----- re-scoring and the flat fast path -------------------------------------------------------------------
+def test_rescore_returns_the_exact_raw_cosine_top_k_among_the_candidates(searcher: Searcher, index_dir: Path) -> None:
+    raw = queries(4)
+    k, depth = 5, 50
+    _, candidates = searcher.search_raw(raw, depth)
+    scores, rows = searcher.search_raw(raw, k, rescore=depth)
+    assert scores.shape == rows.shape == (4, k)
+    stash = stash_of(index_dir)
+    for q in range(4):
+        cosines = l2_normalize(stash.read_rows(candidates[q])) @ l2_normalize(raw[q : q + 1])[0]
+        best = np.argsort(-cosines, kind="stable")[:k]
+        assert rows[q].tolist() == candidates[q][best].tolist()
+        # float32 cosines, the same maths in the same order: agreement to float32 rounding
+        np.testing.assert_allclose(scores[q], cosines[best], atol=SCORE_ATOL)
+    # re-scoring changes the order: the 4-dim whitened ranking is not the 16-dim raw one
+    assert not np.array_equal(rows, candidates[:, :k])
+
+
+def test_rescore_over_every_document_is_the_exact_raw_top_k(searcher: Searcher, index_dir: Path) -> None:
+    raw = queries(2)
+    scores, rows = searcher.search_raw(raw, 3, rescore=10_000)
+    everything = l2_normalize(np.concatenate(list(stash_of(index_dir).iter_blocks())))
+    exact = l2_normalize(raw) @ everything.T
+    for q in range(2):
+        assert rows[q].tolist() == np.argsort(-exact[q], kind="stable")[:3].tolist()
+
+
+def test_the_single_query_fast_path_agrees_with_faiss(searcher: Searcher) -> None:
+    assert searcher._flat is not None  # the fast path is really taken for nq = 1
+    vectors = searcher.transform.transform(queries(20))
+    for k in (1, 10, 300):
+        for q in vectors:
+            fast_scores, fast_rows = searcher.search_transformed(q[None, :], k)
+            faiss_scores, faiss_rows = searcher.index.search(q[None, :], k)
+            np.testing.assert_allclose(fast_scores, faiss_scores, atol=SCORE_ATOL)
+            # the same ids barring ties: where ids differ, their scores must be equal within tolerance
+            differ = fast_rows[0] != faiss_rows[0]
+            np.testing.assert_allclose(fast_scores[0][differ], faiss_scores[0][differ], atol=SCORE_ATOL)
+            assert differ.mean() < 0.05
+        batch_scores, _ = searcher.search_transformed(vectors, k)  # nq > 1 goes to FAISS
+        assert batch_scores.shape == (20, k)
+
+
+def test_flat_vectors_outlive_the_index_object(index_dir: Path) -> None:
+    index = load_index(index_dir / "index.faiss")
+    expected = index.reconstruct_n(0, index.ntotal)
+    view = flat_vectors(index)
+    del index
+    gc.collect()
+    # the view must keep the FAISS index alive, not point into freed memory
+    np.testing.assert_array_equal(view, expected)
+    assert flat_vectors(faiss.IndexHNSWFlat(4, 8, faiss.METRIC_INNER_PRODUCT)) is None
