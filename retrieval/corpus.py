@@ -79,6 +79,10 @@ class Corpus:
             raise CorpusError(f"corpus file not found: {path}")
         if path.is_dir():
             raise CorpusError(f"corpus path is a directory, not a parquet file: {path}")
+        self._array: np.ndarray | None = None
+        if path.suffix == ".npy":  # precomputed vectors, one per row; ids are row numbers, no text
+            self._open_npy(path)
+            return
         try:
             self._file = pq.ParquetFile(path)
         except (pa.ArrowInvalid, OSError) as err:
@@ -108,8 +112,27 @@ class Corpus:
             if pa.types.is_fixed_size_list(vtype):
                 self.vector_dim = vtype.list_size
 
+    def _open_npy(self, path: Path) -> None:
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise CorpusError(f"{path} is not a readable .npy array ({err}); save it with numpy.save") from err
+        if array.ndim != 2:
+            raise CorpusError(f"{path} holds an array of shape {array.shape}; expected 2-D (rows x dims) vectors")
+        if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+            raise CorpusError(f"{path} holds {array.dtype} values; expected a float array of vectors")
+        self.path, self._array, self.id_column, self.has_text = path, array, None, False
+        self.vector_dim = int(array.shape[1])
+
+    @property
+    def precomputed(self) -> bool:
+        """Rows carry their own vectors (a vectors column or a .npy file): nothing to encode."""
+        return self._array is not None or self.spec.vectors_column is not None
+
     @property
     def num_rows(self) -> int:
+        if self._array is not None:
+            return int(self._array.shape[0])
         return int(self._file.metadata.num_rows)
 
     def fingerprint(self) -> str:
@@ -134,6 +157,11 @@ class Corpus:
         return texts
 
     def _raw_batches(self, rows: int) -> Iterator[tuple[list[str], list[str | None], pa.RecordBatch]]:
+        if self._array is not None:  # a window of the memory-mapped array stands in for the record batch
+            for start in range(0, self.num_rows, rows):
+                window = np.asarray(self._array[start : start + rows], dtype=np.float32)
+                yield [str(i) for i in range(start, start + len(window))], [""] * len(window), window  # type: ignore[misc]
+            return
         start = 0
         for rb in self._file.iter_batches(batch_size=rows, columns=self._columns()):
             if self.id_column:
@@ -146,17 +174,26 @@ class Corpus:
             yield ids, self._texts(rb), rb  # type: ignore[misc]
 
     def _usable(self, texts: list[str | None], rb: pa.RecordBatch) -> np.ndarray:
+        if self._array is not None:
+            return np.ones(len(texts), dtype=bool)
         if self.spec.vectors_column:
             return np.asarray(rb.column(self.spec.vectors_column).is_valid())
         return np.array([t is not None and t.strip() != "" for t in texts], dtype=bool)
 
-    def validate(self, rows: int = 65536) -> CorpusReport:
-        """One cheap pass over ids and texts: empty texts, duplicate ids, too few rows. Raises CorpusError."""
+    def validate(self, rows: int = 65536, min_rows: int = 2) -> CorpusReport:
+        """One cheap pass over ids and texts: empty texts, duplicate ids, fewer than ``min_rows`` usable rows
+        (2 to fit a transform; 1 to add to an index), non-finite vectors. Raises CorpusError."""
         seen: set[str] = set()
-        total = usable = 0
+        total = usable = nonfinite = 0
         bad: list[str] = []
+        first_nonfinite: list[str] = []
         for ids, texts, rb in self._raw_batches(rows):
             ok = self._usable(texts, rb)
+            if self.precomputed:
+                finite = np.isfinite(self._batch_vectors(rb, ok)).all(axis=1)
+                kept = np.flatnonzero(ok)
+                nonfinite += int((~finite).sum())
+                first_nonfinite += [ids[kept[i]] for i in np.flatnonzero(~finite)[: 5 - len(first_nonfinite)]]
             total += len(ids)
             usable += int(ok.sum())
             bad.extend(i for i, good in zip(ids, ok, strict=True) if not good and len(bad) < 5)
@@ -171,6 +208,11 @@ class Corpus:
         what = "null vectors" if self.spec.vectors_column else "null or empty text"
         if total == 0:
             raise CorpusError(f"{self.path} holds no rows; nothing to index")
+        if nonfinite:
+            raise CorpusError(
+                f"{nonfinite} of {total} vectors contain NaN or inf (first ids: {', '.join(first_nonfinite)}); "
+                "fix or drop those rows"
+            )
         if skipped and not self.spec.skip_empty:
             raise CorpusError(
                 f"{skipped} of {total} rows have {what} (first ids: {', '.join(bad)}); "
@@ -178,8 +220,9 @@ class Corpus:
             )
         if skipped:
             log.warning("skipping %d of %d rows with %s (first ids: %s)", skipped, total, what, ", ".join(bad))
-        if usable < 2:
-            raise CorpusError(f"{self.path} has {usable} usable row(s); at least 2 are needed to fit a transform")
+        if usable < min_rows:
+            need = "to fit a transform" if min_rows > 1 else "to add"
+            raise CorpusError(f"{self.path} has {usable} usable row(s); at least {min_rows} are needed {need}")
         return CorpusReport(rows=total, usable=usable, skipped=skipped, first_skipped=bad)
 
     def batches(self, rows: int, skip_batches: int = 0) -> Iterator[Batch]:
@@ -190,14 +233,19 @@ class Corpus:
                 continue
             ok = self._usable(texts, rb)
             keep = np.flatnonzero(ok)
-            vectors = None
-            if self.spec.vectors_column:
-                vectors = _vectors(rb.column(self.spec.vectors_column).filter(pa.array(ok)), self.spec.vectors_column)
+            vectors = self._batch_vectors(rb, ok) if self.precomputed else None
             yield Batch(
                 ids=[ids[i] for i in keep],
                 texts=[texts[i] or "" for i in keep],
                 vectors=vectors,
             )
+
+    def _batch_vectors(self, rb: pa.RecordBatch | np.ndarray, ok: np.ndarray) -> np.ndarray:
+        """The usable rows' precomputed vectors, float32 (n, d)."""
+        if isinstance(rb, np.ndarray):
+            return rb[ok]
+        assert self.spec.vectors_column is not None
+        return _vectors(rb.column(self.spec.vectors_column).filter(pa.array(ok)), self.spec.vectors_column)
 
 
 def _vectors(column: pa.Array, name: str) -> np.ndarray:

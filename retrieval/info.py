@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.manifest import TRANSFORM_NAME, Manifest
+from retrieval.manifest import MOMENTS_NAME, TRANSFORM_NAME, Manifest
+from retrieval.update import describe_drift, drift
 from retrieval.whitening import Whitening, load_transform
 
 
@@ -48,7 +49,10 @@ def describe_index(directory: Path, verify: bool = False) -> dict[str, Any]:
             f"lambda_1 {lam[0]:.4g}, lambda_k {lam[transform.dim_out - 1]:.4g}, lambda_d {lam[-1]:.3g}; "
             f"half the variance in {spectrum['dims_for_50pct']} dims, 90% in {spectrum['dims_for_90pct']}"
         )
-    return {"summary": summary, "manifest": manifest.__dict__, "spectrum": spectrum}
+    kernel_drift = drift(directory) if (directory / MOMENTS_NAME).is_file() else {}
+    if kernel_drift:
+        summary["kernel drift"] = describe_drift(kernel_drift)
+    return {"summary": summary, "manifest": manifest.__dict__, "spectrum": spectrum, "drift": kernel_drift}
 
 
 def spectrum_summary(eigenvalues: np.ndarray, k: int) -> dict[str, Any]:

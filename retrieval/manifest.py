@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import importlib.metadata
 import json
 import platform
 from dataclasses import asdict, dataclass, field
@@ -106,8 +107,8 @@ def library_versions() -> dict[str, str]:
         "pyarrow": pyarrow.__version__,
     }
     for name in ("torch", "transformers"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
+        try:  # from the installed metadata: importing torch just to read its version costs seconds
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             continue
     return versions

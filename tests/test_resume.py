@@ -1,0 +1,264 @@
+"""Builds that survive SIGKILL: a real build process is killed at several points, then resumed.
+
+Run as a script, this file is that build process (``python tests/test_resume.py CORPUS OUT ...``): build_index
+with a FakeEncoder that sleeps per batch and logs how many rows it encoded, optionally pausing inside the
+final write or inside publish so the test can kill it there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from conftest import FakeEncoder, write_corpus
+from typer.testing import CliRunner
+
+from retrieval import build, files
+from retrieval.build import BuildOptions, TransformSpec, build_index
+from retrieval.cli import app
+from retrieval.corpus import CorpusSpec
+from retrieval.errors import ConfigError, RetrievalError
+from retrieval.index import load_index
+from retrieval.manifest import DOCS_NAME, INDEX_NAME, STASH_DIR, TRANSFORM_NAME
+from retrieval.search import Searcher
+from retrieval.stash import VectorStash
+from retrieval.whitening import load_transform
+
+HERE = Path(__file__).resolve()
+WINDOW = 50  # corpus rows per stash part
+ROWS = 600  # 12 parts
+TRANSFORM = TransformSpec(dim=8, gamma=1.0)
+
+
+# ----- the build process under test --------------------------------------------------------------------------
+class LoggingEncoder(FakeEncoder):
+    """FakeEncoder that sleeps per batch and appends each batch's row count to a log file."""
+
+    def __init__(self, log: Path | None, sleep: float, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(**kwargs)
+        self.log, self.sleep = log, sleep
+
+    def encode(self, texts):  # type: ignore[no-untyped-def]
+        time.sleep(self.sleep)
+        if self.log is not None:
+            with open(self.log, "a") as fh:
+                fh.write(f"{len(texts)}\n")
+        return super().encode(texts)
+
+
+def _pause_at(point: str, marker: Path) -> None:
+    """Stop the process forever at ``point`` (after touching ``marker``) so the test can kill it there."""
+
+    def hold() -> None:
+        marker.touch()
+        time.sleep(600)
+
+    if point == "write":  # inside the final write: transform, moments and index saved, docs not yet
+        real_write_docs = build.write_docs
+
+        def write_docs(*args):  # type: ignore[no-untyped-def]
+            hold()
+            real_write_docs(*args)
+
+        build.write_docs = write_docs  # type: ignore[assignment]
+    elif point == "publish":  # between publish's two renames: the old index aside, the new one not in place
+        real_rename = os.rename
+
+        def rename(src, dst):  # type: ignore[no-untyped-def]
+            if str(src).endswith(".building"):
+                hold()
+            real_rename(src, dst)
+
+        files.os.rename = rename  # type: ignore[assignment]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("corpus", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--log", type=Path)
+    parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--pause", choices=["none", "write", "publish"], default="none")
+    parser.add_argument("--model", default="fake")
+    args = parser.parse_args(argv)
+    _pause_at(args.pause, args.out.parent / f"paused-{args.pause}")
+    if args.corpus.suffix == ".npy":
+        encoder = None
+        progress = lambda stage, n, total: time.sleep(args.sleep) if stage == "encode" else None  # noqa: E731
+    else:
+        encoder, progress = LoggingEncoder(args.log, args.sleep, name=args.model), build._no_progress
+    options = BuildOptions(overwrite=args.overwrite, resume=args.resume, window_rows=WINDOW)
+    try:
+        build_index(CorpusSpec(args.corpus), encoder, args.out, TRANSFORM, options=options, progress=progress)
+    except RetrievalError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ----- helpers -----------------------------------------------------------------------------------------------
+def start(corpus: Path, out: Path, log: Path, *flags: str, sleep: float = 0.05) -> subprocess.Popen:
+    command = [sys.executable, str(HERE), str(corpus), str(out), "--log", str(log), "--sleep", str(sleep), *flags]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def kill_when(process: subprocess.Popen, ready, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if process.poll() is not None:
+            pytest.fail(f"the build ended (exit {process.returncode}) before the kill point: {process.stderr.read()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail("the build never reached the kill point")
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+
+
+def stashed_parts(out: Path) -> int:
+    path = files.work_dir(out) / STASH_DIR / "stash.json"
+    try:
+        return len(VectorStash.open(path.parent).parts)
+    except Exception:  # mid-rename or not yet written: not ready
+        return 0
+
+
+def encoded_rows(log: Path) -> int:
+    return sum(int(line) for line in log.read_text().split()) if log.exists() else 0
+
+
+def resume(corpus: Path, out: Path, log: Path, *flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(HERE), str(corpus), str(out), "--log", str(log), "--resume", *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def assert_same_index(a: Path, b: Path) -> None:
+    ta, tb = load_transform(a / TRANSFORM_NAME), load_transform(b / TRANSFORM_NAME)
+    # Same stash, same float64 moments (batched the same way): kernels agree to rounding.
+    np.testing.assert_allclose(ta.kernel, tb.kernel, rtol=1e-9, atol=1e-12)  # type: ignore[union-attr]
+    ia, ib = load_index(a / INDEX_NAME), load_index(b / INDEX_NAME)
+    assert ia.ntotal == ib.ntotal == ROWS
+    np.testing.assert_allclose(ia.reconstruct_n(0, ROWS), ib.reconstruct_n(0, ROWS), atol=1e-6)  # float32 search
+    ids = [pq.read_table(d / DOCS_NAME, columns=["id"]).column("id").to_pylist() for d in (a, b)]
+    assert ids[0] == ids[1]
+    Searcher.load(a, encoder=FakeEncoder()).manifest.verify(a)
+
+
+@pytest.fixture
+def clean(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    folder = tmp_path_factory.mktemp("clean")
+    corpus = write_corpus(folder / "corpus.parquet", ROWS)
+    build_index(CorpusSpec(corpus), FakeEncoder(), folder / "idx", TRANSFORM, options=BuildOptions(window_rows=WINDOW))
+    return folder / "idx"
+
+
+@pytest.fixture
+def big_corpus(tmp_path: Path) -> Path:
+    return write_corpus(tmp_path / "corpus.parquet", ROWS)
+
+
+# ----- tests -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("after_parts", [1, 6])
+def test_killed_build_resumes_without_re_encoding(tmp_path, big_corpus, clean, after_parts):
+    out, log = tmp_path / "idx", tmp_path / "rows.log"
+    kill_when(start(big_corpus, out, log), lambda: stashed_parts(out) >= after_parts)
+    assert not out.exists()  # nothing published
+    parts = stashed_parts(out)
+    assert after_parts <= parts < ROWS // WINDOW
+    log.unlink()
+    stray = files.work_dir(out) / STASH_DIR / f"part-{parts:05d}.mean.npy.tmp"
+    stray.write_bytes(b"half a part")  # what a kill inside VectorStash.append leaves
+
+    done = resume(big_corpus, out, log)
+    assert done.returncode == 0, done.stderr
+    assert encoded_rows(log) == ROWS - parts * WINDOW  # only the rows not yet stashed
+    assert_same_index(out, clean)
+    assert not files.work_dir(out).exists() and not list((out / STASH_DIR).glob("*.tmp"))
+
+
+@pytest.mark.parametrize("point", ["write", "publish"])
+def test_kill_in_the_final_write_or_publish_keeps_the_previous_index(tmp_path, big_corpus, clean, point):
+    out, log = tmp_path / "idx", tmp_path / "rows.log"
+    previous = write_corpus(tmp_path / "previous.parquet", 120)
+    build_index(CorpusSpec(previous), FakeEncoder(), out, TRANSFORM)
+    marker = tmp_path / f"paused-{point}"
+    kill_when(start(big_corpus, out, log, "--overwrite", "--pause", point, sleep=0), marker.exists)
+    assert encoded_rows(log) == ROWS
+
+    # The previous index is intact and loads (after publish's first rename it is aside; loading puts it back).
+    searcher = Searcher.load(out, encoder=FakeEncoder())
+    assert searcher.manifest.n == 120
+    searcher.manifest.verify(out)
+    log.unlink()
+    done = resume(big_corpus, out, log, "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert encoded_rows(log) == 0  # every part was stashed before the kill
+    assert_same_index(out, clean)
+
+
+def test_kill_mid_way_keeps_the_previous_index(tmp_path, big_corpus, clean):
+    out, log = tmp_path / "idx", tmp_path / "rows.log"
+    build_index(CorpusSpec(write_corpus(tmp_path / "previous.parquet", 120)), FakeEncoder(), out, TRANSFORM)
+    before = (out / INDEX_NAME).read_bytes()
+    kill_when(start(big_corpus, out, log, "--overwrite"), lambda: stashed_parts(out) >= 4)
+    assert (out / INDEX_NAME).read_bytes() == before
+    Searcher.load(out, encoder=FakeEncoder()).manifest.verify(out)
+    assert resume(big_corpus, out, log, "--overwrite").returncode == 0
+    assert_same_index(out, clean)
+
+
+def test_resume_with_a_changed_corpus_or_settings_is_refused(tmp_path, big_corpus):
+    out, log = tmp_path / "idx", tmp_path / "rows.log"
+    kill_when(start(big_corpus, out, log), lambda: stashed_parts(out) >= 2)
+    parts = stashed_parts(out)
+
+    other_model = resume(big_corpus, out, log, "--model", "another-model")
+    assert other_model.returncode == 1
+    assert "cannot resume" in other_model.stderr and "encoder changed" in other_model.stderr
+    resumed = BuildOptions(resume=True, window_rows=WINDOW)
+    with pytest.raises(ConfigError, match="text_column changed"):  # reading the corpus differently is a change
+        build_index(CorpusSpec(big_corpus, text_column="id"), FakeEncoder(), out, TRANSFORM, options=resumed)
+    write_corpus(big_corpus, ROWS, text=[f"edited document {i}" for i in range(ROWS)])
+    with pytest.raises(ConfigError, match="the corpus file has changed since it started"):
+        build_index(CorpusSpec(big_corpus), FakeEncoder(), out, TRANSFORM, options=resumed)
+    assert stashed_parts(out) == parts  # a refusal leaves the unfinished build as it was
+
+
+def test_cli_resume_of_a_killed_npy_build(tmp_path):
+    vectors = np.random.default_rng(3).normal(size=(ROWS, 12)).astype(np.float32) + 4
+    np.save(tmp_path / "v.npy", vectors)
+    out = tmp_path / "idx"
+    kill_when(start(tmp_path / "v.npy", out, tmp_path / "unused.log", sleep=0.1), lambda: stashed_parts(out) >= 2)
+
+    # The CLI reads in windows of its own size; the unfinished build used WINDOW: refused, exit 1.
+    cli = ["index", str(tmp_path / "v.npy"), "--out", str(out), "--resume", "--dim", "8", "--gamma", "1"]
+    result = CliRunner().invoke(app, cli)
+    assert result.exit_code == 1 and "cannot resume" in result.output and "window_rows" in result.output
+    np.save(tmp_path / "v.npy", vectors[::-1])  # same name and shape, other bytes
+    done = resume(tmp_path / "v.npy", out, tmp_path / "unused.log")
+    assert done.returncode == 1 and "corpus file has changed" in done.stderr
+
+    np.save(tmp_path / "v.npy", vectors)
+    assert resume(tmp_path / "v.npy", out, tmp_path / "unused.log").returncode == 0
+    clean = tmp_path / "clean"
+    build_index(CorpusSpec(tmp_path / "v.npy"), None, clean, TRANSFORM, options=BuildOptions(window_rows=WINDOW))
+    np.testing.assert_allclose(
+        load_index(out / INDEX_NAME).reconstruct_n(0, ROWS),
+        load_index(clean / INDEX_NAME).reconstruct_n(0, ROWS),
+        atol=1e-6,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

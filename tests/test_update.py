@@ -1,0 +1,325 @@
+"""Growing and re-fitting an index directory: refit, add, drift, and the .npy / bad-vector inputs they take."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import typer.main
+from conftest import FakeEncoder
+from typer.testing import CliRunner
+
+from retrieval import update
+from retrieval.build import BuildOptions, TransformSpec, build_index
+from retrieval.cli import app
+from retrieval.corpus import CorpusSpec
+from retrieval.errors import ConfigError, CorpusError, IndexDirError
+from retrieval.index import IndexSpec, load_index
+from retrieval.info import describe_index
+from retrieval.manifest import DOCS_NAME, INDEX_NAME, MANIFEST_NAME, MOMENTS_NAME, STASH_DIR, TRANSFORM_NAME
+from retrieval.moments import RunningMoments
+from retrieval.search import Searcher, stash_of
+from retrieval.stash import VectorStash
+from retrieval.whitening import Whitening, load_transform
+
+OPTIONS = BuildOptions(window_rows=64)  # several stash parts, the last one short
+runner = CliRunner()
+
+
+def build(corpus: Path, out: Path, encoder=None, transform=TransformSpec(dim=8), **kwargs):  # type: ignore[no-untyped-def]
+    return build_index(CorpusSpec(corpus), encoder or FakeEncoder(), out, transform, options=OPTIONS, **kwargs)
+
+
+def index_vectors(directory: Path) -> np.ndarray:
+    index = load_index(directory / INDEX_NAME)
+    return faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d).copy()
+
+
+def ids_of(directory: Path) -> list[str]:
+    return pq.read_table(directory / DOCS_NAME, columns=["id"]).column("id").to_pylist()
+
+
+def anisotropic(n: int, d: int = 16, seed: int = 1338, shift: float = 0.0) -> np.ndarray:
+    """Large common mean, low intrinsic rank; ``shift`` rotates the signal towards other directions."""
+    rng = np.random.default_rng(seed)
+    basis = np.random.default_rng(7).normal(size=(4, d)) * np.array([3.0, 2.0, 1.0, 0.5])[:, None]
+    if shift:
+        basis = basis + shift * np.random.default_rng(8).normal(size=(4, d)) * 3
+    mean = np.random.default_rng(9).normal(size=d) * 5 + 10
+    return (mean + rng.normal(size=(n, 4)) @ basis + 0.05 * rng.normal(size=(n, d))).astype(np.float32)
+
+
+def more_docs(path: Path, ids: list[str]) -> Path:
+    pq.write_table(pa.table({"id": ids, "text": [f"a brand new passage {i} on whitening" for i in ids]}), path)
+    return path
+
+
+# ----- refit -------------------------------------------------------------------------------------------------
+def test_refit_equals_a_clean_build_and_never_encodes(tmp_path, corpus, monkeypatch):
+    monkeypatch.setattr("retrieval.encoder.load_encoder", lambda *a, **k: pytest.fail("refit loaded an encoder"))
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    part = stash_of(directory).files()[1]
+    inode = os.stat(part).st_ino
+    target = TransformSpec(dim=6, gamma=1.0, epsilon=1e-5)
+
+    manifest = update.refit(directory, target, IndexSpec("hnsw", m=16))
+    clean = build(corpus, tmp_path / "clean", transform=target, index=IndexSpec("hnsw", m=16))
+
+    a, b = load_transform(directory / TRANSFORM_NAME), load_transform(tmp_path / "clean" / TRANSFORM_NAME)
+    assert isinstance(a, Whitening) and isinstance(b, Whitening)
+    # Same float64 moments on both sides: the kernels agree to rounding.
+    np.testing.assert_allclose(a.kernel, b.kernel, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(a.mean, b.mean, rtol=1e-12)
+    assert manifest.transform["k"] == 6 and manifest.index["type"] == "hnsw" and manifest.n == clean.n
+    # HNSW stores its vectors flat underneath; float32 transform of identical inputs -> 1e-6.
+    got = load_index(directory / INDEX_NAME).reconstruct_n(0, manifest.n)
+    want = load_index(tmp_path / "clean" / INDEX_NAME).reconstruct_n(0, clean.n)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert ids_of(directory) == ids_of(tmp_path / "clean")
+    assert os.stat(directory / part.relative_to(directory)).st_ino == inode  # hard-linked, not copied
+    assert not files_beside(directory)
+    verify_loads(directory)
+
+
+def files_beside(directory: Path) -> list[str]:
+    """Work directories left beside an index (there should be none after a finished or failed update)."""
+    return [p.name for p in directory.parent.iterdir() if p.name.startswith(f".{directory.name}.")]
+
+
+def verify_loads(directory: Path) -> None:
+    """The directory loads and every file matches its checksum."""
+    Searcher.load(directory, encoder=FakeEncoder()).manifest.verify(directory)
+
+
+def test_refit_to_another_pooling_streams_the_stash(tmp_path):
+    vectors = anisotropic(200)
+    path = tmp_path / "v.npy"
+    np.save(path, vectors)
+    directory = tmp_path / "idx"
+    build_index(CorpusSpec(path), None, directory, TransformSpec(dim=4), options=OPTIONS)
+    # A moments.npz that disagrees with the stash proves which source refit used.
+    RunningMoments.from_array(vectors[:10]).save(directory / MOMENTS_NAME)
+    update.refit(directory, TransformSpec(dim=4, pooling="vectors"), None)
+    kept = load_transform(directory / TRANSFORM_NAME)
+    assert isinstance(kept, Whitening) and kept.n == 10  # same pooling: moments.npz, as stored
+    with pytest.raises(ConfigError, match="not 'cls'"):
+        update.refit(directory, TransformSpec(pooling="cls"))
+    np.testing.assert_allclose(
+        update.stash_moments(stash_of(directory)).covariance(), np.cov(vectors.T, bias=True), rtol=1e-6, atol=1e-9
+    )
+
+
+def test_refit_refuses_a_directory_without_stash(tmp_path, corpus):
+    directory = tmp_path / "idx"
+    build_index(
+        CorpusSpec(corpus), FakeEncoder(), directory, TransformSpec(dim=8), options=BuildOptions(keep_vectors=False)
+    )
+    with pytest.raises(IndexDirError, match="kept no raw-vector stash"):
+        update.refit(directory, TransformSpec(dim=4))
+    result = runner.invoke(app, ["refit", str(directory), "--dim", "4"])
+    assert result.exit_code == 1 and "kept no raw-vector stash" in result.output
+
+
+# ----- add ---------------------------------------------------------------------------------------------------
+def test_add_then_search_finds_the_new_docs(tmp_path, corpus):
+    directory = tmp_path / "idx"
+    encoder = FakeEncoder()
+    build(corpus, directory, encoder)
+    kernel_before = (directory / TRANSFORM_NAME).read_bytes()
+    new_ids = [f"new{i}" for i in range(40)]
+    encoder.rows = 0
+
+    manifest = update.add(directory, CorpusSpec(more_docs(tmp_path / "more.parquet", new_ids)), encoder)
+
+    assert encoder.rows == 40  # only the new rows were encoded
+    assert manifest.n == 340 and manifest.stash["rows"] == 340 and manifest.corpus["added"][-1]["rows"] == 40
+    assert ids_of(directory)[-40:] == new_ids and len(VectorStash.open(directory / STASH_DIR)) == 340
+    assert (directory / TRANSFORM_NAME).read_bytes() == kernel_before  # the existing kernel
+    searcher = Searcher.load(directory, encoder=FakeEncoder())
+    searcher.manifest.verify(directory)
+    for i in (0, 17, 39):
+        assert searcher.search(f"a brand new passage new{i} on whitening", k=1)[0].id == f"new{i}"
+    # The index holds every stash row through the old kernel; the moments cover all rows (float64 -> 1e-9).
+    stash = stash_of(directory)
+    raw = np.concatenate(list(stash.iter_blocks()))
+    np.testing.assert_allclose(index_vectors(directory), searcher.transform.transform(raw), atol=1e-6)
+    moments = RunningMoments.load(directory / MOMENTS_NAME)
+    np.testing.assert_allclose(moments.covariance(), np.cov(raw.T.astype(np.float64), bias=True), rtol=1e-9)
+    assert not files_beside(directory)
+
+
+def test_add_with_duplicate_ids_is_refused_and_writes_nothing(tmp_path, corpus):
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    before = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+    encoder = FakeEncoder()
+    more = more_docs(tmp_path / "more.parquet", ["new1", "doc5", "new2", "doc7"])
+    with pytest.raises(CorpusError, match=r"2 ids .* already in the index \(first: doc5, doc7\)"):
+        update.add(directory, CorpusSpec(more), encoder)
+    assert encoder.rows == 0
+    assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == before
+    assert not files_beside(directory)
+
+
+def test_add_refuses_mismatched_width_and_kind(tmp_path, corpus):
+    vec_dir = tmp_path / "vec"
+    np.save(tmp_path / "v.npy", anisotropic(100))
+    build_index(CorpusSpec(tmp_path / "v.npy"), None, vec_dir, TransformSpec(dim=4), options=OPTIONS)
+    np.save(tmp_path / "narrow.npy", anisotropic(10, d=8))
+    with pytest.raises(CorpusError, match="8-d vectors; the index .* takes 16-d"):
+        update.add(vec_dir, CorpusSpec(tmp_path / "narrow.npy"))
+    result = runner.invoke(app, ["add", str(vec_dir), str(tmp_path / "narrow.npy")])
+    assert result.exit_code == 1 and "takes 16-d" in result.output
+    with pytest.raises(ConfigError, match="built from precomputed vectors"):
+        update.add(vec_dir, CorpusSpec(more_docs(tmp_path / "more.parquet", ["x"])))
+    text_dir = tmp_path / "text"
+    build(corpus, text_dir)
+    with pytest.raises(ConfigError, match="add texts, not precomputed vectors"):
+        update.add(text_dir, CorpusSpec(tmp_path / "v.npy"))
+    with pytest.raises(ConfigError, match="pooling"):
+        update.add(text_dir, CorpusSpec(tmp_path / "more.parquet"), FakeEncoder(pooling="cls"))
+
+
+def test_cli_add_npy_continues_row_ids_and_refit(tmp_path):
+    np.save(tmp_path / "v.npy", anisotropic(200))
+    np.save(tmp_path / "more.npy", anisotropic(30, seed=5))
+    directory = tmp_path / "idx"
+    result = runner.invoke(app, ["index", str(tmp_path / "v.npy"), "--out", str(directory), "--dim", "4"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["add", str(directory), str(tmp_path / "more.npy")])
+    assert result.exit_code == 0, result.output
+    assert "added 30 rows" in result.output
+    assert ids_of(directory)[-30:] == [str(i) for i in range(200, 230)]
+    searcher = Searcher.load(directory)
+    assert [h[0].id for h in searcher.search_vectors(np.load(tmp_path / "more.npy")[[0, 29]], k=1)] == ["200", "229"]
+
+    result = runner.invoke(app, ["refit", str(directory), "--gamma", "1", "--index-type", "hnsw", "--m", "8"])
+    assert result.exit_code == 0, result.output
+    manifest = Searcher.load(directory).manifest
+    assert manifest.transform["k"] == 4 and manifest.transform["gamma"] == 1.0  # --dim kept, --gamma changed
+    assert manifest.index["factory"] == "HNSW8" and manifest.n == 230
+    assert manifest.corpus["added"][0]["rows"] == 30  # history survives a refit
+    result = runner.invoke(app, ["refit", str(directory), "--no-whiten"])
+    assert result.exit_code == 0, result.output
+    assert Searcher.load(directory).manifest.transform["kind"] == "raw"
+
+
+@pytest.mark.parametrize("command", ["add", "refit"])
+def test_cli_commands_have_help_on_every_option(command):
+    cmd = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
+    assert cmd.help
+    for param in cmd.params:
+        assert getattr(param, "help", None), f"{command} {param.name} has no help"
+    assert runner.invoke(app, [command, "--help"]).exit_code == 0
+
+
+# ----- drift -------------------------------------------------------------------------------------------------
+def test_drift_is_zero_after_a_build_and_grows_with_shifted_rows(tmp_path):
+    np.save(tmp_path / "v.npy", anisotropic(400))
+    directory = tmp_path / "idx"
+    build_index(CorpusSpec(tmp_path / "v.npy"), None, directory, TransformSpec(dim=4, gamma=1.0), options=OPTIONS)
+    fresh = update.drift(directory)
+    # Stored kernel vs the same moments: only eigh round-off.
+    assert fresh["covariance_drift"] < 1e-9 and fresh["subspace_overlap"] > 1 - 1e-9 and fresh["rows_added"] == 0
+    assert not fresh["refit_advised"]
+
+    np.save(tmp_path / "same.npy", anisotropic(100, seed=3))  # same distribution: little drift
+    update.add(directory, CorpusSpec(tmp_path / "same.npy"))
+    same = update.drift(directory)
+    np.save(tmp_path / "shifted.npy", anisotropic(400, seed=4, shift=1.0))
+    update.add(directory, CorpusSpec(tmp_path / "shifted.npy"))
+    shifted = update.drift(directory)
+    assert same["rows_added"] == 100 and shifted["rows_added"] == 500
+    assert same["covariance_drift"] < 0.1 < shifted["covariance_drift"]
+    assert shifted["subspace_overlap"] < same["subspace_overlap"] <= 1
+    assert shifted["refit_advised"]
+    assert "kernel drift" in describe_index(directory)["summary"]
+    assert "consider `retrieval refit`" in describe_index(directory)["summary"]["kernel drift"]
+
+    update.refit(directory, TransformSpec(dim=4, gamma=1.0))
+    assert update.drift(directory)["covariance_drift"] < 1e-9
+    assert update.drift(directory)["rows_added"] == 0
+
+
+# ----- .npy and bad vectors ---------------------------------------------------------------------------------
+def test_npy_input_builds_like_a_vectors_column(tmp_path):
+    vectors = anisotropic(150)
+    np.save(tmp_path / "v.npy", vectors)
+    pq.write_table(pa.table({"emb": pa.array(list(vectors), pa.list_(pa.float32(), 16))}), tmp_path / "v.parquet")
+    a = build_index(CorpusSpec(tmp_path / "v.npy"), None, tmp_path / "a", TransformSpec(dim=6), options=OPTIONS)
+    spec = CorpusSpec(tmp_path / "v.parquet", vectors_column="emb")
+    build_index(spec, None, tmp_path / "b", TransformSpec(dim=6), options=OPTIONS)
+    assert a.n == 150 and a.encoder == {"kind": "vectors", "column": "v.npy", "dim": 16}
+    assert ids_of(tmp_path / "a") == [str(i) for i in range(150)] == ids_of(tmp_path / "b")
+    np.testing.assert_allclose(index_vectors(tmp_path / "a"), index_vectors(tmp_path / "b"), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("array", "message"),
+    [
+        (np.zeros(10, dtype=np.float32), r"shape \(10,\); expected 2-D"),
+        (np.zeros((2, 3, 4), dtype=np.float32), "expected 2-D"),
+        (np.array([["a", "b"]]), "expected a float array"),
+    ],
+)
+def test_npy_that_is_not_a_matrix_of_numbers_is_refused(tmp_path, array, message):
+    np.save(tmp_path / "bad.npy", array)
+    with pytest.raises(CorpusError, match=message):
+        build_index(CorpusSpec(tmp_path / "bad.npy"), None, tmp_path / "idx")
+    result = runner.invoke(app, ["index", str(tmp_path / "bad.npy"), "--out", str(tmp_path / "idx")])
+    assert result.exit_code == 1 and "expected" in result.output
+
+
+def test_unreadable_npy_is_refused(tmp_path):
+    (tmp_path / "bad.npy").write_bytes(b"not numpy at all")
+    with pytest.raises(CorpusError, match="not a readable .npy"):
+        build_index(CorpusSpec(tmp_path / "bad.npy"), None, tmp_path / "idx")
+
+
+def test_nan_and_inf_vectors_are_counted_and_named(tmp_path):
+    vectors = anisotropic(300)
+    vectors[[5, 130, 299], 2] = [np.nan, np.inf, -np.inf]
+    np.save(tmp_path / "v.npy", vectors)
+    with pytest.raises(CorpusError, match=r"3 of 300 vectors contain NaN or inf \(first ids: 5, 130, 299\)"):
+        build_index(CorpusSpec(tmp_path / "v.npy"), None, tmp_path / "idx", options=OPTIONS)
+    assert not (tmp_path / "idx").exists() and not files_beside(tmp_path / "idx")
+    ids = [f"d{i}" for i in range(300)]
+    table = pa.table({"id": ids, "emb": pa.array(list(vectors), pa.list_(pa.float32(), 16))})
+    pq.write_table(table, tmp_path / "v.parquet", row_group_size=64)
+    with pytest.raises(CorpusError, match=r"3 of 300 vectors contain NaN or inf \(first ids: d5, d130, d299\)"):
+        build_index(CorpusSpec(tmp_path / "v.parquet", vectors_column="emb"), None, tmp_path / "idx")
+    # ... and the same on add, before the index is touched
+    np.save(tmp_path / "good.npy", anisotropic(100))
+    build_index(CorpusSpec(tmp_path / "good.npy"), None, tmp_path / "idx", TransformSpec(dim=4), options=OPTIONS)
+    before = (tmp_path / "idx" / MANIFEST_NAME).read_bytes()
+    with pytest.raises(CorpusError, match="3 of 300 vectors contain NaN or inf"):
+        update.add(tmp_path / "idx", CorpusSpec(tmp_path / "v.npy"))
+    assert (tmp_path / "idx" / MANIFEST_NAME).read_bytes() == before
+
+
+def test_width_mismatch_inside_a_vectors_column_is_refused(tmp_path):
+    column = [[1.0, 2.0, 3.0]] * 70 + [[1.0, 2.0]] * 5
+    pq.write_table(pa.table({"emb": column}), tmp_path / "v.parquet", row_group_size=64)
+    with pytest.raises(CorpusError, match="different lengths|same width"):
+        build_index(CorpusSpec(tmp_path / "v.parquet", vectors_column="emb"), None, tmp_path / "idx", options=OPTIONS)
+
+
+def test_a_failure_midway_through_add_leaves_the_index_as_it_was(tmp_path, corpus, monkeypatch):
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    before = {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+    def disk_full(*args):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("retrieval.update.write_docs", disk_full)  # after new parts, moments and index are written
+    with pytest.raises(OSError, match="No space left"):
+        update.add(directory, CorpusSpec(more_docs(tmp_path / "more.parquet", ["new1", "new2"])), FakeEncoder())
+    assert {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()} == before
+    assert not files_beside(directory)
