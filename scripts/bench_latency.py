@@ -1,0 +1,243 @@
+"""Latency of full vs reduced dimensions, side by side in one run: build time, size, batch QPS, single-query
+p50/p99 for search alone and for encode + transform + search end to end, and recall@10 against exact
+full-dimension neighbours.
+
+The documents are N vectors (default 100,000): the model's real SciFact embeddings (from an index directory's
+stash) topped up with samples of a Gaussian with their mean and covariance. Queries are real: SciFact test
+claims, encoded by the real model (the end-to-end numbers include that encoding).
+
+    python scripts/bench_latency.py --index-root indexes/bench      # index dirs from bench_quality.py
+    python scripts/bench_latency.py --models all-MiniLM-L6-v2 --n 20000 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import benchlib
+import faiss
+import numpy as np
+
+from retrieval.build import DEFAULT_GAMMA
+from retrieval.encoder import TransformerEncoder
+from retrieval.evaluate import read_queries
+from retrieval.index import IndexSpec, create_index, set_search_params, train
+from retrieval.moments import RunningMoments
+from retrieval.search import _flat_top_k, stash_of
+from retrieval.whitening import RawTransform, Whitening, l2_normalize
+
+DATA = benchlib.REPO.parent / "shared" / "data"
+KINDS = ("flat", "hnsw", "ivf")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="all-MiniLM-L6-v2,all-mpnet-base-v2")
+    ap.add_argument("--index-root", type=Path, default=benchlib.REPO / "indexes" / "bench")
+    ap.add_argument("--n", type=int, default=100_000, help="documents in each index")
+    ap.add_argument("--gamma", type=float, default=DEFAULT_GAMMA, help="gamma of the reduced transform")
+    ap.add_argument("--runs", type=int, default=5, help="timed repetitions of batch searches (median)")
+    ap.add_argument("--quick", action="store_true", help="flat only, 100 single queries")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    info = benchlib.machine(torch_too=True)
+    benchlib.print_machine(info)
+    queries = read_queries(DATA / "scifact" / "queries-test.parquet")
+    report: dict[str, Any] = {"machine": info, "command": benchlib.command_line(), "n": args.n, "models": {}}
+    for model in args.models.split(","):
+        directory = args.index_root / f"scifact-{model.lower()}"
+        if not (directory / "manifest.json").is_file():
+            print(f"skipping {model}: no index at {directory} (run scripts/bench_quality.py first)", file=sys.stderr)
+            continue
+        report["models"][model] = bench_model(model, directory, queries.texts, args)
+    out = args.out or benchlib.out_dir("latency")
+    out.mkdir(parents=True, exist_ok=True)
+    benchlib.write_json(out / "latency.json", report)
+    text = markdown(report)
+    (out / "latency.md").write_text(text)
+    print(text)
+
+
+def documents(directory: Path, n: int, seed: int = 0) -> np.ndarray:
+    """Real stashed vectors, topped up to ``n`` with Gaussian samples of the same mean and covariance."""
+    stash = stash_of(directory)
+    real = np.concatenate(list(stash.iter_blocks(pooling="mean")))
+    moments = RunningMoments.from_array(real)
+    extra = max(0, n - real.shape[0])
+    rng = np.random.default_rng(seed)
+    # Sample via the Cholesky-free eigen route: robust to the covariance's zero eigenvalues.
+    lam, u = np.linalg.eigh(moments.covariance())
+    scale = u * np.sqrt(np.clip(lam, 0, None))
+    samples = [real[:n]]
+    for start in range(0, extra, 50_000):
+        m = min(50_000, extra - start)
+        samples.append((moments.mean + rng.standard_normal((m, real.shape[1])) @ scale.T).astype(np.float32))
+    return np.ascontiguousarray(np.concatenate(samples))
+
+
+def bench_model(model: str, directory: Path, query_texts: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    docs = documents(directory, args.n)
+    d = docs.shape[1]
+    reduced = 256 if d == 768 else d // 3
+    encoder = TransformerEncoder(model, "mean")
+    raw_queries = encoder.encode(query_texts)
+    print(f"{model}: {docs.shape[0]:,} docs x {d}; {len(query_texts)} queries; {d} -> {reduced}", file=sys.stderr)
+    exact = faiss.IndexFlatIP(d)
+    exact.add(l2_normalize(docs))
+    _, truth = exact.search(l2_normalize(raw_queries), 10)  # exact full-dimension neighbours (raw cosine)
+    moments = RunningMoments.from_array(docs)
+    rows = []
+    for kind in ("flat",) if args.quick else KINDS:
+        for dim in (d, reduced):
+            sw = benchlib.Stopwatch()
+            with sw("fit"):
+                transform = RawTransform(d) if dim == d else Whitening.fit(moments, dim=dim, gamma=args.gamma)
+            with sw("transform"):
+                vectors = transform.transform(docs)
+            spec = IndexSpec(kind, ef_construction=80)
+            index = create_index(spec, dim, len(vectors))
+            if not index.is_trained:
+                with sw("train"):
+                    train(
+                        index, vectors[np.random.default_rng(0).choice(len(vectors), min(len(vectors), 65536), False)]
+                    )
+            with sw("add"):
+                index.add(vectors)
+            q = transform.transform(raw_queries)
+            _, same_space = faiss_exact(vectors, q)
+            knob = tune_knob(index, kind, q, same_space)
+            row = {
+                "model": model,
+                "kind": kind,
+                "dim": dim,
+                "build_s": sum(sw.seconds.values()),
+                **{f"{k}_s": v for k, v in sw.seconds.items()},
+                "bytes": len(faiss.serialize_index(index)),
+                **knob,
+            }
+            row |= timings(index, q, args, vectors if kind == "flat" else None)
+            row |= end_to_end(encoder, transform, index, query_texts, args, vectors if kind == "flat" else None)
+            _, found = index.search(q, 10)
+            row["recall@10_vs_exact_full"] = recall(found, truth)
+            rows.append(row)
+            print(benchlib.md_table([row], COLUMNS), file=sys.stderr)
+    ratios = {}
+    for kind in {r["kind"] for r in rows}:
+        full, red = (next(r for r in rows if r["kind"] == kind and r["dim"] == x) for x in (d, reduced))
+        ratios[kind] = {k: full[k] / red[k] for k in ("search_p50_ms", "batch_ms_per_query", "bytes")}
+    return {"d": d, "reduced": reduced, "gamma": args.gamma, "rows": rows, "speedup_full_over_reduced": ratios}
+
+
+def faiss_exact(vectors: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    index = faiss.IndexFlatIP(vectors.shape[1])
+    index.add(vectors)
+    return index.search(q, 10)
+
+
+def recall(found: np.ndarray, truth: np.ndarray) -> float:
+    return float(np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(found, truth, strict=True)]))
+
+
+def tune_knob(index: Any, kind: str, q: np.ndarray, truth: np.ndarray) -> dict[str, Any]:
+    """The smallest efSearch / nprobe that reaches recall@10 >= 0.95 against exact search in the same space."""
+    if kind == "flat":
+        return {"knob": "-", "recall@10_same_space": 1.0}
+    name = "efSearch" if kind == "hnsw" else "nprobe"
+    values = (
+        (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+        if kind == "hnsw"
+        else (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+    )
+    for value in values:
+        set_search_params(index, **({"ef_search": value} if kind == "hnsw" else {"nprobe": value}))
+        r = recall(index.search(q, 10)[1], truth)
+        if r >= 0.95:
+            break
+    return {"knob": f"{name}={value}", "recall@10_same_space": r}
+
+
+def timings(index: Any, q: np.ndarray, args: argparse.Namespace, flat: np.ndarray | None) -> dict[str, float]:
+    batch = benchlib.median(benchlib.repeat(lambda: index.search(q, 10), runs=args.runs))
+    singles = q[: 100 if args.quick else len(q)]
+    one = _single_times(lambda v: index.search(v[None, :], 10), singles)
+    out = {"batch_qps": len(q) / batch, "batch_ms_per_query": batch * 1000 / len(q)}
+    out |= {"search_p50_ms": one["p50"], "search_p99_ms": one["p99"]}
+    if flat is not None:
+        numpy_path = _single_times(lambda v: _flat_top_k(flat, v[None, :], 10), singles)
+        out |= {"numpy_p50_ms": numpy_path["p50"], "numpy_p99_ms": numpy_path["p99"]}
+        out["faiss_scan_GBps"] = flat.nbytes / (one["p50"] / 1000) / 1e9
+        out["numpy_scan_GBps"] = flat.nbytes / (numpy_path["p50"] / 1000) / 1e9
+    return out
+
+
+def end_to_end(
+    encoder: Any, transform: Any, index: Any, texts: list[str], args: argparse.Namespace, flat: np.ndarray | None
+) -> dict[str, float]:
+    """One query at a time: encode + transform + search, the way `retrieval search` answers."""
+
+    def answer(text: str) -> None:
+        v = transform.transform(encoder.encode([text]))
+        if flat is not None:
+            _flat_top_k(flat, v, 10)
+        else:
+            index.search(v, 10)
+
+    for text in texts[:5]:
+        answer(text)
+    times = []
+    for text in texts[: 50 if args.quick else 150]:
+        start = time.perf_counter()
+        answer(text)
+        times.append((time.perf_counter() - start) * 1000)
+    p = benchlib.percentiles(times)
+    return {"e2e_p50_ms": p["p50"], "e2e_p99_ms": p["p99"]}
+
+
+def _single_times(fn: Any, queries: np.ndarray) -> dict[str, float]:
+    for v in queries[:10]:
+        fn(v)
+    times = []
+    for v in queries:
+        start = time.perf_counter()
+        fn(v)
+        times.append((time.perf_counter() - start) * 1000)
+    return benchlib.percentiles(times)
+
+
+COLUMNS = [
+    ("kind", "index"),
+    ("dim", "dims"),
+    ("knob", "knob"),
+    ("build_s", "build s"),
+    ("bytes", "bytes"),
+    ("batch_qps", "batch QPS"),
+    ("search_p50_ms", "1-query p50 ms"),
+    ("search_p99_ms", "p99 ms"),
+    ("numpy_p50_ms", "numpy path p50 ms"),
+    ("faiss_scan_GBps", "FAISS GB/s"),
+    ("numpy_scan_GBps", "numpy GB/s"),
+    ("e2e_p50_ms", "end-to-end p50 ms"),
+    ("e2e_p99_ms", "e2e p99 ms"),
+    ("recall@10_same_space", "recall@10 (same space)"),
+    ("recall@10_vs_exact_full", "recall@10 vs exact full-d"),
+]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = ["Machine:", benchlib.machine_md(report["machine"]), "", f"Command: `{report['command']}`", ""]
+    for model, res in report["models"].items():
+        lines += [f"### {model}: {report['n']:,} documents, {res['d']} -> {res['reduced']} (gamma {res['gamma']})", ""]
+        lines.append(benchlib.md_table(res["rows"], COLUMNS))
+        lines += ["", "| index | full/reduced: single-query p50 | batch time per query | bytes |", "|---|---|---|---|"]
+        for kind, r in res["speedup_full_over_reduced"].items():
+            lines.append(f"| {kind} | {r['search_p50_ms']:.2f}x | {r['batch_ms_per_query']:.2f}x | {r['bytes']:.2f}x |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
