@@ -76,7 +76,8 @@ def train_size(index: faiss.Index, spec: IndexSpec, n: int) -> int:
         return min(spec.train_size, n)
     ivf = _ivf(index)
     lists = ivf.nlist if ivf is not None else 256
-    return min(n, max(100 * lists, 65536))
+    # k-means wants >= 39 points per centroid (FAISS warns below); more costs time linearly for little gain.
+    return min(n, max(50 * lists, 10_000))
 
 
 def train(index: faiss.Index, sample: np.ndarray) -> None:
@@ -130,10 +131,11 @@ def flat_vectors(index: faiss.Index) -> np.ndarray | None:
 
     The view keeps the index alive (a bare ``rev_swig_ptr`` would dangle once the index is freed).
     """
-    if not isinstance(index, faiss.IndexFlatIP) or index.ntotal == 0:
+    flat = faiss.downcast_index(index)  # index_factory("Flat") gives IndexFlat; read_index gives IndexFlatIP
+    if not isinstance(flat, faiss.IndexFlat) or flat.metric_type != faiss.METRIC_INNER_PRODUCT or not flat.ntotal:
         return None
-    view = faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
-    return np.asarray(_Owned(view, index))
+    view = faiss.rev_swig_ptr(flat.get_xb(), flat.ntotal * flat.d).reshape(flat.ntotal, flat.d)
+    return np.asarray(_Owned(view, index))  # the original object owns the C++ index; the downcast does not
 
 
 class _Owned:
