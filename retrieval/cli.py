@@ -20,7 +20,7 @@ from retrieval import home
 from retrieval.build import DEFAULT_EPSILON, DEFAULT_GAMMA, BuildOptions, TransformSpec, build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.encoder import DEFAULT_MODEL, POOLINGS, PRECISIONS, TransformerEncoder
-from retrieval.errors import RetrievalError
+from retrieval.errors import ConfigError, RetrievalError
 from retrieval.index import IndexSpec
 from retrieval.manifest import Manifest
 
@@ -88,6 +88,12 @@ def progress_bars() -> Iterator[Callable[[str, int, int], None]]:
 
 
 # ----- index -----------------------------------------------------------------------------------------------
+TextOption = Annotated[str, typer.Option(help="Column with the document text.")]
+IdOption = Annotated[
+    str | None, typer.Option(help="Column with document ids [default: id if present, else row numbers].")
+]
+TitleOption = Annotated[str | None, typer.Option(help="Column prepended to the text, as BEIR does.")]
+SkipEmptyOption = Annotated[bool, typer.Option(help="Leave out rows with null or empty text instead of failing.")]
 Corpus = Annotated[
     Path, typer.Argument(help="Parquet file with one document per row, or a .npy array of vectors.", dir_okay=False)
 ]
@@ -108,17 +114,13 @@ def index(
     extra_pooling: Annotated[
         list[str] | None, typer.Option(help="Also stash this pooling (repeatable), for `retrieval tune`.")
     ] = None,
-    text_column: Annotated[str, typer.Option(help="Column with the document text.")] = "text",
-    id_column: Annotated[
-        str | None, typer.Option(help="Column with document ids [default: id if present, else row numbers].")
-    ] = None,
-    title_column: Annotated[str | None, typer.Option(help="Column prepended to the text, as BEIR does.")] = None,
+    text_column: TextOption = "text",
+    id_column: IdOption = None,
+    title_column: TitleOption = None,
     vectors_column: Annotated[
         str | None, typer.Option(help="Column of precomputed embeddings (list of floats): skip encoding.")
     ] = None,
-    skip_empty: Annotated[
-        bool, typer.Option(help="Leave out rows with null or empty text instead of failing.")
-    ] = False,
+    skip_empty: SkipEmptyOption = False,
     max_length: Annotated[int | None, typer.Option(help="Tokens per text [default: the model's].")] = None,
     batch_size: Annotated[int, typer.Option(help="Texts per forward pass.")] = 32,
     precision: Annotated[str, typer.Option(help="fp32, bf16, or auto (bf16 where the CPU has it).")] = "auto",
@@ -252,17 +254,13 @@ IndexDirArg = Annotated[Path, typer.Argument(help="Index directory to change in 
 def add(
     index_dir: IndexDirArg,
     corpus: Corpus,
-    text_column: Annotated[str, typer.Option(help="Column with the document text.")] = "text",
-    id_column: Annotated[
-        str | None, typer.Option(help="Column with document ids [default: id if present, else row numbers].")
-    ] = None,
-    title_column: Annotated[str | None, typer.Option(help="Column prepended to the text, as BEIR does.")] = None,
+    text_column: TextOption = "text",
+    id_column: IdOption = None,
+    title_column: TitleOption = None,
     vectors_column: Annotated[
         str | None, typer.Option(help="Column of precomputed embeddings (for indexes built from vectors).")
     ] = None,
-    skip_empty: Annotated[
-        bool, typer.Option(help="Leave out rows with null or empty text instead of failing.")
-    ] = False,
+    skip_empty: SkipEmptyOption = False,
 ) -> None:
     """Encode new documents and add them to an index with its existing kernel (see `info` for drift)."""
     from retrieval.update import add as add_rows
@@ -453,11 +451,14 @@ def tune(
     from retrieval import tune as tuning
     from retrieval.evaluate import read_pairs, read_qrels, read_queries
 
+    # ConfigError, not typer.BadParameter: one "error:" line and exit 1, like every other user error
     if (index_dir is None) == (pairs is None):
-        raise typer.BadParameter("give an INDEX_DIR with --queries/--qrels (IR), or --pairs (STS)")
+        raise ConfigError("give an INDEX_DIR with --queries/--qrels (IR), or --pairs (STS)")
+    if apply and index_dir is None:  # before any encoding, not after the whole sweep
+        raise ConfigError("--apply re-fits an index: it needs INDEX_DIR")
     if index_dir is not None:
         if queries is None or qrels is None:
-            raise typer.BadParameter("IR tuning needs --queries and --qrels (the dev split)")
+            raise ConfigError("IR tuning needs --queries and --qrels (the dev split)")
         from retrieval.encoder import load_encoder
         from retrieval.manifest import Manifest
         from retrieval.search import Docs, stash_of
@@ -468,7 +469,7 @@ def tune(
         info = {**manifest.encoder, "pooling": pools[0]}
         encoder = load_encoder(info) if info.get("kind") == "transformers" else None
         if encoder is None:
-            raise typer.BadParameter("IR tuning needs a text encoder: this index was built from vectors")
+            raise ConfigError("IR tuning needs a text encoder: this index was built from vectors")
         d = stash.dim
         grid = tuning.candidates(pools, [int(v) for v in _floats(dims)] or _default_dims(d), _floats(gammas), d)
         test = (read_queries(test_queries), read_qrels(test_qrels)) if test_queries and test_qrels else None
@@ -502,8 +503,7 @@ def tune(
         result = tuning.tune_sts(vectors, sentences, dev_pairs, test_set, grid, metric or "all")
     _report_tuning(result, results)
     if apply:
-        if index_dir is None:
-            raise typer.BadParameter("--apply re-fits an index: it needs INDEX_DIR")
+        assert index_dir is not None
         from retrieval.update import refit
 
         best = result.best.candidate

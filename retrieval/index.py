@@ -16,6 +16,7 @@ from retrieval.errors import ConfigError, IndexDirError
 log = logging.getLogger(__name__)
 
 KINDS = ("flat", "hnsw", "ivf")
+REFINE_K_FACTOR = 16  # a Refine(...) step re-ranks 16 k candidates of the compressed index exactly
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,10 @@ def create_index(spec: IndexSpec, dim: int, n: int) -> faiss.Index:
     hnsw = _hnsw(index)
     if hnsw is not None:
         hnsw.efConstruction = spec.ef_construction
+    refine = faiss.downcast_index(index)
+    if isinstance(refine, faiss.IndexRefine):
+        # FAISS's k_factor of 1 re-ranks only the base index's own top k: the order changes, the recall cannot
+        refine.k_factor = REFINE_K_FACTOR
     return index
 
 
@@ -123,6 +128,9 @@ def describe(index: faiss.Index) -> dict[str, Any]:
     ivf = _ivf(index)
     if ivf is not None:
         info |= {"nlist": int(ivf.nlist), "nprobe": int(ivf.nprobe)}
+    refine = faiss.downcast_index(index)
+    if isinstance(refine, faiss.IndexRefine):
+        info["k_factor"] = int(refine.k_factor)
     return info
 
 

@@ -151,7 +151,13 @@ class Searcher:
         k = min(k, self.index.ntotal)
         if self._flat is not None and vectors.shape[0] == 1:
             return _flat_top_k(self._flat, vectors, k)
-        set_search_params(self.index, ef_search=ef_search, nprobe=nprobe)
+        # knobs left unset go back to the index's defaults, not to whatever the previous call asked for
+        defaults = self.manifest.index.get("search", {})
+        set_search_params(
+            self.index,
+            ef_search=defaults.get("ef_search") if ef_search is None else ef_search,
+            nprobe=defaults.get("nprobe") if nprobe is None else nprobe,
+        )
         return self.index.search(np.ascontiguousarray(vectors, dtype=np.float32), k)
 
     def _rescore(self, raw: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -95,6 +95,13 @@ def pick(trials: Sequence[Trial], metric: str) -> Trial:
     return max(trials, key=lambda t: (round(t.dev[metric], 6), -t.candidate.dim, -(t.candidate.gamma or 0.0)))
 
 
+def _result(trials: list[Trial], metric: str) -> TuneResult:
+    """The dev choice among the transforms (raw only if nothing else was tried), and its pooling's raw trial."""
+    best = pick([t for t in trials if t.candidate.gamma is not None] or trials, metric)
+    raw = next((t for t in trials if t.candidate.gamma is None and t.candidate.pooling == best.candidate.pooling), None)
+    return TuneResult(metric, trials, best, raw)
+
+
 # ----- IR ---------------------------------------------------------------------------------------------------
 def tune_ir(
     stash: VectorStash,
@@ -135,9 +142,7 @@ def tune_ir(
         trials.append(trial)
         if on_trial:
             on_trial(trial)
-    best = pick([t for t in trials if t.candidate.gamma is not None] or trials, metric)
-    raw = next((t for t in trials if t.candidate.gamma is None and t.candidate.pooling == best.candidate.pooling), None)
-    return TuneResult(metric, trials, best, raw)
+    return _result(trials, metric)
 
 
 def _ir_scores(
@@ -193,6 +198,4 @@ def tune_sts(
         trials.append(trial)
         if on_trial:
             on_trial(trial)
-    best = pick([t for t in trials if t.candidate.gamma is not None] or trials, metric)
-    raw = next((t for t in trials if t.candidate.gamma is None and t.candidate.pooling == best.candidate.pooling), None)
-    return TuneResult(metric, trials, best, raw)
+    return _result(trials, metric)

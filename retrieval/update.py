@@ -104,6 +104,8 @@ def refit(
                 moments = stash_moments(linked, pooling)
         new = _finish(work, linked, moments, spec, index, timer, progress)
         new.encoder, new.corpus = manifest.encoder, manifest.corpus
+        if "pooling" in new.encoder:  # queries must be pooled as the documents the new kernel was fitted on
+            new.encoder = new.encoder | {"pooling": pooling}
         with timer.stage("write"):
             new.timings = timer.seconds
             new.save(work)

@@ -11,7 +11,7 @@
    Flat single-query search: FAISS nq=1 vs retrieval.search._flat_top_k (numpy matvec + argpartition), GB/s.
 
     python scripts/bench_scale.py --from-index /work/bench/indexes/scifact-mpnet          # 1M x 768, ~25 min
-    python scripts/bench_scale.py --from-index /work/bench/indexes/scifact-minilm --quick # 50k rows, < 2 min
+    python scripts/bench_scale.py --from-index /work/bench/indexes/scifact-minilm --quick # 20k rows, < 2 min
 """
 
 from __future__ import annotations
@@ -414,7 +414,7 @@ def main() -> None:
         "--scratch", type=Path, default=Path("/tmp/retrieval-bench-scale"), help="data folder, not in the repo"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="50k rows, 200 queries: a smoke run")
+    p.add_argument("--quick", action="store_true", help="20k rows, 200 queries: a smoke run")
     p.add_argument("--out", type=Path, default=None, help="results root (default: results/)")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
@@ -426,7 +426,7 @@ def main() -> None:
     if args.from_index is None:
         p.error("--from-index is required")
     if args.quick:
-        args.n, args.queries = min(args.n, 50_000), min(args.queries, 200)
+        args.n, args.queries = min(args.n, 20_000), min(args.queries, 200)
 
     info = benchlib.machine()
     benchlib.print_machine(info)
@@ -445,8 +445,8 @@ def main() -> None:
     calibration = {}
     if "hnsw" in kinds:
         for k in all_dims:
-            if args.hnsw_n:
-                hnsw_n[k] = min(args.n, args.hnsw_n)
+            if args.hnsw_n or args.n <= BLOCK:  # small runs build HNSW on every row: nothing to calibrate
+                hnsw_n[k] = min(args.n, args.hnsw_n or args.n)
                 continue
             rows = min(args.n, 20_000)
             rate = calibrate_hnsw(work, k, hnsw_spec, rows)
