@@ -1,0 +1,268 @@
+"""`retrieval eval ir`, `eval sts` and `tune` on the real transformers path (the tiny random BERT as --model,
+stashing mean and cls pooling): tables, JSON, per-query files, re-scoring, which fit STS used, a sweep that
+never re-encodes the corpus, --apply re-fitting the index, and bad inputs giving one clear line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import write_corpus
+from typer.testing import CliRunner
+
+from retrieval.cli import app
+from retrieval.encoder import TransformerEncoder
+from retrieval.manifest import Manifest
+
+runner = CliRunner()
+METRICS = ("nDCG@10", "Recall@10", "Recall@100", "MRR@10", "MAP@100")
+
+
+def run(*args: str | Path | int) -> click.testing.Result:
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def ok(result: click.testing.Result) -> click.testing.Result:
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+def one_error_line(result: click.testing.Result, *fragments: str) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 1, (result.exit_code, result.output)
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def doc_text(i: int) -> str:
+    return f"document number {i} about topic {i % 7}"  # as write_corpus writes them
+
+
+def write_split(folder: Path, name: str, docs: list[int]) -> tuple[Path, Path]:
+    """Queries equal to the documents' texts; each judged relevant to its own document (plus graded noise)."""
+    queries = folder / f"{name}-queries.parquet"
+    qrels = folder / f"{name}-qrels.parquet"
+    pq.write_table(pa.table({"query_id": [f"{name}{i}" for i in docs], "text": [doc_text(i) for i in docs]}), queries)
+    pq.write_table(
+        pa.table(
+            {
+                "query_id": [f"{name}{i}" for i in docs] * 2,
+                "doc_id": [f"doc{i}" for i in docs] + [f"doc{(i + 7) % 200}" for i in docs],
+                "score": [2] * len(docs) + [1] * len(docs),
+            }
+        ),
+        qrels,
+    )
+    return queries, qrels
+
+
+def write_pairs(path: Path, seed: int, n: int = 24, subsets: bool = False) -> Path:
+    """Sentence pairs in the tiny BERT's vocabulary, gold = topic overlap, so scores vary."""
+    import random
+
+    rng = random.Random(seed)
+    s1, s2, gold = [], [], []
+    for _ in range(n):
+        a, b = rng.randrange(60), rng.randrange(60)
+        s1.append(f"the sentence {a} about topic {a % 5}")
+        s2.append(f"a query {b} about index {b % 5}")
+        gold.append(float(5 - abs(a % 5 - b % 5)) + rng.random())
+    columns = {"sentence1": s1, "sentence2": s2, "score": gold}
+    if subsets:
+        columns["subset"] = ["first"] * (n // 2) + ["second"] * (n - n // 2)
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def built(tiny_bert: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """One index (200 docs, mean pooling, cls stashed too) and dev/test query splits, shared read-only."""
+    root = tmp_path_factory.mktemp("cli-eval")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RETRIEVAL_INDEX_ROOT", str(root / "indexes"))
+        corpus = write_corpus(root / "corpus.parquet", n=200)
+        ok(run("index", corpus, "--model", tiny_bert, "--extra-pooling", "cls", "--out", root / "idx"))
+    dev_q, dev_r = write_split(root, "dev", list(range(0, 60, 5)))
+    test_q, test_r = write_split(root, "test", list(range(3, 200, 13)))
+    yield {"index": root / "idx", "dev_q": dev_q, "dev_r": dev_r, "test_q": test_q, "test_r": test_r}
+
+
+# ----- eval ir ---------------------------------------------------------------------------------------------
+def test_eval_ir_table_json_and_per_query(built: dict[str, Path], tmp_path: Path) -> None:
+    table = ok(run("eval", "ir", built["index"], "--queries", built["test_q"], "--qrels", built["test_r"])).stdout
+    assert all(name in table for name in METRICS)
+    assert "(16 queries)" in table  # 3, 16, ..., 198
+
+    per_query = tmp_path / "per-query.jsonl"
+    result = ok(
+        run(
+            "eval", "ir", built["index"], "--queries", built["test_q"], "--qrels", built["test_r"],
+            "--json", "--per-query", per_query,
+        )
+    )  # fmt: skip
+    metrics = json.loads(result.stdout)
+    assert set(metrics) == {"queries", *METRICS} and metrics["queries"] == 16
+    assert all(0.0 <= metrics[name] <= 1.0 for name in METRICS)
+    # each query is its own document's text: the same encoder and transform put that document first
+    assert metrics["MRR@10"] == pytest.approx(1.0)
+    lines = [json.loads(line) for line in per_query.read_text().splitlines()]
+    assert len(lines) == 16 and {line["query_id"] for line in lines} == {f"test{i}" for i in range(3, 200, 13)}
+    assert all(set(line) == {"query_id", *METRICS} for line in lines)
+    # the summary is the mean of the per-query lines
+    assert metrics["nDCG@10"] == pytest.approx(sum(line["nDCG@10"] for line in lines) / 16, abs=1e-12)
+
+
+def test_eval_ir_rescore(built: dict[str, Path]) -> None:
+    args = ("eval", "ir", built["index"], "--queries", built["dev_q"], "--qrels", built["dev_r"], "--json")
+    plain = json.loads(ok(run(*args)).stdout)
+    rescored = json.loads(ok(run(*args, "--rescore", 20, "--depth", 20)).stdout)
+    assert set(rescored) == set(plain) and rescored["queries"] == plain["queries"] == 12
+    assert all(0.0 <= rescored[name] <= 1.0 for name in METRICS)
+    # re-ranked by raw cosine: identical texts have raw cosine 1 as well, so the own document stays first
+    assert rescored["MRR@10"] == pytest.approx(1.0)
+
+
+def test_eval_ir_missing_qrels_column_is_one_line(built: dict[str, Path], tmp_path: Path) -> None:
+    bad = tmp_path / "qrels.parquet"
+    pq.write_table(pa.table({"query_id": ["dev0"], "corpus_id": ["doc0"], "score": [1]}), bad)
+    line = one_error_line(run("eval", "ir", built["index"], "--queries", built["dev_q"], "--qrels", bad))
+    assert "no column 'doc_id'" in line and "corpus_id" in line
+
+
+# ----- eval sts --------------------------------------------------------------------------------------------
+def test_eval_sts_target_fit_and_index_fit(built: dict[str, Path], tiny_bert: Path, tmp_path: Path) -> None:
+    sts12 = write_pairs(tmp_path / "sts12.parquet", seed=1, subsets=True)
+    stsb = write_pairs(tmp_path / "stsb.parquet", seed=2)
+    target = ok(run("eval", "sts", sts12, stsb, "--model", tiny_bert, "--pooling", "cls", "--dim", 16, "--json"))
+    report = json.loads(target.stdout)
+    assert report["fit"].startswith("target (") and "sts12, stsb" in report["fit"]
+    assert [row["file"] for row in report["results"]] == ["sts12", "stsb"]
+    first = report["results"][0]
+    assert set(first["raw"]) == {"first", "second", "wmean", "all"}
+    assert all(
+        -100 <= v <= 100 for row in report["results"] for part in ("raw", "transformed") for v in row[part].values()
+    )
+    assert "k=16" in report["transform"] or "16" in report["transform"]
+
+    table = ok(run("eval", "sts", stsb, "--model", tiny_bert)).stdout
+    assert "target" in table and "raw wmean" in table and "transformed all" in table
+
+    with_index = json.loads(ok(run("eval", "sts", stsb, "--index", built["index"], "--json")).stdout)
+    assert with_index["fit"] == f"index {built['index']}"
+    assert with_index["results"][0]["raw"] == pytest.approx(
+        json.loads(ok(run("eval", "sts", stsb, "--model", tiny_bert, "--json")).stdout)["results"][0]["raw"]
+    )  # the same encoder (mean pooling) gives the same raw vectors either way
+
+
+# ----- tune ------------------------------------------------------------------------------------------------
+class EncodeCounter:
+    """Counts the texts the transformers encoder is asked for, whichever method is used."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.texts: list[str] = []
+        real = TransformerEncoder.encode_poolings
+
+        def counting(encoder, texts, poolings, on_batch=None):
+            self.texts.extend(texts)
+            return real(encoder, texts, poolings, on_batch=on_batch)
+
+        monkeypatch.setattr(TransformerEncoder, "encode_poolings", counting)
+
+
+def tune_ir_args(built: dict[str, Path], index: Path, results: Path) -> list:
+    return [
+        "tune", index, "--queries", built["dev_q"], "--qrels", built["dev_r"],
+        "--test-queries", built["test_q"], "--test-qrels", built["test_r"],
+        "--dims", "16,8", "--gammas", "0,1", "--results", results,
+    ]  # fmt: skip
+
+
+def test_tune_ir_sweeps_the_stash_without_re_encoding(
+    built: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counter = EncodeCounter(monkeypatch)
+    before = (built["index"] / "index.faiss").read_bytes()
+    result = ok(run(*tune_ir_args(built, built["index"], tmp_path / "out")))
+    assert "the corpus was not re-encoded" in result.stderr
+    assert len(counter.texts) == 12 + 16  # the dev and test queries, once each for both poolings; no document
+    assert "chosen:" in result.stdout and "of raw" in result.stdout
+    report = json.loads((tmp_path / "out" / "tune.json").read_text())
+    assert report["metric"] == "nDCG@10" and report["corpus_rows_encoded"] == 0
+    labels = [t["label"] for t in report["trials"]]
+    assert labels[:2] == ["mean raw d=32", "cls raw d=32"] and len(labels) == 2 + 2 * 2 * 2
+    best = report["best"]
+    assert best["gamma"] is not None and best["dim"] in (16, 8)
+    assert best["dev"]["nDCG@10"] == max(t["dev"]["nDCG@10"] for t in report["trials"] if t["gamma"] is not None)
+    assert all(set(t["test"]) >= set(METRICS) and t["search_ms"] > 0 for t in report["trials"])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not (tmp_path / "out" / "tune.png").exists()
+    else:
+        assert (tmp_path / "out" / "tune.png").read_bytes()[:4] == b"\x89PNG"
+    assert (built["index"] / "index.faiss").read_bytes() == before  # without --apply the index is untouched
+
+
+def test_tune_apply_refits_the_index(built: dict[str, Path], tmp_path: Path) -> None:
+    index = Path(shutil.copytree(built["index"], tmp_path / "idx"))
+    old = Manifest.load(index).transform
+    assert (old["k"], old["gamma"]) == (32, 0.25)
+    result = ok(run(*tune_ir_args(built, index, tmp_path / "out"), "--apply"))
+    best = json.loads((tmp_path / "out" / "tune.json").read_text())["best"]
+    new = Manifest.load(index).transform
+    assert (new["k"], new["gamma"], new["pooling"]) == (best["dim"], best["gamma"], best["pooling"])
+    assert (new["k"], new["gamma"]) != (old["k"], old["gamma"])
+    assert Manifest.load(index).encoder["pooling"] == best["pooling"]  # queries pooled as the documents now are
+    assert f"32 -> {best['dim']} dims" in result.stderr
+    hits = ok(run("search", doc_text(42), "--index", index, "--json", "-k", 3)).stdout.splitlines()
+    assert len(hits) == 3 and json.loads(hits[0])["id"] == "doc42"
+    metrics = json.loads(
+        ok(run("eval", "ir", index, "--queries", built["dev_q"], "--qrels", built["dev_r"], "--json")).stdout
+    )
+    assert metrics["nDCG@10"] == pytest.approx(best["dev"]["nDCG@10"], abs=1e-6)  # flat index = the sweep's search
+
+
+def test_refit_to_the_stashed_cls_pooling_pools_queries_the_same_way(built: dict[str, Path], tmp_path: Path) -> None:
+    index = Path(shutil.copytree(built["index"], tmp_path / "idx"))
+    ok(run("refit", index, "--pooling", "cls", "--dim", 16))
+    manifest = Manifest.load(index)
+    assert (manifest.transform["pooling"], manifest.encoder["pooling"]) == ("cls", "cls")
+    hit = json.loads(ok(run("search", doc_text(42), "--index", index, "--json", "-k", 1)).stdout)
+    # the query is the document's own text, so with the same pooling on both sides the cosine is 1
+    assert hit["id"] == "doc42" and hit["score"] == pytest.approx(1.0, abs=1e-3)  # bf16 autocast, batch padding
+
+
+def test_tune_sts_pairs(tiny_bert: Path, tmp_path: Path) -> None:
+    dev = write_pairs(tmp_path / "dev.parquet", seed=3)
+    test = write_pairs(tmp_path / "test.parquet", seed=4)
+    result = ok(
+        run(
+            "tune", "--pairs", dev, "--test-pairs", test, "--model", tiny_bert, "--poolings", "mean,cls",
+            "--dims", "16,8", "--gammas", "0,1", "--results", tmp_path / "out",
+        )
+    )  # fmt: skip
+    assert "chosen:" in result.stdout
+    report = json.loads((tmp_path / "out" / "tune.json").read_text())
+    assert report["metric"] == "all" and len(report["trials"]) == 10
+    assert all(
+        set(t["dev"]) == {"dev", "wmean", "all"} and set(t["test"]) == {"test", "wmean", "all"}
+        for t in report["trials"]
+    )
+    assert report["best"]["dev"]["all"] == max(t["dev"]["all"] for t in report["trials"] if t["gamma"] is not None)
+
+
+def test_tune_bad_inputs_are_one_line(built: dict[str, Path], tmp_path: Path) -> None:
+    one_error_line(run("tune"), "give an INDEX_DIR")
+    pairs = write_pairs(tmp_path / "p.parquet", seed=5)
+    one_error_line(run("tune", built["index"], "--pairs", pairs), "give an INDEX_DIR")
+    one_error_line(run("tune", built["index"], "--queries", built["dev_q"]), "needs --queries and --qrels")
+    one_error_line(run("tune", "--pairs", pairs, "--apply"), "--apply re-fits an index")

@@ -1,0 +1,203 @@
+"""Approximate indexes (issue 4, section 1): flat, hnsw, ivf and index_factory strings built over the transformed
+vectors; recall against exact search; search-time knobs (efSearch, nprobe) reaching FAISS; `info` showing the
+type and its parameters; IVF defaults derived from N; IVF training on a transformed sample of the stash."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import FakeEncoder, write_corpus
+from typer.testing import CliRunner
+
+import retrieval.build
+import retrieval.search
+from retrieval.build import TransformSpec, build_index
+from retrieval.cli import app
+from retrieval.corpus import CorpusSpec
+from retrieval.errors import ConfigError
+from retrieval.index import REFINE_K_FACTOR, IndexSpec, _hnsw, _ivf
+from retrieval.search import Searcher, stash_of
+
+N = 2000
+runner = CliRunner()
+
+# kind -> (FAISS class after load, knob name, increasing knob values, a generous value)
+KINDS = {
+    "flat": ("IndexFlatIP", None, [], None),
+    "hnsw": ("IndexHNSWFlat", "ef_search", [8, 16, 32, 64, 256], 256),
+    "ivf": ("IndexIVFFlat", "nprobe", [1, 2, 4, 8, 16, 51], 51),  # nlist 51 for N = 2000
+    "HNSW16": ("IndexHNSWFlat", "ef_search", [8, 16, 32, 64, 256], 256),
+    "IVF16,Flat": ("IndexIVFFlat", "nprobe", [1, 2, 4, 8, 16], 16),
+    "IVF16,SQ8": ("IndexIVFScalarQuantizer", "nprobe", [1, 2, 4, 8, 16], 16),
+    # "np": no polysemous training (seconds here, and unused by a refined search); PQ8x4 = 8 codes of 4 bits
+    "IVF8,PQ8x4np,Refine(Flat)": ("IndexRefineFlat", "nprobe", [1, 2, 4, 8], 8),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, Path], np.ndarray]]:
+    """One 2000-row fake corpus, every kind built over it (16 -> 16 dims, the default gamma), and 100 queries.
+    Same stash, same moments: every index holds exactly the same transformed vectors."""
+    root = tmp_path_factory.mktemp("kinds")
+    corpus = write_corpus(root / "corpus.parquet", n=N)
+    built = {}
+    for kind in KINDS:
+        out = root / kind.replace(",", "_").replace("(", "_").replace(")", "")
+        # ef_construction 40 instead of 200: a build in a fraction of the time, recall still ~1 at N = 2000
+        build_index(CorpusSpec(corpus), FakeEncoder(), out, TransformSpec(), IndexSpec(kind, ef_construction=40))
+        built[kind] = out
+    queries = FakeEncoder().encode([f"what about topic {i}?" for i in range(100)])
+    yield corpus, built, queries
+
+
+def recall(rows: np.ndarray, truth: np.ndarray) -> float:
+    return float(np.mean([len(set(a) & set(b)) / truth.shape[1] for a, b in zip(rows, truth, strict=True)]))
+
+
+def knob_value(searcher: Searcher, knob: str) -> int:
+    return int(_hnsw(searcher.index).efSearch) if knob == "ef_search" else int(_ivf(searcher.index).nprobe)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_recall_and_search_knobs(setup, kind: str) -> None:
+    _, built, queries = setup
+    cls, knob, values, generous = KINDS[kind]
+    exact = Searcher.load(built["flat"], encoder=FakeEncoder())
+    _, truth = exact.search_raw(queries, 10)
+    searcher = Searcher.load(built[kind], encoder=FakeEncoder())
+    assert type(searcher.index).__name__ == cls
+    assert searcher.manifest.index["type"] == kind
+    assert searcher.transform.dim_out == exact.transform.dim_out == 16
+
+    params = {knob: generous} if knob else {}
+    _, rows = searcher.search_raw(queries, 10, **params)
+    assert recall(rows, truth) >= 0.9, kind
+    if knob is None:
+        return
+    # every knob value reaches FAISS, and more search effort never loses recall on these queries
+    recalls = []
+    for value in values:
+        _, rows = searcher.search_raw(queries, 10, **{knob: value})
+        assert knob_value(searcher, knob) == value
+        recalls.append(recall(rows, truth))
+    assert recalls == sorted(recalls), (kind, recalls)
+    assert recalls[0] < 1.0 or kind.startswith("HNSW"), "the smallest setting should cost some recall"
+    # a call without knobs is back on the index's defaults, not on the previous call's
+    searcher.search_raw(queries, 10)
+    assert knob_value(searcher, knob) == searcher.manifest.index["search"][knob]
+
+
+def test_default_knobs_and_what_info_shows(setup) -> None:
+    _, built, _ = setup
+    expected = {
+        "hnsw": {"M": 32, "efConstruction": 40, "efSearch": 128},
+        "HNSW16": {"M": 16, "efConstruction": 40, "efSearch": 128},
+        "ivf": {"nlist": 51, "nprobe": 7},  # nlist = min(4 sqrt(2000), 2000 // 39) = 51; nprobe ~ sqrt(51)
+        "IVF16,SQ8": {"nlist": 16, "nprobe": 4},
+        "IVF8,PQ8x4np,Refine(Flat)": {"nlist": 8, "nprobe": 3, "k_factor": REFINE_K_FACTOR},
+    }
+    for kind, params in expected.items():
+        result = runner.invoke(app, ["info", str(built[kind]), "--json"])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        index = report["manifest"]["index"]
+        assert index["type"] == kind and index["ntotal"] == N
+        assert {k: index["faiss"][k] for k in params} == params, kind
+        shown = report["summary"]["index"]
+        assert shown.startswith(f"{kind} (")
+        assert all(f"{k}={v}" in shown for k, v in params.items() if k != "k_factor"), shown
+    flat = json.loads(runner.invoke(app, ["info", str(built["flat"]), "--json"]).stdout)["manifest"]["index"]
+    assert set(flat["faiss"]) == {"class", "ntotal", "dim"} and flat["search"] == {}  # no knobs to show
+
+
+def test_knobs_are_clamped_and_ignored_where_they_do_not_apply(setup) -> None:
+    _, built, queries = setup
+    ivf = Searcher.load(built["IVF16,Flat"], encoder=FakeEncoder())
+    ivf.search_raw(queries[:3], 5, nprobe=1000, ef_search=7)  # no HNSW here: ef_search is ignored
+    assert knob_value(ivf, "nprobe") == 16
+    hnsw = Searcher.load(built["hnsw"], encoder=FakeEncoder())
+    _, rows = hnsw.search_raw(queries[:3], 5, nprobe=3)
+    assert (rows >= 0).all()
+
+
+@pytest.mark.parametrize("n", [1, 10, 38, 39, 100, 2000, 10_000, 100_000, 1_000_000])
+def test_default_nlist_is_sane(n: int) -> None:
+    nlist = IndexSpec("ivf").nlist_for(n)
+    assert 1 <= nlist <= max(1, n // 39)  # at least ~39 training points per list, FAISS's own minimum
+    if n >= 25_000:  # from here on 4 sqrt(N) <= N / 39
+        assert nlist == int(4 * np.sqrt(n))
+    assert IndexSpec("ivf", nlist=7).nlist_for(n) == 7
+    assert IndexSpec("ivf").factory(n) == f"IVF{nlist},Flat"
+
+
+def test_ivf_trains_on_a_transformed_sample_of_the_stash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    captured = []
+    real_train = retrieval.build.train
+
+    def spy(index, sample: np.ndarray) -> None:
+        captured.append(np.array(sample))
+        real_train(index, sample)
+
+    monkeypatch.setattr(retrieval.build, "train", spy)
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=600)
+    out = tmp_path / "idx"
+    build_index(
+        CorpusSpec(corpus), FakeEncoder(), out, TransformSpec(dim=12), IndexSpec("ivf", nlist=8, train_size=300)
+    )
+    (sample,) = captured
+    assert sample.shape == (300, 12)  # the training-size knob, at the transform's width (not the encoder's 16)
+    np.testing.assert_allclose(np.linalg.norm(sample, axis=1), 1.0, atol=1e-5)  # float32 unit rows
+    searcher = Searcher.load(out, encoder=FakeEncoder())
+    stash = stash_of(out)
+    transformed = searcher.transform.transform(np.concatenate(list(stash.iter_blocks())))
+    # each sample row is one transformed stash row (cosine 1 up to float32 round-off), 300 distinct rows
+    best = (sample @ transformed.T).argmax(axis=1)
+    np.testing.assert_allclose(sample, transformed[best], atol=1e-6)
+    assert len(set(best.tolist())) == 300
+    assert searcher.manifest.index["faiss"]["nlist"] == 8
+
+
+def test_bad_index_types_are_refused(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=100)
+    out = tmp_path / "idx"
+    with pytest.raises(ConfigError, match="'NotAnIndex12'.*valid index_factory string"):
+        build_index(CorpusSpec(corpus), FakeEncoder(), out, TransformSpec(), IndexSpec("NotAnIndex12"))
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="IVF with 64 lists needs at least that many training rows"):
+        build_index(CorpusSpec(corpus), FakeEncoder(), out, TransformSpec(), IndexSpec("ivf", nlist=64, train_size=50))
+    assert not out.exists()
+
+
+# ----- the CLI ---------------------------------------------------------------------------------------------
+def test_cli_index_type_and_search_knobs(tiny_bert: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = retrieval.search.set_search_params
+
+    def spy(index, ef_search=None, nprobe=None) -> None:
+        calls.append((ef_search, nprobe))
+        real(index, ef_search=ef_search, nprobe=nprobe)
+
+    monkeypatch.setattr(retrieval.search, "set_search_params", spy)
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=120)
+    query = "document number 17 about topic 3"
+    for kind, flag, value in (("hnsw", "--ef", 64), ("ivf", "--nprobe", 2)):
+        out = tmp_path / kind
+        built = runner.invoke(
+            app, ["index", str(corpus), "--model", str(tiny_bert), "--index-type", kind, "--out", str(out)]
+        )
+        assert built.exit_code == 0, built.output
+        info = json.loads(runner.invoke(app, ["info", str(out), "--json"]).stdout)
+        assert info["manifest"]["index"]["type"] == kind
+        calls.clear()
+        found = runner.invoke(app, ["search", query, "--index", str(out), "--json", "-k", "3", flag, str(value)])
+        assert found.exit_code == 0, found.output
+        hits = [json.loads(line) for line in found.stdout.splitlines()]
+        assert [h["rank"] for h in hits] == [1, 2, 3]
+        assert hits[0]["id"] == "doc17"  # the query is that document's text: cosine 1
+        assert calls == [(64, None)] if kind == "hnsw" else calls == [(None, 2)]
+    ivf_info = json.loads(runner.invoke(app, ["info", str(tmp_path / "ivf"), "--json"]).stdout)
+    assert ivf_info["manifest"]["index"]["faiss"]["nlist"] == 3  # 120 // 39: few rows, few lists

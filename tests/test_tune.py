@@ -1,0 +1,223 @@
+"""Choosing the transform: the candidate grid, tie-breaking, IR tuning over a stash (never re-encoding the
+corpus; every trial equal to an independent fit + exact search; the choice made on dev only), STS tuning on
+synthetic vectors, and the tuning plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+from conftest import FakeEncoder, write_corpus
+
+from retrieval.build import TransformSpec, build_index
+from retrieval.corpus import CorpusSpec
+from retrieval.evaluate import Pairs, Queries, moments_of, pair_cosines, to_run
+from retrieval.metrics import Qrels, evaluate_run, sts_scores
+from retrieval.search import Docs, stash_of
+from retrieval.stash import VectorStash
+from retrieval.tune import Candidate, Trial, TuneResult, candidates, pick, tune_ir, tune_sts
+from retrieval.whitening import RawTransform, Whitening, l2_normalize
+
+EPSILON = 1e-6  # tune_ir / tune_sts default
+
+
+# ----- the grid and the choice -----------------------------------------------------------------------------
+def test_candidates_grid_includes_a_raw_baseline_per_pooling() -> None:
+    grid = candidates(["mean", "cls"], [8, 16, 8], [0.0, 1.0], 32)
+    assert grid[:2] == [Candidate("mean", 32, None), Candidate("cls", 32, None)]
+    assert grid[2:] == [
+        Candidate(p, k, g) for p in ("mean", "cls") for k in (16, 8) for g in (0.0, 1.0)
+    ]  # dims deduplicated, largest first
+    assert len(set(grid)) == len(grid) == 10
+    assert Candidate("cls", 32, None).label == "cls raw d=32"
+    assert Candidate("mean", 8, 0.5).label == "mean k=8 g=0.5"
+
+
+def trial(dim: int, gamma: float | None, value: float) -> Trial:
+    return Trial(Candidate("mean", dim, gamma), dev={"m": value})
+
+
+def test_pick_prefers_the_best_then_smaller_dim_then_smaller_gamma() -> None:
+    assert pick([trial(16, 0.5, 0.5), trial(8, 1.0, 0.7), trial(4, 0.0, 0.6)], "m").candidate.dim == 8
+    tied = [trial(16, 0.5, 0.5), trial(8, 1.0, 0.5), trial(8, 0.5, 0.5), trial(8, 0.75, 0.5)]
+    assert pick(tied, "m").candidate == Candidate("mean", 8, 0.5)
+    # equal to 6 decimals counts as a tie (so float noise does not buy a bigger transform) ...
+    assert pick([trial(16, 0.0, 0.5000004), trial(8, 0.0, 0.5)], "m").candidate.dim == 8
+    # ... a real difference does not
+    assert pick([trial(16, 0.0, 0.50001), trial(8, 0.0, 0.5)], "m").candidate.dim == 16
+
+
+# ----- IR --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ir_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FakeEncoder]:
+    root = tmp_path_factory.mktemp("tune")
+    encoder = FakeEncoder()
+    build_index(CorpusSpec(write_corpus(root / "corpus.parquet", n=300)), encoder, root / "idx", TransformSpec())
+    return root / "idx", encoder
+
+
+GRID = candidates(["mean"], [16, 8], [0.0, 1.0], 16)
+CHOSEN_BY_DEV = Candidate("mean", 8, 1.0)  # (8, 0.0) would tie with (16, 0.0): the 8 dims left out are mostly noise
+PREFERRED_BY_TEST = Candidate("mean", 16, 1.0)
+
+
+def stash_matrix(stash: VectorStash) -> np.ndarray:
+    return np.concatenate(list(stash.iter_blocks(pooling="mean")))
+
+
+def reference_transform(cand: Candidate, x: np.ndarray) -> Whitening | RawTransform:
+    """The fit done directly: numpy mean and population covariance of the stashed rows."""
+    if cand.gamma is None:
+        return RawTransform(x.shape[1])
+    x64 = x.astype(np.float64)
+    cov = np.cov(x64, rowvar=False, bias=True)
+    return Whitening.fit_arrays(x64.mean(axis=0), cov, x.shape[0], cand.dim, cand.gamma, EPSILON)
+
+
+def exact_ranking(cand: Candidate, docs_raw: np.ndarray, queries_raw: np.ndarray, depth: int = 100) -> tuple:
+    transform = reference_transform(cand, docs_raw)
+    index = faiss.IndexFlatIP(transform.dim_out)
+    index.add(transform.transform(docs_raw))
+    return index.search(transform.transform(queries_raw), depth)
+
+
+def qrels_from(cand: Candidate, docs_raw: np.ndarray, queries: Queries, doc_ids: list[str]) -> Qrels:
+    """Grades 10..1 on this candidate's own top 10: it alone scores nDCG@10 = 1 on them."""
+    _, rows = exact_ranking(cand, docs_raw, FakeEncoder().encode(queries.texts), 10)
+    return {q: {doc_ids[r]: 10 - i for i, r in enumerate(row)} for q, row in zip(queries.ids, rows, strict=True)}
+
+
+def test_tune_ir_never_encodes_the_corpus_and_matches_an_independent_evaluation(ir_index) -> None:
+    directory, encoder = ir_index
+    stash = stash_of(directory)
+    doc_ids = Docs(directory / "docs.parquet").ids
+    docs_raw = stash_matrix(stash)
+    dev = Queries([f"dev{i}" for i in range(8)], [f"a question about topic {i}" for i in range(8)])
+    test = Queries([f"test{i}" for i in range(8)], [f"another question, number {i}" for i in range(8)])
+    dev_qrels = qrels_from(CHOSEN_BY_DEV, docs_raw, dev, doc_ids)
+    test_qrels = qrels_from(PREFERRED_BY_TEST, docs_raw, test, doc_ids)
+
+    asked: list[tuple[str, list[str]]] = []
+
+    def query_vectors(pooling: str, queries: Queries) -> np.ndarray:
+        asked.append((pooling, list(queries.texts)))
+        return encoder.encode(queries.texts)
+
+    calls, rows = encoder.calls, encoder.rows
+    seen: list[Candidate] = []
+    result = tune_ir(
+        stash,
+        doc_ids,
+        query_vectors,
+        (dev, dev_qrels),
+        (test, test_qrels),
+        GRID,
+        on_trial=lambda t: seen.append(t.candidate),
+    )
+
+    # (a) only the queries were encoded, each split once (cached across the five candidates); no corpus row
+    assert asked == [("mean", dev.texts), ("mean", test.texts)]
+    assert (encoder.calls - calls, encoder.rows - rows) == (2, 16)
+    assert result.corpus_rows_encoded == 0
+    assert seen == GRID and [t.candidate for t in result.trials] == GRID
+
+    # (b) every trial equals its own fit + exact search + evaluate_run
+    for t in result.trials:
+        for split, qrels, name in ((dev, dev_qrels, "dev"), (test, test_qrels, "test")):
+            scores, found = exact_ranking(t.candidate, docs_raw, FakeEncoder().encode(split.texts))
+            expected = evaluate_run(to_run(split.ids, scores, found, doc_ids), qrels).metrics
+            got = t.dev if name == "dev" else t.test
+            # same ranks (float32 scores of one data set, no near ties at the judged documents): float64 means
+            assert got == pytest.approx(expected, abs=1e-9), (t.candidate.label, name)
+        assert t.search_ms is not None and t.search_ms > 0
+
+    # (c) the choice follows dev, even though test would choose differently
+    by_label = {t.candidate: t for t in result.trials}
+    assert result.best.candidate == CHOSEN_BY_DEV
+    assert result.best.dev["nDCG@10"] == pytest.approx(1.0, abs=1e-12)
+    assert all(t.dev["nDCG@10"] < 1 - 1e-6 for c, t in by_label.items() if c != CHOSEN_BY_DEV)
+    best_on_test = max(result.trials, key=lambda t: t.test["nDCG@10"])
+    assert best_on_test.candidate == PREFERRED_BY_TEST
+    assert by_label[PREFERRED_BY_TEST].test["nDCG@10"] > result.best.test["nDCG@10"]
+    assert result.raw is not None and result.raw.candidate == Candidate("mean", 16, None)
+    as_dict = result.to_dict()
+    assert as_dict["best"]["label"] == "mean k=8 g=1.0" and len(as_dict["trials"]) == 5
+
+
+def test_tune_ir_without_a_test_split_and_another_metric(ir_index) -> None:
+    directory, encoder = ir_index
+    stash = stash_of(directory)
+    doc_ids = Docs(directory / "docs.parquet").ids
+    dev = Queries(["q"], ["a question about topic 1"])
+    qrels = qrels_from(CHOSEN_BY_DEV, stash_matrix(stash), dev, doc_ids)
+    grid = [Candidate("mean", 16, None), CHOSEN_BY_DEV]
+    result = tune_ir(stash, doc_ids, lambda p, q: encoder.encode(q.texts), (dev, qrels), None, grid, metric="MRR@10")
+    assert result.metric == "MRR@10"
+    assert all(t.test == {} for t in result.trials)
+    assert result.best.candidate == CHOSEN_BY_DEV  # the raw baseline is reported, never chosen
+
+
+# ----- STS -------------------------------------------------------------------------------------------------
+def synthetic_vectors(seed: int, sentences: list[str], d: int = 8) -> dict[str, np.ndarray]:
+    """Anisotropic: a large common mean and a rank-3 signal with decaying scales, plus a little noise."""
+    rng = np.random.default_rng(seed)
+    mean = rng.normal(size=d) * 3 + 5
+    basis = rng.normal(size=(3, d)) * np.array([[4.0], [1.5], [0.5]])
+    x = mean + rng.normal(size=(len(sentences), 3)) @ basis + 0.1 * rng.normal(size=(len(sentences), d))
+    return dict(zip(sentences, x.astype(np.float32), strict=True))
+
+
+def pairs_scored_by(cand: Candidate, vectors: dict, fit: list[str], s1: list[str], s2: list[str], name: str) -> Pairs:
+    """Gold = this candidate's own cosines, so it alone reaches Spearman 100."""
+    transform = cand.fit(moments_of(vectors[cand.pooling], fit), EPSILON)
+    unlabelled = Pairs(name, s1, s2, np.zeros(len(s1)), [name] * len(s1))
+    gold = pair_cosines(vectors[cand.pooling], unlabelled, transform)
+    return Pairs(name, s1, s2, gold, [name] * len(s1))
+
+
+@pytest.fixture(scope="module")
+def sts_setup() -> tuple:
+    sentences = [f"s{i}" for i in range(80)]
+    vectors = {"mean": synthetic_vectors(1, sentences), "cls": synthetic_vectors(2, sentences)}
+    rng = np.random.default_rng(3)
+    idx = rng.integers(0, 80, size=(2, 2, 30))
+    split = [([sentences[i] for i in a], [sentences[i] for i in b]) for a, b in idx]
+    grid = candidates(["mean", "cls"], [8, 4], [0.0, 1.0], 8)
+    dev = pairs_scored_by(Candidate("cls", 4, 0.0), vectors, sentences, *split[0], "dev")
+    test = pairs_scored_by(Candidate("mean", 8, 1.0), vectors, sentences, *split[1], "test")
+    result = tune_sts(vectors, sentences, dev, test, grid)
+    return sentences, vectors, grid, dev, test, result
+
+
+def test_tune_sts_matches_an_independent_evaluation_and_chooses_on_dev(sts_setup) -> None:
+    sentences, vectors, grid, dev, test, result = sts_setup
+    assert [t.candidate for t in result.trials] == grid and result.metric == "all"
+    for t in result.trials:
+        x = np.stack([vectors[t.candidate.pooling][s] for s in sentences])
+        transform = reference_transform(t.candidate, x)
+        for pairs, got in ((dev, t.dev), (test, t.test)):
+            a = l2_normalize(transform.transform(np.stack([vectors[t.candidate.pooling][s] for s in pairs.sentence1])))
+            b = l2_normalize(transform.transform(np.stack([vectors[t.candidate.pooling][s] for s in pairs.sentence2])))
+            expected = sts_scores({pairs.name: ((a * b).sum(axis=1), pairs.gold)})
+            # Spearman of continuous cosines: same ranks, so equal up to float64 round-off
+            assert got == pytest.approx(expected, abs=1e-9), t.candidate.label
+    assert result.best.candidate == Candidate("cls", 4, 0.0)
+    assert result.best.dev["all"] == pytest.approx(100.0, abs=1e-9)
+    assert max(result.trials, key=lambda t: t.test["all"]).candidate == Candidate("mean", 8, 1.0)
+    assert result.raw is not None and result.raw.candidate == Candidate("cls", 8, None)
+    assert all(t.search_ms is None for t in result.trials)
+
+
+def test_plot_tuning_writes_a_png(sts_setup, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from retrieval.plots import plot_tuning
+
+    result: TuneResult = sts_setup[-1]
+    for t in result.trials:  # the latency panel needs a time per trial
+        t.search_ms = 0.1 * t.candidate.dim
+    path = plot_tuning(result, tmp_path / "plots" / "tune.png", split="test", title="synthetic")
+    assert path == tmp_path / "plots" / "tune.png"
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
