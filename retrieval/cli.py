@@ -459,6 +459,8 @@ def tune(
     if index_dir is not None:
         if queries is None or qrels is None:
             raise ConfigError("IR tuning needs --queries and --qrels (the dev split)")
+        if (test_queries is None) != (test_qrels is None):
+            raise ConfigError("--test-queries and --test-qrels go together: give both or neither")
         from retrieval.encoder import load_encoder
         from retrieval.manifest import Manifest
         from retrieval.search import Docs, stash_of
