@@ -266,3 +266,5 @@ def test_tune_bad_inputs_are_one_line(built: dict[str, Path], tmp_path: Path) ->
     one_error_line(run("tune", built["index"], "--pairs", pairs), "give an INDEX_DIR")
     one_error_line(run("tune", built["index"], "--queries", built["dev_q"]), "needs --queries and --qrels")
     one_error_line(run("tune", "--pairs", pairs, "--apply"), "--apply re-fits an index")
+    dev = ("--queries", built["dev_q"], "--qrels", built["dev_r"])
+    one_error_line(run("tune", built["index"], *dev, "--test-queries", built["dev_q"]), "go together")
