@@ -18,7 +18,7 @@ install-dev: install
 	$(PIP) install -e '.[dev,plots]'
 
 demo: install
-	retrieval demo
+	$(PYTHON) -m retrieval demo
 
 lint:
 	$(PYTHON) -m ruff check retrieval tests scripts
