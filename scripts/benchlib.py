@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from retrieval.build import Timer
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "results"
 
@@ -135,25 +137,11 @@ def percentiles(xs: Sequence[float], qs: Sequence[float] = (50, 99)) -> dict[str
     return {f"p{q:g}": float(np.percentile(arr, q)) for q in qs}
 
 
-class Stopwatch:
-    """``with sw("stage"):`` accumulates wall seconds per stage."""
+class Stopwatch(Timer):
+    """``with sw("stage"):`` accumulates wall seconds per stage (the library's build Timer, called directly)."""
 
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    def __call__(self, name: str) -> _Lap:
-        return _Lap(self, name)
-
-
-class _Lap:
-    def __init__(self, sw: Stopwatch, name: str):
-        self.sw, self.name = sw, name
-
-    def __enter__(self) -> None:
-        self.t = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.sw.seconds[self.name] = self.sw.seconds.get(self.name, 0.0) + time.perf_counter() - self.t
+    def __call__(self, name: str) -> Any:
+        return self.stage(name)
 
 
 def peak_rss_mib() -> float:
