@@ -1,0 +1,61 @@
+"""The sliced flat scan against a float64 one-shot reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from retrieval.scan import FlatScan
+
+SCORE_ATOL = 1e-5  # float32 dot products of unit vectors against float64
+
+
+def unit(rng: np.random.Generator, n: int, d: int) -> np.ndarray:
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("nq", [1, 7])
+def test_matches_the_exact_reference(threads: int, nq: int) -> None:
+    rng = np.random.default_rng(threads * 10 + nq)
+    matrix, queries = unit(rng, 20_000, 48), unit(rng, nq, 48)
+    scan = FlatScan(matrix, threads=threads)
+    assert len(scan.bounds) - 1 == threads  # really split into that many slices
+    reference = queries.astype(np.float64) @ matrix.astype(np.float64).T
+    for k in (1, 10, 500):
+        scores, rows = scan.search(queries, k)
+        assert scores.shape == rows.shape == (nq, k)
+        expected = -np.sort(-reference, axis=1)[:, :k]
+        np.testing.assert_allclose(scores, expected, atol=SCORE_ATOL)
+        # the rows returned really have those scores, best first
+        np.testing.assert_allclose(np.take_along_axis(reference, rows, axis=1), scores, atol=SCORE_ATOL)
+        assert (np.diff(scores, axis=1) <= 0).all()
+
+
+def test_k_larger_than_a_slice_and_than_the_matrix() -> None:
+    rng = np.random.default_rng(1)
+    matrix = unit(rng, 9000, 16)
+    scan = FlatScan(matrix, threads=2)
+    assert len(scan.bounds) == 3
+    scores, rows = scan.search(matrix[:1], 6000)  # more than either slice holds
+    assert sorted(rows[0].tolist()) == sorted(set(rows[0].tolist())) and rows.min() >= 0
+    assert rows[0, 0] == 0 and scores[0, 0] == pytest.approx(1.0, abs=1e-6)
+    _, rows = scan.search(matrix[:1], 50_000)  # capped at n
+    assert rows.shape == (1, 9000) and set(rows[0].tolist()) == set(range(9000))
+
+
+def test_ties_come_back_lower_row_first_across_slices() -> None:
+    matrix = np.zeros((10_000, 4), dtype=np.float32)
+    matrix[:, 0] = 1.0  # every row scores the same
+    scores, rows = FlatScan(matrix, threads=2).search(np.array([[1, 0, 0, 0]], dtype=np.float32), 5)
+    assert rows[0].tolist() == [0, 1, 2, 3, 4]
+    np.testing.assert_array_equal(scores, 1.0)
+
+
+def test_small_matrices_are_one_slice_and_bad_matrices_are_refused() -> None:
+    assert len(FlatScan(np.zeros((100, 4), dtype=np.float32), threads=2).bounds) == 2
+    with pytest.raises(ValueError, match="float32"):
+        FlatScan(np.zeros((100, 4), dtype=np.float64))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        FlatScan(np.zeros((4, 100), dtype=np.float32).T)
