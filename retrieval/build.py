@@ -59,7 +59,7 @@ BLOCK_ROWS = 65536  # stash rows per block in pass 2
 Progress = Callable[[str, int, int], None]
 
 
-def _no_progress(stage: str, advance: int, total: int) -> None:
+def no_progress(stage: str, advance: int, total: int) -> None:
     return None
 
 
@@ -134,7 +134,7 @@ def build_index(
     transform: TransformSpec = TransformSpec(),
     index: IndexSpec = IndexSpec(),
     options: BuildOptions = BuildOptions(),
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> Manifest:
     """Build a complete index directory at ``out`` and return its manifest.
 
@@ -157,6 +157,10 @@ def build_index(
         raise ConfigError(f"cannot fit on pooling {fit_pooling!r}: this build stashes {', '.join(poolings)}")
     work = files.work_dir(out)
     stash, skip = _open_stash(work, source, encoder, d, poolings, options)
+
+    def on_batch(n: int) -> None:
+        progress("encode", n, report.usable)
+
     try:
         moments = RunningMoments(d)
         with timer.stage("encode"):
@@ -164,14 +168,14 @@ def build_index(
                 moments.update(block)
             progress("encode", len(stash), report.usable)
             for batch in source.batches(options.window_rows, skip_batches=skip):
-                vectors = _vectors(batch, source, encoder, poolings, d, lambda n: progress("encode", n, report.usable))
+                vectors = encode_batch(batch, source, encoder, poolings, d, on_batch)
                 stash.append(vectors, batch.ids, batch.texts)
                 # the moments see the vectors as stored (float16 stash included), as a resumed build reads them
                 stored = np.asarray(vectors[fit_pooling], dtype=options.stash_dtype)
                 moments.update(stored.astype(np.float32, copy=False))
                 if batch.vectors is not None:
                     progress("encode", len(batch), report.usable)
-        manifest = _finish(work, stash, moments, transform, index, timer, progress)
+        manifest = write_artifacts(work, stash, moments, transform, index, timer, progress)
     except RetrievalError:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -271,7 +275,7 @@ def _drop_unlisted(stash: VectorStash) -> None:
             path.unlink()
 
 
-def _vectors(
+def encode_batch(
     batch: Batch,
     source: Corpus,
     encoder: Encoder | None,
@@ -279,6 +283,7 @@ def _vectors(
     d: int,
     on_batch: Callable[[int], None],
 ) -> dict[str, np.ndarray]:
+    """One batch's raw vectors per pooling: the input's own vectors, or the encoder's; NaN/inf refused."""
     if batch.vectors is not None:
         vectors = {poolings[0]: batch.vectors}
         if batch.vectors.shape[1] != d and len(batch):
@@ -303,7 +308,7 @@ def _vectors(
     return vectors
 
 
-def _finish(
+def write_artifacts(
     work: Path,
     stash: VectorStash,
     moments: RunningMoments,
@@ -366,7 +371,7 @@ def fill_index(
     transform: Whitening | RawTransform,
     spec: IndexSpec,
     pooling: str,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> Any:
     """Pass 2: train on a transformed sample where the index needs it, then add the stash block by block."""
     n = len(stash)

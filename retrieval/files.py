@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -45,6 +47,24 @@ def publish(work: Path, target: Path) -> None:
         os.rename(target, old)
     os.rename(work, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def replacing(target: Path, purpose: str) -> Iterator[Path]:
+    """A fresh work directory for a new version of ``target``: published if the block completes, removed if not.
+
+    A work directory left by an interrupted run is discarded first; the published target never depends on it.
+    """
+    work = work_dir(target, purpose)
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    try:
+        yield work
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    publish(work, target)
 
 
 def recover(target: Path) -> None:

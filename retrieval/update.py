@@ -27,9 +27,9 @@ from retrieval.build import (
     Progress,
     Timer,
     TransformSpec,
-    _finish,
-    _no_progress,
-    _vectors,
+    encode_batch,
+    no_progress,
+    write_artifacts,
     write_docs,
 )
 from retrieval.corpus import Corpus, CorpusSpec
@@ -73,7 +73,7 @@ def refit(
     directory: Path,
     transform: TransformSpec,
     index: IndexSpec | None = None,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> Manifest:
     """Re-fit the kernel and rebuild the index of ``directory`` from its stash, without encoding anything.
 
@@ -94,25 +94,20 @@ def refit(
     spec = dataclasses.replace(transform, pooling=pooling)
     index = index or IndexSpec(**manifest.index["spec"])
     timer = Timer()
-    work = _fresh_work_dir(directory, "refitting")
-    try:
+    with files.replacing(directory, "refitting") as work:
         linked = _link_stash(stash, work / STASH_DIR)
         with timer.stage("moments"):
             if pooling == manifest.transform["pooling"]:
                 moments = RunningMoments.load(directory / MOMENTS_NAME)
             else:
                 moments = stash_moments(linked, pooling)
-        new = _finish(work, linked, moments, spec, index, timer, progress)
+        new = write_artifacts(work, linked, moments, spec, index, timer, progress)
         new.encoder, new.corpus = manifest.encoder, manifest.corpus
         if "pooling" in new.encoder:  # queries must be pooled as the documents the new kernel was fitted on
             new.encoder = new.encoder | {"pooling": pooling}
         with timer.stage("write"):
             new.timings = timer.seconds
             new.save(work)
-            files.publish(work, directory)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
     log.info("refitted %s: %d rows, %d -> %d dims", directory, new.n, new.transform["d"], new.transform["k"])
     return new
 
@@ -130,7 +125,7 @@ def add(
     directory: Path,
     corpus: CorpusSpec,
     encoder: Encoder | None = None,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
     window_rows: int = WINDOW_ROWS,
 ) -> Manifest:
     """Encode the rows of ``corpus`` and add them to the index at ``directory`` with its existing kernel.
@@ -155,18 +150,20 @@ def add(
     pooling = manifest.transform["pooling"]
     transform = load_transform(directory / TRANSFORM_NAME)
     timer = Timer()
-    work = _fresh_work_dir(directory, "adding")
-    try:
+    with files.replacing(directory, "adding") as work:
         grown = _link_stash(stash, work / STASH_DIR)
         files.link_or_copy(directory / TRANSFORM_NAME, work / TRANSFORM_NAME)  # never written: safe to share
         with timer.stage("load"):
             faiss_index = load_index(directory / INDEX_NAME)
         added = RunningMoments(stash.dim)
+
+        def on_batch(n: int) -> None:
+            progress("encode", n, report.usable)
+
         with timer.stage("encode"):
             for batch in source.batches(window_rows):
                 ids = [str(int(i) + offset) for i in batch.ids] if offset else batch.ids
-                on_batch = lambda n: progress("encode", n, report.usable)  # noqa: E731
-                vectors = _vectors(batch, source, encoder, grown.poolings, stash.dim, on_batch)
+                vectors = encode_batch(batch, source, encoder, grown.poolings, stash.dim, on_batch)
                 grown.append(vectors, ids, batch.texts)
                 stored = np.asarray(vectors[pooling], dtype=grown.state["dtype"]).astype(np.float32, copy=False)
                 added.update(stored)
@@ -181,10 +178,6 @@ def add(
             new = _grown_manifest(manifest, grown, faiss_index, corpus, source, added.n)
             new.timings = timer.seconds
             new.save(work)
-            files.publish(work, directory)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
     log.info("added %d rows to %s (now %d)", added.n, directory, new.n)
     return new
 
@@ -326,14 +319,6 @@ def _stash(directory: Path, action: str) -> VectorStash:
             "rebuild it with --keep-vectors (the default)"
         )
     return VectorStash.open(path)
-
-
-def _fresh_work_dir(directory: Path, purpose: str) -> Path:
-    work = files.work_dir(directory, purpose)
-    if work.exists():  # left by an interrupted run; the published directory never depends on it
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    return work
 
 
 def _link_stash(stash: VectorStash, root: Path) -> VectorStash:

@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
         encoder = None
         progress = lambda stage, n, total: time.sleep(args.sleep) if stage == "encode" else None  # noqa: E731
     else:
-        encoder, progress = LoggingEncoder(args.log, args.sleep, name=args.model), build._no_progress
+        encoder, progress = LoggingEncoder(args.log, args.sleep, name=args.model), build.no_progress
     options = BuildOptions(overwrite=args.overwrite, resume=args.resume, window_rows=WINDOW)
     try:
         build_index(CorpusSpec(args.corpus), encoder, args.out, TRANSFORM, options=options, progress=progress)
