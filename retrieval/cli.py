@@ -30,7 +30,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # status lines carry paths: never break them
 out = Console()
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -43,7 +43,7 @@ def user_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except RetrievalError as exc:
-            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {exc}", highlight=False)
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
