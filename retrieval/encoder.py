@@ -1,4 +1,5 @@
-"""Encoders: the Encoder protocol and the transformers encoder (pooling modes, length-sorted batches, bf16)."""
+"""Encoders: the Encoder protocol and the transformers encoder (pooling modes, length-sorted batches, bf16, a traced
+single-query path)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import importlib.util
 import json
 import logging
 import os
+import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -29,6 +32,11 @@ OFFLINE_PACKAGES = {
 }
 # Identity fields: a query must be encoded with the same values as the corpus was.
 IDENTITY = ("weights_sha256", "pooling", "max_length")
+# bf16 must agree with fp32 at least this well (cosine of pooled vectors) to be chosen by precision "auto".
+BF16_MIN_COSINE = 0.999
+# Single texts (queries) are run through a traced copy of the model from this call on: a one-shot CLI search
+# never pays the tracing (~0.3 s), a long-lived searcher does once and then saves ~2 ms of Python per query.
+TRACE_AFTER = 3
 
 
 @runtime_checkable
@@ -96,8 +104,13 @@ class TransformerEncoder:
     """A Hugging Face transformers model with a pooling head.
 
     Texts are tokenised once, sorted by length so each batch carries little padding, run under
-    ``torch.inference_mode`` (and bf16 autocast where the CPU has native bf16), pooled, and returned in
-    their original order as float32.
+    ``torch.inference_mode``, pooled, and returned in their original order as float32.
+
+    Precision "auto" times the first batch both ways and keeps bf16 autocast only where it is faster and agrees
+    with fp32 (cosine >= BF16_MIN_COSINE): native bf16 is ~2x fp32 on some CPUs and ~0.6x on others with the
+    same ``avx512_bf16`` flag, so the flag alone cannot decide. A single text (a query) has no padding: from the
+    TRACE_AFTER-th one on it runs, in fp32, through a TorchScript trace of the model optimised for inference
+    (checked against the eager model at two lengths when made; the eager model is kept if they disagree).
     """
 
     def __init__(
@@ -143,8 +156,11 @@ class TransformerEncoder:
             )
         self.batch_size = batch_size
         self.precision = precision
-        self.bf16 = precision == "bf16" or (precision == "auto" and cpu_supports_bf16())
+        # None: "auto" on a CPU with native bf16, settled by timing the first batch of more than one text.
+        self.bf16: bool | None = precision == "bf16" or (None if precision == "auto" and cpu_supports_bf16() else False)
         self._torch = torch
+        self._single_calls = 0
+        self._traced: Any = None  # the traced single-text model; False once tracing failed its check
         self._sha = weights_sha256(self.folder) if self.folder else None
         self._dim = int(self.model.config.hidden_size)
 
@@ -162,7 +178,7 @@ class TransformerEncoder:
             "weights_sha256": self._sha,
             "pooling": self.pooling,
             "max_length": self.max_length,
-            "precision": "bf16" if self.bf16 else "fp32",
+            "precision": {True: "bf16", False: "fp32", None: "auto"}[self.bf16],
             "dim": self.dim,
         }
 
@@ -180,22 +196,101 @@ class TransformerEncoder:
         out = {p: np.empty((len(texts), self.dim), dtype=np.float32) for p in poolings}
         if not texts:
             return out
+        if len(texts) == 1:
+            self._single_calls += 1
+            if self._single_calls >= TRACE_AFTER and self._traced is None:
+                self._traced = self._trace()
+            if self._traced:
+                return self._encode_single(texts[0], poolings, out)
         tokens = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
         order = np.argsort([-len(ids) for ids in tokens["input_ids"]], kind="stable")
         want_hidden = "first-last-avg" in poolings
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.inference_mode():
             for start in range(0, len(order), self.batch_size):
                 rows = order[start : start + self.batch_size]
                 batch = self.tokenizer.pad(
                     {key: [tokens[key][i] for i in rows] for key in tokens.keys()}, return_tensors="pt"
                 )
-                result = self.model(**batch, output_hidden_states=want_hidden)
+                if self.bf16 is None and len(rows) > 1:
+                    self.bf16 = self._bf16_is_faster(batch)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(self.bf16)):
+                    result = self.model(**batch, output_hidden_states=want_hidden)
                 mask = batch["attention_mask"]
                 for p in poolings:
                     out[p][rows] = pool(p, result, mask).float().numpy()
                 if on_batch:
                     on_batch(len(rows))
         return out
+
+    def _bf16_is_faster(self, batch: Any) -> bool:
+        """Settle precision "auto" on one real batch: each way warmed up, then timed twice, interleaved."""
+        torch = self._torch
+
+        def run(bf16: bool) -> tuple[float, Any]:
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                vectors = masked_mean(self.model(**batch).last_hidden_state, batch["attention_mask"]).float()
+            return time.perf_counter() - start, vectors
+
+        runs = [run(bf16) for bf16 in (False, True, False, True, False, True)]
+        fp32_s, bf16_s = min(t for t, _ in runs[2::2]), min(t for t, _ in runs[3::2])
+        cos = torch.nn.functional.cosine_similarity(runs[0][1], runs[1][1], dim=1).min().item()
+        chosen = bf16_s < fp32_s and cos >= BF16_MIN_COSINE
+        log.info(
+            "precision auto: %s (bf16 %.2fx the speed of fp32 on this CPU, min cosine %.5f)",
+            "bf16" if chosen else "fp32",
+            fp32_s / bf16_s,
+            cos,
+        )
+        return chosen
+
+    def _trace(self) -> Any:
+        """The model traced on an unpadded example and optimised for inference, or False if it disagrees with
+        the eager model at a second length (a model whose code bakes the sequence length into the trace)."""
+        torch = self._torch
+        example = self.tokenizer(["the trace example text"], return_tensors="pt")["input_ids"]
+        ends = _first_and_last_layer(self.model, torch).eval()
+        try:
+            with warnings.catch_warnings(), torch.inference_mode():
+                warnings.simplefilter("ignore")  # torch.jit's deprecation notice and transformers' tracer warnings
+                traced = torch.jit.optimize_for_inference(torch.jit.trace(ends, (example,), check_trace=False))
+                longer = torch.cat([example[:, :-1], example[:, 1:-1].repeat(1, 4), example[:, -1:]], dim=1)
+                agree = all(
+                    torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+                    for ids in (example, longer[:, : self.max_length])
+                    for a, b in zip(ends(ids), traced(ids), strict=True)
+                )
+        except Exception as err:  # noqa: BLE001 - any failure to trace means: keep the eager model
+            log.info("single-text tracing failed (%s): queries run on the eager model", err)
+            return False
+        if not agree:
+            log.info("the traced model disagrees with the eager one: queries run on the eager model")
+            return False
+        return traced
+
+    def _encode_single(self, text: str, poolings: Sequence[str], out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ids = self.tokenizer([text], truncation=True, max_length=self.max_length, return_tensors="pt")["input_ids"]
+        with self._torch.inference_mode():
+            first, last = self._traced(ids)
+        for p in poolings:
+            vector = last[0, 0] if p == "cls" else last[0].mean(0) if p == "mean" else (first[0] + last[0]).mean(0) / 2
+            out[p][0] = vector.float().numpy()
+        return out
+
+
+def _first_and_last_layer(model: Any, torch: Any) -> Any:
+    """``model`` as a module of input ids alone (no padding) returning its first and last layer's token states."""
+
+    class FirstAndLastLayer(torch.nn.Module):  # type: ignore[misc, name-defined]  # torch is imported lazily
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids: Any) -> tuple[Any, Any]:
+            states = self.model(input_ids=input_ids, output_hidden_states=True).hidden_states
+            return states[1], states[-1]
+
+    return FirstAndLastLayer()
 
 
 def pool(pooling: str, output: Any, mask: Any) -> Any:

@@ -137,6 +137,75 @@ def test_bf16_is_close_to_fp32(tiny_bert: Path, models: dict[str, TransformerEnc
     assert cos.min() > 0.99
 
 
+# ----- the traced single-text path --------------------------------------------------------------------------
+@pytest.mark.parametrize("pooling", ["mean", "cls", "first-last-avg"])
+def test_single_texts_switch_to_the_traced_model_and_keep_their_vectors(tiny_bert: Path, pooling: str) -> None:
+    enc = TransformerEncoder(str(tiny_bert), pooling=pooling, max_length=48, precision="fp32")
+    texts = [*TEXTS, LONG]  # LONG is truncated to max_length: the trace must follow any length up to it
+    eager = [enc.encode([t])[0] for t in texts[: encoder_module.TRACE_AFTER - 1]]
+    assert enc._traced is None  # not traced before the TRACE_AFTER-th single text
+    traced = [enc.encode([t])[0] for t in texts]
+    assert enc._traced  # traced, and the trace passed its own check
+    for text, row in zip(texts, traced, strict=True):
+        np.testing.assert_allclose(row, reference(enc, text)[pooling], atol=ATOL)
+    np.testing.assert_allclose(np.stack(eager), np.stack(traced[: len(eager)]), atol=ATOL)
+
+
+def test_a_trace_that_disagrees_with_the_eager_model_is_not_used(
+    tiny_bert: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose code bakes the example's length into the trace would disagree at the second length."""
+    real = torch.jit.optimize_for_inference
+
+    def off_at_other_lengths(module: object) -> object:
+        traced, example_length = real(module), []
+
+        def run(ids: torch.Tensor) -> tuple:
+            example_length.append(example_length[0] if example_length else ids.shape[1])  # first call: the example
+            return tuple(s * (1.0 if ids.shape[1] == example_length[0] else 1.5) for s in traced(ids))
+
+        return run
+
+    monkeypatch.setattr(torch.jit, "optimize_for_inference", off_at_other_lengths)
+    enc = TransformerEncoder(str(tiny_bert), max_length=48, precision="fp32")
+    got = [enc.encode([TEXTS[3]])[0] for _ in range(encoder_module.TRACE_AFTER + 1)]
+    assert enc._traced is False
+    for row in got:
+        np.testing.assert_allclose(row, reference(enc, TEXTS[3])["mean"], atol=ATOL)
+
+
+# ----- precision "auto" -----------------------------------------------------------------------------------
+def test_auto_precision_is_fp32_without_native_bf16(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: False)
+    enc = TransformerEncoder(str(tiny_bert), max_length=48)
+    assert enc.describe()["precision"] == "fp32"
+
+
+def test_auto_precision_is_settled_by_the_first_batch(
+    tiny_bert: Path, models: dict[str, TransformerEncoder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: True)
+    enc = TransformerEncoder(str(tiny_bert), max_length=48)
+    assert enc.describe()["precision"] == "auto"  # nothing timed yet
+    enc.encode(["one text alone does not settle it"])
+    assert enc.describe()["precision"] == "auto"
+    got = enc.encode(TEXTS)
+    assert enc.describe()["precision"] in ("fp32", "bf16")
+    cos = (got * models["mean"].encode(TEXTS)).sum(1)
+    cos /= np.linalg.norm(got, axis=1) * np.linalg.norm(models["mean"].encode(TEXTS), axis=1)
+    assert cos.min() > 0.99
+
+
+def test_auto_precision_never_takes_bf16_that_disagrees_with_fp32(
+    tiny_bert: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(encoder_module, "BF16_MIN_COSINE", 1.01)  # no cosine reaches it, however fast bf16 is
+    enc = TransformerEncoder(str(tiny_bert), max_length=48)
+    enc.encode(TEXTS)
+    assert enc.describe()["precision"] == "fp32"
+
+
 # ----- identity --------------------------------------------------------------------------------------------
 def test_describe_holds_the_identity_fields(tiny_bert: Path, models: dict[str, TransformerEncoder]) -> None:
     enc = models["first-last-avg"]
