@@ -123,7 +123,9 @@ def index(
     skip_empty: SkipEmptyOption = False,
     max_length: Annotated[int | None, typer.Option(help="Tokens per text [default: the model's].")] = None,
     batch_size: Annotated[int, typer.Option(help="Texts per forward pass.")] = 32,
-    precision: Annotated[str, typer.Option(help="fp32, bf16, or auto (bf16 where the CPU has it).")] = "auto",
+    precision: Annotated[
+        str, typer.Option(help="fp32, bf16, or auto (the faster on this CPU, timed on the first batch).")
+    ] = "auto",
     index_type: Annotated[
         str, typer.Option(help="flat, hnsw, ivf, or a FAISS index_factory string (HNSW32, IVF1024,SQ8, ...).")
     ] = "flat",

@@ -6,6 +6,10 @@ thread counts, on short sentences (STS-B test) and passages (SciFact title + tex
 round-robin across repeats so background load hits every variant alike; texts/s is the median over repeats.
 Quality is the cosine of each variant's vectors against ours fp32 sorted (batch 32, all threads).
 
+A roofline puts the rates in the machine's terms: the model's FLOPs per text (from its config and each text's
+token count) turn texts/s into GFLOP/s, compared with this machine's dense fp32 and bf16 matrix-multiply rates
+measured in the same run (torch.matmul, 2048 x 2048, all threads).
+
     python scripts/bench_encode.py            # full run (~10 min on 2 cores)
     python scripts/bench_encode.py --quick    # 200 texts, smoke run
 """
@@ -27,7 +31,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
-DATA = Path("/work/shared/data")
+DATA = benchlib.REPO.parent / "shared" / "data"
 VARIANTS = ("st_fp32", "ours_fp32_unsorted", "ours_fp32_sorted", "ours_bf16_sorted")
 REFERENCE = "ours_fp32_sorted"
 
@@ -98,6 +102,7 @@ def bench_dataset(runner: Runner, name: str, texts: list[str], args: argparse.Na
         len(x) for x in runner.fp32.tokenizer(texts, truncation=True, max_length=runner.fp32.max_length)["input_ids"]
     ]
     print(f"\n[{name}] {len(texts)} texts, tokens/text mean {np.mean(n_tokens):.1f}, max {max(n_tokens)}", flush=True)
+    gflop_per_text = sum(model_flops(runner.fp32.model.config, n) for n in n_tokens) / len(texts) / 1e9
     torch.set_num_threads(top)
     reference = runner.run(REFERENCE, texts, ref_batch)
     times: dict[tuple[str, int, int], list[float]] = {}
@@ -132,6 +137,7 @@ def bench_dataset(runner: Runner, name: str, texts: list[str], args: argparse.Na
                 "seconds_median": benchlib.median(ts),
                 "seconds_all": ts,
                 "texts_per_s": rate,
+                "gflops": rate * gflop_per_text,
                 "vs_st_same_cell": rate / st_at[(t, b)],
                 "cos_min": quality[(v, t, b)][0],
                 "cos_mean": quality[(v, t, b)][1],
@@ -144,6 +150,28 @@ def bench_dataset(runner: Runner, name: str, texts: list[str], args: argparse.Na
             flush=True,
         )
     return rows
+
+
+def model_flops(config: object, n: int) -> float:
+    """Multiply-add FLOPs of one forward pass over ``n`` tokens of a BERT-style encoder (projections, feed-forward,
+    attention scores and mixing; embeddings, norms and softmax are negligible)."""
+    h, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers  # type: ignore[attr-defined]
+    return layers * (2 * n * (4 * h * h + 2 * h * f) + 4 * n * n * h)
+
+
+def gemm_gflops(dtype_name: str, size: int = 2048, repeats: int = 5) -> float:
+    """This machine's dense matrix-multiply rate in ``dtype`` at the current torch thread count (best of runs)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    torch.matmul(a, b)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / min(times) / 1e9
 
 
 def summarise(rows: list[dict], min_cos: float) -> list[dict]:
@@ -166,6 +194,8 @@ def summarise(rows: list[dict], min_cos: float) -> list[dict]:
                 "ours_best_ok": f"{best['variant']} bs={best['batch_size']}" if best else None,
                 "ours_best_ok_texts_per_s": best["texts_per_s"] if best else None,
                 "ours_best_ok_cos_min": best["cos_min"] if best else None,
+                "ours_best_ok_gflops": best["gflops"] if best else None,
+                "st_best_gflops": st_best["gflops"],
                 "speedup_vs_st_default": best["texts_per_s"] / st_default["texts_per_s"] if best else None,
                 "speedup_vs_st_best": best["texts_per_s"] / st_best["texts_per_s"] if best else None,
                 "ours_fastest_any": f"{any_best['variant']} bs={any_best['batch_size']}",
@@ -246,6 +276,8 @@ def main() -> None:
     info = benchlib.machine(torch_too=True)
     benchlib.print_machine(info)
     runner = Runner(args.model)
+    gemm = {dtype: gemm_gflops(dtype) for dtype in ("float32", "bfloat16")}
+    print(f"dense matmul, {max(args.threads)} threads: fp32 {gemm['float32']:.0f} GFLOP/s, bf16 {gemm['bfloat16']:.0f}")
     rows: list[dict] = []
     datasets = {
         "sentences (STS-B test)": load_texts("sentences", args.sentences, args.seed),
@@ -266,6 +298,7 @@ def main() -> None:
         "reference": f"{REFERENCE}, batch 32, {max(args.threads)} threads",
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "summary": summary,
+        "gemm_gflops": gemm,
         "rows": rows,
     }
     benchlib.write_json(out / f"{stem}.json", data)
@@ -291,6 +324,27 @@ def main() -> None:
         ("speedup_vs_st_best", "x ST best"),
         ("target_3x_met", ">= 3x ST best"),
     ]
+    roofline = [
+        {
+            "dataset": r["dataset"],
+            "st": r["st_best_gflops"],
+            "ours": r["ours_best_ok_gflops"],
+            "fp32": gemm["float32"],
+            "bf16": gemm["bfloat16"],
+            "share": (r["ours_best_ok_gflops"] or 0) / gemm["float32"],
+            "need": 3 * r["st_best_gflops"],
+        }
+        for r in summary
+    ]
+    rcols = [
+        ("dataset", "texts"),
+        ("st", "ST best GFLOP/s"),
+        ("ours", "ours best GFLOP/s"),
+        ("fp32", "fp32 matmul GFLOP/s"),
+        ("bf16", "bf16 matmul GFLOP/s"),
+        ("share", "ours / fp32 matmul"),
+        ("need", "3x ST best needs GFLOP/s"),
+    ]
     ordered = sorted(rows, key=lambda r: (r["dataset"], -r["threads"], r["batch_size"], r["variant"]))
     md = "\n\n".join(
         [
@@ -298,12 +352,15 @@ def main() -> None:
             benchlib.machine_md(info),
             "## Summary (target: >= 3x sentence-transformers with min cosine >= 0.999)",
             benchlib.md_table(summary, scols),
+            "## Roofline (model FLOPs per text x texts/s, against this machine's dense matmul rate)",
+            benchlib.md_table(roofline, rcols),
             f"## All cells (median of {args.repeats} interleaved runs; cosine vs {data['reference']})",
             benchlib.md_table(ordered, cols),
         ]
     )
     (out / f"{stem}.md").write_text(md + "\n")
     print("\n" + benchlib.md_table(summary, scols))
+    print("\n" + benchlib.md_table(roofline, rcols))
     print(f"\nwrote {out / stem}.json, .md, .png")
 
 
