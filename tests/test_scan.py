@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -59,3 +63,15 @@ def test_small_matrices_are_one_slice_and_bad_matrices_are_refused() -> None:
         FlatScan(np.zeros((100, 4), dtype=np.float64))
     with pytest.raises(ValueError, match="C-contiguous"):
         FlatScan(np.zeros((4, 100), dtype=np.float32).T)
+
+
+def test_importing_retrieval_shortens_the_openmp_spin_unless_the_user_set_it() -> None:
+    """torch's and FAISS's OpenMP threads must not spin ~15 ms after each region while the other one works."""
+    code = "import os, retrieval; print(os.environ['GOMP_SPINCOUNT'])"
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    default = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert default.stdout.strip() == "20000"
+    mine = subprocess.run(
+        [sys.executable, "-c", code], env=env | {"GOMP_SPINCOUNT": "7"}, capture_output=True, text=True, check=True
+    )
+    assert mine.stdout.strip() == "7"
