@@ -90,7 +90,7 @@ def progress_bars() -> Iterator[Callable[[str, int, int], None]]:
 # ----- index -----------------------------------------------------------------------------------------------
 TextOption = Annotated[str, typer.Option(help="Column with the document text.")]
 IdOption = Annotated[
-    str | None, typer.Option(help="Column with document ids [default: id if present, else row numbers].")
+    str | None, typer.Option(help="Column with document ids \\[default: id if present, else row numbers].")
 ]
 TitleOption = Annotated[str | None, typer.Option(help="Column prepended to the text, as BEIR does.")]
 SkipEmptyOption = Annotated[bool, typer.Option(help="Leave out rows with null or empty text instead of failing.")]
@@ -121,7 +121,7 @@ def index(
         str | None, typer.Option(help="Column of precomputed embeddings (list of floats): skip encoding.")
     ] = None,
     skip_empty: SkipEmptyOption = False,
-    max_length: Annotated[int | None, typer.Option(help="Tokens per text [default: the model's].")] = None,
+    max_length: Annotated[int | None, typer.Option(help="Tokens per text \\[default: the model's].")] = None,
     batch_size: Annotated[int, typer.Option(help="Texts per forward pass.")] = 32,
     precision: Annotated[
         str, typer.Option(help="fp32, bf16, or auto (the faster on this CPU, timed on the first batch).")
@@ -132,10 +132,10 @@ def index(
     m: Annotated[int, typer.Option("--m", help="HNSW: neighbours per node.")] = 32,
     ef_construction: Annotated[int, typer.Option(help="HNSW: build-time beam width.")] = 200,
     ef_search: Annotated[int, typer.Option(help="HNSW: default search beam width.")] = 128,
-    nlist: Annotated[int | None, typer.Option(help="IVF: number of lists [default: ~4 sqrt(N)].")] = None,
-    nprobe: Annotated[int | None, typer.Option(help="IVF: lists probed per query [default: ~sqrt(nlist)].")] = None,
+    nlist: Annotated[int | None, typer.Option(help="IVF: number of lists \\[default: ~4 sqrt(N)].")] = None,
+    nprobe: Annotated[int | None, typer.Option(help="IVF: lists probed per query \\[default: ~sqrt(nlist)].")] = None,
     train_size: Annotated[int | None, typer.Option(help="IVF/PQ: training sample rows.")] = None,
-    out_dir: Annotated[Path | None, typer.Option("--out", help="Index directory [default: indexes/<stem>].")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Index directory \\[default: indexes/<stem>].")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing index (only once the new one is done).")] = False,
     keep_vectors: Annotated[bool, typer.Option(help="Keep the raw-vector stash (for refit/tune/rescore).")] = True,
     stash_dtype: Annotated[str, typer.Option(help="Stash precision: float32 or float16.")] = "float32",
@@ -185,7 +185,7 @@ def _bytes(n: float) -> str:
 
 
 # ----- search ----------------------------------------------------------------------------------------------
-IndexDir = Annotated[Path | None, typer.Option("--index", help="Index directory [default: the last built].")]
+IndexDir = Annotated[Path | None, typer.Option("--index", help="Index directory \\[default: the last built].")]
 
 
 @app.command()
@@ -227,7 +227,7 @@ def search(
 @app.command()
 @user_errors
 def info(
-    index_dir: Annotated[Path | None, typer.Argument(help="Index directory [default: the last built].")] = None,
+    index_dir: Annotated[Path | None, typer.Argument(help="Index directory \\[default: the last built].")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full manifest and spectrum as JSON.")] = False,
     verify: Annotated[bool, typer.Option(help="Check every file's checksum.")] = False,
 ) -> None:
@@ -277,15 +277,17 @@ def add(
 @user_errors
 def refit(
     index_dir: IndexDirArg,
-    dim: Annotated[int | None, typer.Option(help="Output dimension k [default: keep].")] = None,
-    gamma: Annotated[float | None, typer.Option(help="Eigenvalue power: 1 whitens, 0 rotates [default: keep].")] = None,
-    epsilon: Annotated[float | None, typer.Option(help="Added to eigenvalues, relative [default: keep].")] = None,
-    whiten: Annotated[
-        bool | None, typer.Option("--whiten/--no-whiten", help="Whiten, or the raw baseline [default: keep].")
+    dim: Annotated[int | None, typer.Option(help="Output dimension k \\[default: keep].")] = None,
+    gamma: Annotated[
+        float | None, typer.Option(help="Eigenvalue power: 1 whitens, 0 rotates \\[default: keep].")
     ] = None,
-    pooling: Annotated[str | None, typer.Option(help="Stashed pooling to fit on [default: keep].")] = None,
+    epsilon: Annotated[float | None, typer.Option(help="Added to eigenvalues, relative \\[default: keep].")] = None,
+    whiten: Annotated[
+        bool | None, typer.Option("--whiten/--no-whiten", help="Whiten, or the raw baseline \\[default: keep].")
+    ] = None,
+    pooling: Annotated[str | None, typer.Option(help="Stashed pooling to fit on \\[default: keep].")] = None,
     index_type: Annotated[
-        str | None, typer.Option(help="flat, hnsw, ivf, or a FAISS index_factory string [default: keep].")
+        str | None, typer.Option(help="flat, hnsw, ivf, or a FAISS index_factory string \\[default: keep].")
     ] = None,
     m: Annotated[int | None, typer.Option("--m", help="HNSW: neighbours per node.")] = None,
     ef_construction: Annotated[int | None, typer.Option(help="HNSW: build-time beam width.")] = None,
@@ -442,10 +444,10 @@ def tune(
     test_pairs: Annotated[Path | None, typer.Option(help="STS: test pairs parquet.")] = None,
     fit_file: Annotated[list[Path] | None, typer.Option(help="STS: more pair files for the fit.")] = None,
     model: Annotated[str, typer.Option(help="STS: encoder (IR uses the index's).")] = DEFAULT_MODEL,
-    poolings: Annotated[str | None, typer.Option(help="Comma-separated poolings [default: all stashed].")] = None,
+    poolings: Annotated[str | None, typer.Option(help="Comma-separated poolings \\[default: all stashed].")] = None,
     dims: Annotated[str, typer.Option(help="Comma-separated output dimensions to try.")] = "",
     gammas: Annotated[str, typer.Option(help="Comma-separated gammas to try.")] = "0,0.25,0.5,0.75,1",
-    metric: Annotated[str | None, typer.Option(help="Choose on this [default: nDCG@10, or STS 'all'].")] = None,
+    metric: Annotated[str | None, typer.Option(help="Choose on this \\[default: nDCG@10, or STS 'all'].")] = None,
     results: Annotated[Path | None, typer.Option(help="Folder for tune.json, tune.md and tune.png.")] = None,
     apply: Annotated[bool, typer.Option(help="Re-fit the index with the chosen transform (atomic).")] = False,
 ) -> None:

@@ -4,6 +4,7 @@ help text, and every bad input from issue 2 giving one clear line on stderr, a n
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,12 +134,15 @@ def test_every_command_has_help_text(path: tuple[str, ...]) -> None:
     for name in path:
         command = command.commands[name]  # type: ignore[attr-defined]
     assert (command.help or "").strip(), f"{' '.join(path)} has no docstring"
-    result = run(*path, "--help")
+    result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "400"})  # wide: no help text cut short
     assert result.exit_code == 0, result.output
     assert command.help.strip().splitlines()[0][:40] in " ".join(result.stdout.split())
     for param in command.params:
-        if isinstance(param, click.Option) and param.name != "help":
+        if param.param_type_name == "option" and param.name != "help":  # typer vendors click: no isinstance
             assert (param.help or "").strip(), f"{' '.join(path)} {param.opts[0]} has no help"
+            # Rich markup would swallow an unescaped "[default: ...]": every word of the help must be shown.
+            shown = re.sub(r"[\s│]+", "", result.stdout)
+            assert re.sub(r"\s+", "", param.help.replace("\\[", "[")) in shown, param.opts[0]
 
 
 # ----- bad input: one clear line, exit 1, nothing written --------------------------------------------------
