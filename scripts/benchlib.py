@@ -145,17 +145,27 @@ class Stopwatch(Timer):
 
 
 def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident set size of this process so far: the kernel's high-water mark of its own memory map.
+
+    Not ``getrusage().ru_maxrss``: a process started with fork + exec inherits its parent's peak there, so a
+    small worker of a big parent would report the parent's size.
+    """
+    return _proc_status_mib("VmHWM")
 
 
 def current_rss_mib() -> float:
+    return _proc_status_mib("VmRSS")
+
+
+def _proc_status_mib(field: str) -> float:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
+    if field == "VmHWM":  # no /proc: fall back to getrusage (KiB on Linux-likes)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return float("nan")
 
 
