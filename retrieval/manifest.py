@@ -42,9 +42,14 @@ class Manifest:
         return int(self.index["ntotal"])
 
     def save(self, directory: Path) -> None:
-        """Checksum every file the manifest lists, then write ``manifest.json`` (itself not listed)."""
-        for name in self.files:
-            self.files[name] = file_record(directory / name)
+        """Checksum every listed file not yet recorded, then write ``manifest.json`` (itself not listed).
+
+        A record already present is kept as it is: ``add`` and ``refit`` carry over those of the stash's parts,
+        which are written once and never changed, so a small update does not re-hash the whole stash.
+        """
+        for name, record in self.files.items():
+            if not record:
+                self.files[name] = file_record(directory / name)
         self.created = self.created or dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         self.versions = self.versions or library_versions()
         text = json.dumps(asdict(self), indent=2, sort_keys=False)
@@ -86,6 +91,12 @@ class Manifest:
                 raise IndexDirError(
                     f"index file {path} is corrupt or truncated (checksum mismatch); rebuild the index with --overwrite"
                 )
+
+
+def stash_part_records(old: Manifest, names: list[str]) -> dict[str, dict[str, Any]]:
+    """``names`` as new records to fill, except the stash parts ``old`` already recorded (immutable files)."""
+    immutable = f"{STASH_DIR}/part-"
+    return {name: dict(old.files.get(name, {})) if name.startswith(immutable) else {} for name in names}
 
 
 def file_record(path: Path) -> dict[str, Any]:

@@ -36,7 +36,15 @@ from retrieval.corpus import Corpus, CorpusSpec
 from retrieval.encoder import Encoder, check_compatible, load_encoder
 from retrieval.errors import ConfigError, CorpusError, IndexDirError
 from retrieval.index import IndexSpec, describe, load_index, save_index
-from retrieval.manifest import DOCS_NAME, INDEX_NAME, MOMENTS_NAME, STASH_DIR, TRANSFORM_NAME, Manifest
+from retrieval.manifest import (
+    DOCS_NAME,
+    INDEX_NAME,
+    MOMENTS_NAME,
+    STASH_DIR,
+    TRANSFORM_NAME,
+    Manifest,
+    stash_part_records,
+)
 from retrieval.moments import RunningMoments
 from retrieval.stash import VectorStash
 from retrieval.whitening import Whitening, load_transform
@@ -103,6 +111,7 @@ def refit(
                 moments = stash_moments(linked, pooling)
         new = write_artifacts(work, linked, moments, spec, index, timer, progress)
         new.encoder, new.corpus = manifest.encoder, manifest.corpus
+        new.files = stash_part_records(manifest, list(new.files))
         if "pooling" in new.encoder:  # queries must be pooled as the documents the new kernel was fitted on
             new.encoder = new.encoder | {"pooling": pooling}
         with timer.stage("write"):
@@ -250,7 +259,7 @@ def _grown_manifest(
         corpus=corpus,
         index=index,
         stash=(old.stash or {}) | {"rows": len(stash)},
-        files={name: {} for name in names},
+        files=stash_part_records(old, names),
     )
 
 

@@ -14,6 +14,7 @@ import typer.main
 from conftest import FakeEncoder
 from typer.testing import CliRunner
 
+from retrieval import manifest as manifest_module
 from retrieval import update
 from retrieval.build import BuildOptions, TransformSpec, build_index
 from retrieval.cli import app
@@ -152,6 +153,28 @@ def test_add_then_search_finds_the_new_docs(tmp_path, corpus):
     moments = RunningMoments.load(directory / MOMENTS_NAME)
     np.testing.assert_allclose(moments.covariance(), np.cov(raw.T.astype(np.float64), bias=True), rtol=1e-9)
     assert not files_beside(directory)
+
+
+@pytest.mark.parametrize("action", ["add", "refit"])
+def test_add_and_refit_hash_only_what_they_wrote(tmp_path, corpus, monkeypatch, action):
+    """Stash parts are written once: add and refit carry their checksums over instead of re-hashing them."""
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    old_parts = {n for n in manifest_module.Manifest.load(directory).files if n.startswith(f"{STASH_DIR}/part-")}
+    assert len(old_parts) >= 10  # 300 rows in windows of 64: 5 parts, a parquet and a .npy each
+    hashed: list[str] = []
+    real_sha256 = manifest_module.sha256
+    monkeypatch.setattr(manifest_module, "sha256", lambda path: hashed.append(path.name) or real_sha256(path))
+
+    if action == "add":
+        update.add(directory, CorpusSpec(more_docs(tmp_path / "more.parquet", ["n1", "n2"])), FakeEncoder())
+    else:
+        update.refit(directory, TransformSpec(dim=4))
+
+    assert hashed and not {Path(n).name for n in old_parts} & set(hashed)
+    assert any(name.startswith("part-") for name in hashed) == (action == "add")  # the new part is hashed
+    monkeypatch.undo()
+    manifest_module.Manifest.load(directory).verify(directory)  # and every carried-over record is still true
 
 
 def test_add_with_duplicate_ids_is_refused_and_writes_nothing(tmp_path, corpus):
