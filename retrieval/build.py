@@ -139,11 +139,23 @@ def build_index(
     """Build a complete index directory at ``out`` and return its manifest.
 
     ``encoder`` may be None only when ``corpus.vectors_column`` supplies precomputed vectors.
-    Nothing is written at ``out`` unless the whole build succeeds.
+    Nothing is written at ``out`` unless the whole build succeeds; one process at a time builds at ``out``.
     """
     out = Path(out)
+    with files.writing(out):
+        return _build(corpus, encoder, out, transform, index, options, progress)
+
+
+def _build(
+    corpus: CorpusSpec,
+    encoder: Encoder | None,
+    out: Path,
+    transform: TransformSpec,
+    index: IndexSpec,
+    options: BuildOptions,
+    progress: Progress,
+) -> Manifest:
     timer = Timer()
-    files.recover(out)
     if out.exists() and not options.overwrite:
         raise ConfigError(f"{out} already exists; pass --overwrite to replace it, or --out to build elsewhere")
     with timer.stage("validate"):

@@ -89,7 +89,11 @@ def refit(
     pooling is unchanged, else from one pass over the stash for the new pooling.
     """
     directory = Path(directory)
-    files.recover(directory)
+    with files.writing(directory):
+        return _refit(directory, transform, index, progress)
+
+
+def _refit(directory: Path, transform: TransformSpec, index: IndexSpec | None, progress: Progress) -> Manifest:
     manifest = Manifest.load(directory)
     stash = _stash(directory, "refit")
     transform.check(stash.dim)
@@ -144,7 +148,13 @@ def add(
     The directory is replaced atomically: on any failure the previous index stays as it was.
     """
     directory = Path(directory)
-    files.recover(directory)
+    with files.writing(directory):
+        return _add(directory, corpus, encoder, progress, window_rows)
+
+
+def _add(
+    directory: Path, corpus: CorpusSpec, encoder: Encoder | None, progress: Progress, window_rows: int
+) -> Manifest:
     manifest = Manifest.load(directory)
     stash = _stash(directory, "add")
     source = Corpus(corpus)

@@ -4,6 +4,8 @@ failed or refused build never leaves a half index nor harms the previous one."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import FakeEncoder, write_corpus
 
-from retrieval import files
+from retrieval import files, update
 from retrieval.build import BuildOptions, TransformSpec, build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, CorpusError, IndexDirError, RetrievalError
@@ -358,6 +360,42 @@ def test_interrupted_publish_is_recovered(built: tuple[Path, FakeEncoder, Manife
     out.rename(files.work_dir(out, "old"))  # killed between the two renames of publish()
     searcher = Searcher.load(out, encoder=FakeEncoder())
     assert searcher.manifest.n == N and snapshot(out) == before
+
+
+def hold_lock(target: Path) -> subprocess.Popen:
+    """Another process holding the writer's lock of ``target`` until its stdin closes."""
+    code = "import sys; from pathlib import Path; from retrieval import files\n"
+    code += "with files.writing(Path(sys.argv[1])):\n    print('held', flush=True); sys.stdin.read()"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(target)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"held"
+    return proc
+
+
+def test_one_writer_at_a_time(built: tuple[Path, FakeEncoder, Manifest], corpus: Path) -> None:
+    out = built[0]
+    before = snapshot(out)
+    more = write_corpus(out.parent.parent / "more.parquet", 5)
+    pq.write_table(pq.read_table(more).set_column(0, "id", pa.array([f"new{i}" for i in range(5)])), more)
+    holder = hold_lock(out)
+    try:
+        for write in (
+            lambda: build(corpus, out, FakeEncoder(), options=BuildOptions(overwrite=True)),
+            lambda: update.refit(out, TransformSpec(dim=4)),
+            lambda: update.add(out, CorpusSpec(more), FakeEncoder()),
+        ):
+            with pytest.raises(IndexDirError, match="another retrieval process is writing .*idx; wait for it"):
+                write()
+            assert snapshot(out) == before and siblings(out) == [".idx.lock", "idx"]
+        out.rename(files.work_dir(out, "old"))  # a gap a writer's publish leaves for an instant
+        files.recover(out)
+        assert not out.exists()  # a reader does not "recover" a publish in progress
+        files.work_dir(out, "old").rename(out)
+    finally:
+        holder.communicate(b"")
+    assert holder.returncode == 0
+    assert siblings(out) == ["idx"]  # the lock file went with its holder
+    assert update.refit(out, TransformSpec(dim=4)).transform["k"] == 4  # and the next writer gets in
+    assert siblings(out) == ["idx"]
 
 
 # ----- the stash -------------------------------------------------------------------------------------------
