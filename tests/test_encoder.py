@@ -174,6 +174,47 @@ def test_a_trace_that_disagrees_with_the_eager_model_is_not_used(
         np.testing.assert_allclose(row, reference(enc, TEXTS[3])["mean"], atol=ATOL)
 
 
+def single_trace(enc: TransformerEncoder) -> tuple[object, bool]:
+    for text in TEXTS[: encoder_module.TRACE_AFTER]:
+        enc.encode([text])
+    assert enc._traced
+    return enc._traced
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_single_texts_take_the_faster_of_the_fp32_and_bf16_traces(
+    tiny_bert: Path, monkeypatch: pytest.MonkeyPatch, faster: bool
+) -> None:
+    """Unless precision is fp32, a bf16-autocast trace competes; the faster that agrees with fp32 serves queries."""
+    monkeypatch.setattr(TransformerEncoder, "_time_single", lambda self, c, ids: 0.0 if c[1] == faster else 1.0)
+    enc = TransformerEncoder(str(tiny_bert), pooling="first-last-avg", max_length=48, precision="bf16")
+    assert single_trace(enc)[1] is faster
+    for text in (*TEXTS, LONG):
+        got = enc.encode([text])[0]
+        assert cosines(got, reference(enc, text)["first-last-avg"]) >= encoder_module.BF16_MIN_COSINE
+
+
+def test_a_bf16_trace_that_strays_from_fp32_is_not_taken(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TransformerEncoder, "_time_single", lambda self, c, ids: 0.0 if c[1] else 1.0)  # bf16 faster
+    monkeypatch.setattr(encoder_module, "BF16_MIN_COSINE", 1.01)  # but no cosine reaches the bar
+    enc = TransformerEncoder(str(tiny_bert), max_length=48, precision="bf16")
+    assert single_trace(enc)[1] is False
+    np.testing.assert_allclose(enc.encode([LONG])[0], reference(enc, LONG)["mean"], atol=ATOL)
+
+
+def test_precision_fp32_traces_fp32_only(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real, calls = torch.jit.trace, []
+    monkeypatch.setattr(
+        torch.jit, "trace", lambda *a, **k: calls.append(torch.is_autocast_enabled("cpu")) or real(*a, **k)
+    )
+    enc = TransformerEncoder(str(tiny_bert), max_length=48, precision="fp32")
+    assert single_trace(enc)[1] is False and calls == [False]
+
+
 # ----- precision "auto" -----------------------------------------------------------------------------------
 def test_auto_precision_is_fp32_without_native_bf16(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: False)
