@@ -16,7 +16,7 @@ from retrieval.encoder import Encoder, check_compatible, load_encoder
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.index import flat_vectors, load_index, set_search_params
 from retrieval.manifest import DOCS_NAME, INDEX_NAME, STASH_DIR, TRANSFORM_NAME, Manifest
-from retrieval.scan import FEW_QUERIES, FlatScan
+from retrieval.scan import FlatScan
 from retrieval.stash import VectorStash
 from retrieval.whitening import RawTransform, Whitening, l2_normalize, load_transform
 
@@ -151,7 +151,7 @@ class Searcher:
     ) -> tuple[np.ndarray, np.ndarray]:
         """(scores, rows) for query vectors already in the index's space."""
         k = min(k, self.index.ntotal)
-        if self._scan is not None and vectors.shape[0] < FEW_QUERIES:
+        if self._scan is not None:
             return self._scan.search(vectors, k)
         # knobs left unset go back to the index's defaults, not to whatever the previous call asked for
         defaults = self.manifest.index.get("search", {})

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from retrieval import scan as scan_module
 from retrieval.scan import FlatScan
 
 SCORE_ATOL = 1e-5  # float32 dot products of unit vectors against float64
@@ -35,6 +36,23 @@ def test_matches_the_exact_reference(threads: int, nq: int) -> None:
         # the rows returned really have those scores, best first
         np.testing.assert_allclose(np.take_along_axis(reference, rows, axis=1), scores, atol=SCORE_ATOL)
         assert (np.diff(scores, axis=1) <= 0).all()
+
+
+@pytest.mark.parametrize("path", ["numpy", "faiss", None])
+def test_batches_match_the_exact_reference_on_either_path(path: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches (>= FEW_QUERIES) go to numpy's blocked product or FAISS's knn; None: the first batch times both."""
+    monkeypatch.setattr(scan_module, "SCORE_BLOCK_BYTES", 4 * 50 * 1000)  # 1,000-row blocks, the last of 300
+    rng = np.random.default_rng(5)
+    matrix, queries = unit(rng, 20_300, 48), unit(rng, 50, 48)
+    scan = FlatScan(matrix, threads=2)
+    scan.batch_path = path
+    reference = queries.astype(np.float64) @ matrix.astype(np.float64).T
+    for k in (1, 10, 500):
+        scores, rows = scan.search(queries, k)
+        assert scores.shape == rows.shape == (50, k) and len(set(rows[7].tolist())) == k
+        np.testing.assert_allclose(scores, -np.sort(-reference, axis=1)[:, :k], atol=SCORE_ATOL)
+        np.testing.assert_allclose(np.take_along_axis(reference, rows, axis=1), scores, atol=SCORE_ATOL)
+    assert scan.batch_path in ("numpy", "faiss")  # settled by the first batch when it was None
 
 
 def test_k_larger_than_a_slice_and_than_the_matrix() -> None:
