@@ -8,8 +8,8 @@ bandwidth of both cores (scripts/bench_scale.py reports the scan rate).
 
 Many queries: a matrix product, compute-bound. FAISS's BLAS path runs it with the BLAS its wheel bundles; on
 an AMD EPYC that took 6x longer than numpy's own BLAS for the same product at 256 or 384 dims (and was as fast
-at 768), so the first batch is answered both ways, timed, and the faster serves the rest: numpy's blocked
-product + ``argpartition``, or FAISS's ``knn``.
+at 768), so the first batch's first queries are answered both ways, twice, and the faster serves every batch:
+numpy's blocked product + ``argpartition``, or FAISS's ``knn``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 
 FEW_QUERIES = 20  # FAISS's own switch to BLAS (distance_compute_blas_threshold); below it the scan is memory-bound
 MIN_SLICE_ROWS = 4096  # smaller slices are not worth a thread hand-off
+CALIBRATION_QUERIES = 64  # queries of the first batch that time the two batch paths
 SCORE_BLOCK_BYTES = 64 << 20  # numpy's batch path holds at most this much of the (nq, rows) score matrix
 
 _pool: ThreadPoolExecutor | None = None
@@ -67,13 +68,18 @@ class FlatScan:
         if queries.shape[0] < FEW_QUERIES:
             return self._sliced(queries, k)
         if self.batch_path is None:
-            start = time.perf_counter()
-            by_faiss = self._faiss(queries, k)
-            middle = time.perf_counter()
-            by_numpy = self._numpy(queries, k)
-            self.batch_path = "numpy" if time.perf_counter() - middle < middle - start else "faiss"
-            return by_numpy if self.batch_path == "numpy" else by_faiss
+            self.batch_path = self._faster_batch_path(queries[:CALIBRATION_QUERIES], k)
         return self._numpy(queries, k) if self.batch_path == "numpy" else self._faiss(queries, k)
+
+    def _faster_batch_path(self, sample: np.ndarray, k: int) -> str:
+        """Each batch path twice on ``sample``, interleaved (the first run of either pays for warming up)."""
+        seconds: dict[str, float] = {"faiss": np.inf, "numpy": np.inf}
+        for path in ("faiss", "numpy", "faiss", "numpy"):
+            run = self._faiss if path == "faiss" else self._numpy
+            start = time.perf_counter()
+            run(sample, k)
+            seconds[path] = min(seconds[path], time.perf_counter() - start)
+        return min(seconds, key=seconds.__getitem__)
 
     def _faiss(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         scores, rows = faiss.knn(queries, self.matrix, k, faiss.METRIC_INNER_PRODUCT)
