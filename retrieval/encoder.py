@@ -247,13 +247,14 @@ class TransformerEncoder:
         )
         return chosen
 
-    def _trace(self) -> Any:
+    def _trace(self, bf16_options: Sequence[bool] | None = None) -> Any:
         """The single-text model as ``(module, bf16)``, or False to keep the eager model.
 
         The model's first and last layers are traced on an unpadded example and optimised for inference, in fp32
         and, unless precision is fp32, under bf16 autocast. Each trace is checked against the eager fp32 model at
         two lengths (fp32 to 1e-4; bf16 to BF16_MIN_COSINE on every pooling), which catches a model whose code
         bakes the example's length into the trace; of those that pass, the faster on this CPU is kept.
+        ``bf16_options`` overrides which are tried (scripts/bench_latency.py times each alone).
         """
         torch = self._torch
         example = self.tokenizer(["the trace example text"], return_tensors="pt")["input_ids"]
@@ -264,7 +265,9 @@ class TransformerEncoder:
         with warnings.catch_warnings(), torch.inference_mode():
             warnings.simplefilter("ignore")  # torch.jit's deprecation notice and transformers' tracer warnings
             expected = [ends(ids) for ids in lengths]
-            for bf16 in (False, True) if self.bf16 is not False else (False,):
+            if bf16_options is None:
+                bf16_options = (False, True) if self.bf16 is not False else (False,)
+            for bf16 in bf16_options:
                 try:
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                         traced = torch.jit.optimize_for_inference(torch.jit.trace(ends, (example,), check_trace=False))

@@ -33,6 +33,7 @@ from retrieval.whitening import RawTransform, Whitening, l2_normalize
 
 DATA = benchlib.REPO.parent / "shared" / "data"
 KINDS = ("flat", "hnsw", "ivf")
+ENCODINGS = ("eager_fp32", "eager_bf16", "traced_fp32", "traced_bf16")
 
 
 def main() -> None:
@@ -86,6 +87,8 @@ def bench_model(model: str, directory: Path, query_texts: list[str], args: argpa
     reduced = 256 if d == 768 else d // 3
     encoder = TransformerEncoder(model, "mean")
     raw_queries = encoder.encode(query_texts)
+    encoding = query_encoding(encoder, query_texts[: 50 if args.quick else 200])
+    print(f"{model}: one query encoded: {encoding}", file=sys.stderr)
     print(f"{model}: {docs.shape[0]:,} docs x {d}; {len(query_texts)} queries; {d} -> {reduced}", file=sys.stderr)
     exact = faiss.IndexFlatIP(d)
     exact.add(l2_normalize(docs))
@@ -130,7 +133,66 @@ def bench_model(model: str, directory: Path, query_texts: list[str], args: argpa
     for kind in {r["kind"] for r in rows}:
         full, red = (next(r for r in rows if r["kind"] == kind and r["dim"] == x) for x in (d, reduced))
         ratios[kind] = {k: full[k] / red[k] for k in ("search_p50_ms", "batch_ms_per_query", "bytes")}
-    return {"d": d, "reduced": reduced, "gamma": args.gamma, "rows": rows, "speedup_full_over_reduced": ratios}
+    return {
+        "d": d,
+        "reduced": reduced,
+        "gamma": args.gamma,
+        "query_encoding": encoding,
+        "rows": rows,
+        "speedup_full_over_reduced": ratios,
+    }
+
+
+def query_encoding(encoder: TransformerEncoder, texts: list[str]) -> dict[str, Any]:
+    """One query's encoding (mean pooling) p50 ms: eager fp32 / bf16 autocast, and each traced variant alone;
+    min cosine of each against eager fp32; and which trace the encoder itself chose (it times both)."""
+    import torch
+
+    ids = [encoder.tokenizer([t], truncation=True, max_length=encoder.max_length, return_tensors="pt") for t in texts]
+
+    def eager(bf16: bool) -> Any:
+        def run(tokens: Any) -> Any:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                return encoder.model(**tokens).last_hidden_state[0].mean(0).float()
+
+        return run
+
+    def traced(bf16: bool) -> Any:
+        chosen = encoder._trace(bf16_options=(bf16,))
+        if not chosen:
+            return None  # this trace disagreed with the eager model
+        module = chosen[0]
+
+        def run(tokens: Any) -> Any:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                return module(tokens["input_ids"])[1][0].mean(0).float()
+
+        return run
+
+    variants = {"eager_fp32": eager(False), "eager_bf16": eager(True)}
+    variants |= {"traced_fp32": traced(False), "traced_bf16": traced(True)}
+    out: dict[str, Any] = {}
+    reference = None
+    with torch.inference_mode():
+        for name, run in variants.items():
+            if run is None:
+                out[name] = {"p50_ms": float("nan"), "min_cos_vs_eager_fp32": float("nan")}
+                continue
+            for tokens in ids[:5]:
+                run(tokens)
+            times, vectors = [], []
+            for tokens in ids:
+                start = time.perf_counter()
+                vectors.append(run(tokens))
+                times.append((time.perf_counter() - start) * 1000)
+            stacked = torch.stack(vectors)
+            reference = stacked if reference is None else reference
+            cos = torch.nn.functional.cosine_similarity(stacked, reference, dim=1).min().item()
+            out[name] = {"p50_ms": benchlib.percentiles(times)["p50"], "min_cos_vs_eager_fp32": cos}
+    for text in texts[:3]:  # the encoder's own choice, made on its TRACE_AFTER-th single text
+        encoder.encode([text])
+    out["encoder_chose"] = "bf16" if encoder._traced and encoder._traced[1] else "fp32" if encoder._traced else "eager"
+    return out
 
 
 def faiss_exact(vectors: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -245,6 +307,14 @@ def markdown(report: dict[str, Any]) -> str:
     lines = ["Machine:", benchlib.machine_md(report["machine"]), "", f"Command: `{report['command']}`", ""]
     for model, res in report["models"].items():
         lines += [f"### {model}: {report['n']:,} documents, {res['d']} -> {res['reduced']} (gamma {res['gamma']})", ""]
+        enc = res["query_encoding"]
+        lines += ["One query encoded (mean pooling, p50 ms; min cosine vs eager fp32):", ""]
+        lines += [
+            "| eager fp32 | eager bf16 | traced fp32 | traced bf16 | the encoder chose |",
+            "|---|---|---|---|---|",
+        ]
+        cells = [f"{enc[v]['p50_ms']:.2f} ({enc[v]['min_cos_vs_eager_fp32']:.5f})" for v in ENCODINGS]
+        lines += ["| " + " | ".join([*cells, f"traced {enc['encoder_chose']}"]) + " |", ""]
         lines.append(benchlib.md_table(res["rows"], COLUMNS))
         lines += ["", "| index | full/reduced: single-query p50 | batch time per query | bytes |", "|---|---|---|---|"]
         for kind, r in res["speedup_full_over_reduced"].items():
