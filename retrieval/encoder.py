@@ -257,6 +257,8 @@ class TransformerEncoder:
         ``bf16_options`` overrides which are tried (scripts/bench_latency.py times each alone).
         """
         torch = self._torch
+        if bf16_options is None:
+            bf16_options = (False, True) if self.bf16 is not False else (False,)
         example = self.tokenizer(["the trace example text"], return_tensors="pt")["input_ids"]
         longer = torch.cat([example[:, :-1], example[:, 1:-1].repeat(1, 4), example[:, -1:]], dim=1)
         lengths = (example, longer[:, : self.max_length])
@@ -265,8 +267,6 @@ class TransformerEncoder:
         with warnings.catch_warnings(), torch.inference_mode():
             warnings.simplefilter("ignore")  # torch.jit's deprecation notice and transformers' tracer warnings
             expected = [ends(ids) for ids in lengths]
-            if bf16_options is None:
-                bf16_options = (False, True) if self.bf16 is not False else (False,)
             for bf16 in bf16_options:
                 try:
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):

@@ -82,8 +82,7 @@ class FlatScan:
         return min(seconds, key=seconds.__getitem__)
 
     def _faiss(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        scores, rows = faiss.knn(queries, self.matrix, k, faiss.METRIC_INNER_PRODUCT)
-        return scores, rows
+        return faiss.knn(queries, self.matrix, k, faiss.METRIC_INNER_PRODUCT)
 
     def _numpy(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Blocks of rows: their scores by one matrix product, the block's top k kept, merged at the end.

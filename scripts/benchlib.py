@@ -164,8 +164,8 @@ def _proc_status_mib(field: str) -> float:
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
-    if field == "VmHWM":  # no /proc: fall back to getrusage (KiB on Linux-likes)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if field == "VmHWM":  # no /proc (macOS): getrusage, which reports bytes there
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return float("nan")
 
 
