@@ -41,6 +41,7 @@ from retrieval.manifest import (
     STASH_DIR,
     TRANSFORM_NAME,
     Manifest,
+    is_index_dir,
 )
 from retrieval.moments import RunningMoments
 from retrieval.stash import VectorStash
@@ -156,8 +157,21 @@ def _build(
     progress: Progress,
 ) -> Manifest:
     timer = Timer()
-    if out.exists() and not options.overwrite:
+    empty_dir = out.is_dir() and not out.is_symlink() and not any(out.iterdir())  # nothing to lose: build there
+    if out.exists() and not empty_dir and not options.overwrite:
         raise ConfigError(f"{out} already exists; pass --overwrite to replace it, or --out to build elsewhere")
+    if out.exists() and not empty_dir and not is_index_dir(out):
+        # --overwrite replaces an index this tool built, never a user's folder or file: refuse, touch nothing
+        what = (
+            "a symbolic link"
+            if out.is_symlink()
+            else "a file"
+            if not out.is_dir()
+            else "a directory that is not a retrieval index"
+        )
+        raise ConfigError(
+            f"{out} is {what}; --overwrite only replaces an index built by retrieval: choose another --out"
+        )
     with timer.stage("validate"):
         source = Corpus(corpus)
         report = source.validate()

@@ -93,6 +93,23 @@ class Manifest:
                 )
 
 
+def is_index_dir(path: Path) -> bool:
+    """True only for a directory whose manifest says this tool built it (what ``--overwrite`` may replace)."""
+    manifest = Path(path) / MANIFEST_NAME
+    if Path(path).is_symlink() or not Path(path).is_dir() or not manifest.is_file():
+        return False
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return (
+        isinstance(data, dict)
+        and isinstance(data.get("schema_version"), int)
+        and all(isinstance(data.get(key), dict) for key in ("encoder", "transform", "index", "corpus"))
+        and "retrieval" in (data.get("versions") or {})
+    )
+
+
 def stash_part_records(old: Manifest, names: list[str]) -> dict[str, dict[str, Any]]:
     """``names`` as new records to fill, except the stash parts ``old`` already recorded (immutable files)."""
     immutable = f"{STASH_DIR}/part-"

@@ -288,6 +288,36 @@ def test_existing_index_is_not_replaced_without_overwrite(
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize("kind", ["user folder", "user file", "foreign manifest"])
+def test_overwrite_never_replaces_what_is_not_an_index(kind: str, corpus: Path, tmp_path: Path) -> None:
+    """The data-loss bug: --overwrite on a user's folder deleted its files. Now: refused, nothing touched."""
+    out = tmp_path / "mine"
+    if kind == "user file":
+        out.write_text("my thesis")
+    else:
+        out.mkdir()
+        if kind == "user folder":
+            (out / "thesis.tex").write_text("years of work")
+            (out / "data").mkdir()
+            (out / "data" / "results.csv").write_text("1,2,3")
+        if kind == "foreign manifest":  # some other tool's manifest.json
+            (out / "manifest.json").write_text('{"name": "my-web-app", "version": "1.0"}')
+    before = snapshot(out) if out.is_dir() else out.read_bytes()
+    encoder = FakeEncoder()
+    with pytest.raises(ConfigError, match="only replaces an index built by retrieval"):
+        build(corpus, out, encoder, options=BuildOptions(overwrite=True))
+    assert encoder.calls == 0
+    assert (snapshot(out) if out.is_dir() else out.read_bytes()) == before
+    assert siblings(out) == sorted(["corpus.parquet", "mine"])
+
+
+def test_an_empty_folder_is_built_into(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert build(corpus, out).n == N
+    Manifest.load(out).verify(out)
+
+
 def test_overwrite_replaces_the_index(built: tuple[Path, FakeEncoder, Manifest], tmp_path: Path) -> None:
     out = built[0]
     other = write_corpus(tmp_path / "other.parquet", n=50)

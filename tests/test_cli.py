@@ -229,6 +229,18 @@ def test_existing_index_needs_overwrite(built: Path, tiny_bert: Path, tmp_path: 
     assert (built / "manifest.json").read_bytes() == before
 
 
+def test_overwrite_refuses_a_folder_of_user_files(tiny_bert: Path, tmp_path: Path, isolated_home: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.parquet", n=20)
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    result = run("index", corpus, "--model", tiny_bert, "--out", folder, "--overwrite")
+    assert_one_clear_error(result, "not a retrieval index", "--overwrite only replaces")
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    assert (folder / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
 def test_search_with_no_index_built(isolated_home: Path) -> None:
     assert_one_clear_error(run("search", "anything"), "no index has been built yet", "retrieval index")
     assert_one_clear_error(run("info"), "no index has been built yet")
