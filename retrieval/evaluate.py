@@ -10,10 +10,13 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from retrieval.encoder import Encoder
 from retrieval.errors import CorpusError
 from retrieval.metrics import EvalResult, Qrels, Run, evaluate_run, sts_scores
 from retrieval.moments import RunningMoments
-from retrieval.whitening import RawTransform, Whitening, l2_normalize
+from retrieval.progress import Progress, no_progress
+from retrieval.search import Searcher, SearchParams
+from retrieval.whitening import RawTransform, TransformSpec, Whitening, l2_normalize
 
 
 @dataclass(frozen=True)
@@ -63,20 +66,18 @@ def to_run(query_ids: Sequence[str], scores: np.ndarray, rows: np.ndarray, doc_i
 
 
 def evaluate_ir(
-    searcher: Any,
+    searcher: Searcher,
     queries: Queries,
     qrels: Qrels,
-    depth: int = 100,
+    params: SearchParams = SearchParams(k=100),
     raw_queries: np.ndarray | None = None,
-    **params: Any,
 ) -> EvalResult:
-    """Search every query (to ``depth`` hits) and score the run against the qrels.
+    """Search every query (``params.k`` hits deep) and score the run against the qrels.
 
-    ``raw_queries`` are the queries' raw encoder vectors when already computed; ``params`` go to
-    ``Searcher.search_raw`` (``rescore``, ``ef_search``, ``nprobe``).
+    ``raw_queries`` are the queries' raw encoder vectors when already computed.
     """
     raw = searcher.encode(queries.texts) if raw_queries is None else raw_queries
-    scores, rows = searcher.search_raw(raw, depth, **params)
+    scores, rows = searcher.search_raw(raw, params)
     return evaluate_run(to_run(queries.ids, scores, rows, searcher.docs.ids), qrels)
 
 
@@ -129,3 +130,42 @@ def moments_of(vectors: dict[str, np.ndarray], sentences: Sequence[str]) -> Runn
     moments = RunningMoments(next(iter(vectors.values())).shape[0])
     moments.update(np.stack([vectors[s] for s in sentences]))
     return moments
+
+
+@dataclass
+class StsReport:
+    """Spearman x100 of each pair file, raw and transformed, and what the transform was fitted on."""
+
+    fit: str
+    transform: str
+    results: list[dict[str, Any]]  # {"file", "raw": {...}, "transformed": {...}} with "wmean", "all", subsets
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fit": self.fit, "transform": self.transform, "results": self.results}
+
+
+def evaluate_sts(
+    sets: Sequence[Pairs],
+    encoder: Encoder,
+    transform: Whitening | RawTransform | TransformSpec,
+    fit_sets: Sequence[Pairs] = (),
+    fit_name: str = "",
+    progress: Progress = no_progress,
+) -> StsReport:
+    """Encode every sentence once; score each set raw and transformed. A ``TransformSpec`` is fitted on
+    "target": every sentence of ``sets`` and ``fit_sets``, no labels; a fitted transform is used as given."""
+    sentences = list(dict.fromkeys(s for p in [*sets, *fit_sets] for s in p.sentences()))
+    progress("encode", 0, len(sentences))
+    raw_vectors = encoder.encode(sentences)
+    progress("encode", len(sentences), len(sentences))
+    vectors = dict(zip(sentences, raw_vectors, strict=True))
+    if isinstance(transform, TransformSpec):
+        transform = transform.fit(moments_of(vectors, sentences))
+        names = ", ".join(p.name for p in [*sets, *fit_sets])
+        fit_name = f"target ({len(sentences):,} sentences of {names})"
+    raw = RawTransform(encoder.dim)
+    results = [
+        {"file": p.name, "raw": sts_result(vectors, p, raw), "transformed": sts_result(vectors, p, transform)}
+        for p in sets
+    ]
+    return StsReport(fit_name, repr(transform), results)

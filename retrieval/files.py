@@ -6,11 +6,16 @@ import fcntl
 import hashlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from retrieval.errors import IndexDirError
+import numpy as np
+
+from retrieval.errors import BusyError
+
+QUICK_FULL_BELOW = 64 << 20  # files smaller than this are hashed whole even by the quick check
+QUICK_BLOCKS, QUICK_BLOCK_BYTES = 64, 1 << 16  # larger ones: 64 blocks of 64 KiB spread from first byte to last
 
 
 def sha256(path: Path) -> str:
@@ -19,6 +24,32 @@ def sha256(path: Path) -> str:
         while block := fh.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()
+
+
+def quick_sha256(path: Path) -> str:
+    """A cheap fingerprint: sha256 of the whole file when small, else of its size and 4 MiB sampled evenly.
+
+    What a one-shot search checks (2.9 GiB of index would take seconds to hash whole); it catches truncation,
+    a zeroed or replaced file and most corruption, while ``sha256`` (``info --verify``, the service) catches all."""
+    size = os.path.getsize(path)
+    if size < QUICK_FULL_BELOW:
+        return sha256(path)
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as fh:
+        for offset in np.linspace(0, max(size - QUICK_BLOCK_BYTES, 0), QUICK_BLOCKS).astype(np.int64).tolist():
+            fh.seek(offset)
+            digest.update(fh.read(QUICK_BLOCK_BYTES))
+    return digest.hexdigest()
+
+
+def inside(root: Path, name: str) -> bool:
+    """True when ``name`` is a plain relative path that stays inside ``root``, symbolic links resolved."""
+    path = Path(name)
+    if not name or path.is_absolute() or ".." in path.parts:
+        return False
+    base = Path(root).resolve()
+    target = (Path(root) / path).resolve()
+    return base in target.parents
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -36,24 +67,40 @@ def work_dir(target: Path, purpose: str = "building") -> Path:
     return target.parent / f".{target.name}.{purpose}"
 
 
-def publish(work: Path, target: Path) -> None:
+def publish(work: Path, target: Path, own: Collection[str] = ()) -> None:
     """Move a complete ``work`` directory to ``target``, replacing any previous one.
 
-    The previous directory is first renamed aside and removed only after the new one is in place, so an
-    interruption at any point leaves either the old index or the new one (or the old one, renamed aside, which
-    ``recover`` puts back).
+    Entries of the previous directory whose names are not in ``own`` (a user's notes, results) are carried into
+    the new one first, as hard links (nothing is copied, and the originals stay until the swap has happened).
+    The previous directory is renamed aside and removed only after the new one is in place, so an interruption
+    at any point leaves either the old index or the new one (or the old one, renamed aside, which ``recover``
+    puts back).
     """
     old = work_dir(target, "old")
     if old.exists():
         shutil.rmtree(old)
+    if target.is_dir():
+        for entry in target.iterdir():
+            if entry.name not in own and not (work / entry.name).exists():
+                _link_tree(entry, work / entry.name)
     if target.exists():
         os.rename(target, old)
     os.rename(work, target)
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _link_tree(src: Path, dst: Path) -> None:
+    """``src`` (file, folder or symbolic link) recreated at ``dst`` with hard links, copying across devices."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=link_or_copy)
+    else:
+        link_or_copy(src, dst)
+
+
 @contextmanager
-def replacing(target: Path, purpose: str) -> Iterator[Path]:
+def replacing(target: Path, purpose: str, own: Collection[str] = ()) -> Iterator[Path]:
     """A fresh work directory for a new version of ``target``: published if the block completes, removed if not.
 
     A work directory left by an interrupted run is discarded first; the published target never depends on it.
@@ -67,7 +114,7 @@ def replacing(target: Path, purpose: str) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    publish(work, target)
+    publish(work, target, own)
 
 
 def recover(target: Path) -> None:
@@ -79,7 +126,7 @@ def recover(target: Path) -> None:
         try:
             with writing(target):  # taking the writer's lock restores it
                 pass
-        except IndexDirError:
+        except BusyError:
             pass
 
 
@@ -93,7 +140,7 @@ def writing(target: Path) -> Iterator[None]:
     that opened it just before it was removed would lock a dead inode, so the lock counts only if the path
     still names the inode locked.
     """
-    path = target.parent / f".{target.name}.lock"
+    path = lock_path(target)
     made = [d for d in [target.parent, *target.parent.parents] if not d.exists()]  # removed again if left empty
     target.parent.mkdir(parents=True, exist_ok=True)
     while True:
@@ -102,7 +149,7 @@ def writing(target: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise IndexDirError(
+            raise BusyError(
                 f"another retrieval process is writing {target}; wait for it to finish, then try again"
             ) from None
         try:
@@ -126,9 +173,14 @@ def writing(target: Path) -> Iterator[None]:
                 break
 
 
-def link_or_copy(src: Path, dst: Path) -> None:
+def lock_path(target: Path) -> Path:
+    """The hidden file beside ``target`` that its one writer holds locked."""
+    return target.parent / f".{target.name}.lock"
+
+
+def link_or_copy(src: Path | str, dst: Path | str) -> None:
     """Hard-link ``src`` to ``dst`` (no copy, no risk to the source), copying where links are not possible."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
     try:
         os.link(src, dst)
     except OSError:

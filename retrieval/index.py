@@ -6,10 +6,12 @@ import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import faiss
 import numpy as np
+
+if TYPE_CHECKING:
+    import faiss
 
 from retrieval.errors import ConfigError, IndexDirError
 
@@ -17,6 +19,7 @@ log = logging.getLogger(__name__)
 
 KINDS = ("flat", "hnsw", "ivf")
 REFINE_K_FACTOR = 16  # a Refine(...) step re-ranks 16 k candidates of the compressed index exactly
+MAX_KNOB = 1 << 24  # no count-like knob (lists, beam widths, training rows) is sensible beyond this
 
 
 @dataclass(frozen=True)
@@ -50,11 +53,31 @@ class IndexSpec:
             return self.nlist
         return max(1, min(int(4 * math.sqrt(n)), n // 39))
 
+    def check(self) -> None:
+        """Refuse knobs FAISS would abort on or silently misuse, before any work is done."""
+        if not self.kind.strip():
+            raise ConfigError(
+                "`index_type` is empty; use flat, hnsw, ivf or a FAISS index_factory string", "index_type"
+            )
+        if not 2 <= self.m <= 512:
+            raise ConfigError(f"`m` (HNSW neighbours per node) must be between 2 and 512 (got {self.m})", "m")
+        knobs = {"ef_construction": self.ef_construction, "ef_search": self.ef_search, "nlist": self.nlist}
+        knobs |= {"nprobe": self.nprobe, "train_size": self.train_size}
+        for name, value in knobs.items():
+            if value is not None and not 1 <= value <= MAX_KNOB:
+                raise ConfigError(f"`{name}` must be between 1 and {MAX_KNOB:,} (got {value})", name)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> IndexSpec:
+        return cls(**data)
+
 
 def create_index(spec: IndexSpec, dim: int, n: int) -> faiss.Index:
+    import faiss
+
     factory = spec.factory(n)
     try:
         index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
@@ -96,13 +119,36 @@ def train(index: faiss.Index, sample: np.ndarray) -> None:
 
 
 def set_search_params(index: faiss.Index, ef_search: int | None = None, nprobe: int | None = None) -> None:
-    """Apply search-time knobs where the index has them; silently ignore those it does not have."""
+    """Store default search-time knobs in the index (what a build saves); ignore those it does not have."""
     hnsw = _hnsw(index)
     if ef_search is not None and hnsw is not None:
         hnsw.efSearch = int(ef_search)
     ivf = _ivf(index)
     if nprobe is not None and ivf is not None:
         ivf.nprobe = int(min(nprobe, ivf.nlist))
+
+
+def search_parameters(index: faiss.Index, ef_search: int | None = None, nprobe: int | None = None) -> Any:
+    """FAISS's per-call search parameters for these knobs, or None when the index has none of them.
+
+    Passed to ``index.search(..., params=...)``, they leave the shared index untouched, so concurrent callers
+    with different knobs cannot race (setting ``efSearch``/``nprobe`` on the index itself would)."""
+    import faiss
+
+    fx: Any = faiss  # the stubs lack the SearchParameters constructors' keywords
+    top = faiss.downcast_index(index)
+    if isinstance(top, faiss.IndexRefine):
+        base = search_parameters(top.base_index, ef_search, nprobe)
+        if base is None:
+            return None
+        params = fx.IndexRefineSearchParameters(k_factor=top.k_factor, base_index_params=base)
+        params.referenced = base  # the C++ object points at ``base``: keep it alive as long as ``params``
+        return params
+    if ef_search is not None and isinstance(top, faiss.IndexHNSW):
+        return fx.SearchParametersHNSW(efSearch=int(ef_search))
+    if nprobe is not None and isinstance(top, faiss.IndexIVF):
+        return fx.SearchParametersIVF(nprobe=int(min(nprobe, top.nlist)))
+    return None
 
 
 def default_search_params(index: faiss.Index, spec: IndexSpec) -> dict[str, int]:
@@ -117,6 +163,8 @@ def default_search_params(index: faiss.Index, spec: IndexSpec) -> dict[str, int]
 
 def describe(index: faiss.Index) -> dict[str, Any]:
     """What ``retrieval info`` shows of a FAISS index."""
+    import faiss
+
     info: dict[str, Any] = {"class": type(index).__name__, "ntotal": int(index.ntotal), "dim": int(index.d)}
     hnsw = _hnsw(index)
     if hnsw is not None:
@@ -139,6 +187,8 @@ def flat_vectors(index: faiss.Index) -> np.ndarray | None:
 
     The view keeps the index alive (a bare ``rev_swig_ptr`` would dangle once the index is freed).
     """
+    import faiss
+
     flat = faiss.downcast_index(index)  # index_factory("Flat") gives IndexFlat; read_index gives IndexFlatIP
     if not isinstance(flat, faiss.IndexFlat) or flat.metric_type != faiss.METRIC_INNER_PRODUCT or not flat.ntotal:
         return None
@@ -155,10 +205,14 @@ class _Owned:
 
 
 def save_index(index: faiss.Index, path: Path) -> None:
+    import faiss
+
     faiss.write_index(index, str(path))
 
 
 def load_index(path: Path) -> faiss.Index:
+    import faiss
+
     try:
         return faiss.read_index(str(path))
     except RuntimeError as err:
@@ -166,6 +220,8 @@ def load_index(path: Path) -> faiss.Index:
 
 
 def _hnsw(index: faiss.Index) -> Any:
+    import faiss
+
     index = faiss.downcast_index(index)
     if isinstance(index, faiss.IndexRefine):
         index = faiss.downcast_index(index.base_index)
@@ -173,6 +229,8 @@ def _hnsw(index: faiss.Index) -> Any:
 
 
 def _ivf(index: faiss.Index) -> Any:
+    import faiss
+
     try:
         return faiss.extract_index_ivf(index)
     except RuntimeError:

@@ -1,4 +1,7 @@
-"""What an index directory holds, summarised for people (``retrieval info``) and as JSON."""
+"""What an index directory holds, summarised for people (``retrieval info``, the service's /info) and as JSON.
+
+Reads the manifest, the transform and the moments only: no FAISS, no encoder.
+"""
 
 from __future__ import annotations
 
@@ -7,52 +10,56 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.manifest import MOMENTS_NAME, TRANSFORM_NAME, Manifest
-from retrieval.update import describe_drift, drift
-from retrieval.whitening import Whitening, load_transform
+from retrieval.indexdir import IndexDir, Manifest, Verify
+from retrieval.whitening import RawTransform, Whitening, kernel_drift
 
 
-def describe_index(directory: Path, verify: bool = False) -> dict[str, Any]:
-    """``{"summary": {...human-readable...}, "manifest": {...}, "spectrum": {...}}``."""
-    directory = Path(directory)
-    manifest = Manifest.load(directory)
-    if verify:
-        manifest.verify(directory)
-    transform = load_transform(directory / TRANSFORM_NAME)
+def describe_index(directory: Path, verify: Verify = "none") -> dict[str, Any]:
+    """``{"summary": {...human-readable...}, "manifest": {...}, "spectrum": {...}, "drift": {...}}``."""
+    index_dir = IndexDir(directory)
+    manifest = index_dir.manifest()
+    index_dir.verify(manifest, verify)
+    transform = index_dir.transform()
+    report = {"summary": summary(manifest, transform), "manifest": manifest.to_dict(), "spectrum": {}, "drift": {}}
+    if isinstance(transform, Whitening):
+        report["spectrum"] = spectrum_summary(transform.eigenvalues, transform.dim_out)
+        drift = kernel_drift(transform, index_dir.moments())
+        report["drift"] = drift.to_dict()
+        report["summary"]["kernel drift"] = drift.describe()
+    return report
+
+
+def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str, Any]:
+    """The human-readable lines of ``retrieval info`` (model, pooling, d -> k, gamma, N, index, sizes, ...)."""
     enc, t, idx = manifest.encoder, manifest.transform, manifest.index
-    sizes = {name: rec["bytes"] for name, rec in manifest.files.items()}
-    summary: dict[str, Any] = {
-        "model": enc.get("model") or f"precomputed vectors ({enc.get('column')})",
-        "pooling": enc.get("pooling", "-"),
-        "max length": enc.get("max_length", "-"),
-        "precision": enc.get("precision", "-"),
-        "transform": t["kind"],
-        "dims": f"{t['d']} -> {t['k']}",
+    sizes = {name: record["bytes"] for name, record in manifest.files.items()}
+    stash = manifest.stash
+    lines: dict[str, Any] = {
+        "model": enc.model or f"precomputed vectors ({enc.column})",
+        "pooling": enc.pooling or "-",
+        "max length": enc.max_length or "-",
+        "precision": f"{enc.precision} (ran {enc.precision_used})" if enc.precision_used else enc.precision,
+        "transform": t.kind,
+        "dims": f"{t.d} -> {t.k}",
         "rows (N)": f"{manifest.n:,}",
-        "index": f"{idx['type']} ({idx['factory']}) {_params(idx['faiss'])}".strip(),
-        "corpus": manifest.corpus.get("path"),
-        "stash": "none"
-        if not manifest.stash
-        else f"{manifest.stash['rows']:,} rows, {manifest.stash['dtype']}, "
-        f"poolings {', '.join(manifest.stash['poolings'])}",
-        "size on disk": _sizes(sizes),
+        "index": f"{idx.kind} ({idx.factory}) {_params(idx.faiss)}".strip(),
+        "corpus": manifest.corpus.path,
+        "stash": "none" if not stash else f"{stash.rows:,} rows, {stash.dtype}, poolings {', '.join(stash.poolings)}",
+        "size on disk": _sizes(sizes, stash.bytes if stash else 0),
         "built": f"{manifest.created} with retrieval {manifest.versions.get('retrieval')}",
+        "version": f"{manifest.generation} (published {manifest.updated})",
         "time": ", ".join(f"{k} {v:.1f}s" for k, v in manifest.timings.items()),
     }
-    spectrum: dict[str, Any] = {}
     if isinstance(transform, Whitening):
         lam = transform.eigenvalues
         spectrum = spectrum_summary(lam, transform.dim_out)
-        summary["gamma / epsilon"] = f"{transform.gamma} / {transform.epsilon:g}"
-        summary["explained variance"] = f"{transform.explained_variance:.2%} in the top {transform.dim_out}"
-        summary["spectrum"] = (
+        lines["gamma / epsilon"] = f"{transform.gamma} / {transform.epsilon:g}"
+        lines["explained variance"] = f"{transform.explained_variance:.2%} in the top {transform.dim_out}"
+        lines["spectrum"] = (
             f"lambda_1 {lam[0]:.4g}, lambda_k {lam[transform.dim_out - 1]:.4g}, lambda_d {lam[-1]:.3g}; "
             f"half the variance in {spectrum['dims_for_50pct']} dims, 90% in {spectrum['dims_for_90pct']}"
         )
-    kernel_drift = drift(directory) if (directory / MOMENTS_NAME).is_file() else {}
-    if kernel_drift:
-        summary["kernel drift"] = describe_drift(kernel_drift)
-    return {"summary": summary, "manifest": manifest.__dict__, "spectrum": spectrum, "drift": kernel_drift}
+    return lines
 
 
 def spectrum_summary(eigenvalues: np.ndarray, k: int) -> dict[str, Any]:
@@ -75,12 +82,7 @@ def _params(faiss_info: dict[str, Any]) -> str:
     return " ".join(f"{k}={faiss_info[k]}" for k in keys)
 
 
-def _sizes(sizes: dict[str, int]) -> str:
-    total = sum(sizes.values())
-    stash = sum(v for k, v in sizes.items() if k.startswith("vectors/"))
-    parts = [f"{total / 1e6:.1f} MB in all"] + [
-        f"{name} {size / 1e6:.1f} MB" for name, size in sizes.items() if not name.startswith("vectors/")
-    ]
-    if stash:
-        parts.append(f"stash {stash / 1e6:.1f} MB")
-    return "; ".join(parts)
+def _sizes(sizes: dict[str, int], stash_bytes: int) -> str:
+    parts = [f"{(sum(sizes.values()) + stash_bytes) / 1e6:.1f} MB in all"]
+    parts += [f"{name} {size / 1e6:.1f} MB" for name, size in sizes.items() if not name.startswith("vectors/")]
+    return "; ".join(parts + ([f"stash {stash_bytes / 1e6:.1f} MB"] if stash_bytes else []))

@@ -32,6 +32,7 @@ __all__ = [
     "Run",
     "average_precision_at_k",
     "evaluate_run",
+    "knn_recall",
     "mrr_at_k",
     "ndcg_at_k",
     "pearson",
@@ -205,6 +206,14 @@ def evaluate_run(
 
 # ------------------------------------------------------------------------------------------------------------
 # Correlations for STS.
+
+
+def knn_recall(found: np.ndarray, truth: np.ndarray, k: int | None = None) -> float:
+    """Recall@k of approximate neighbours: the share of each query's true top k (rows of ``truth``) that
+    ``found`` holds in its first k, averaged over queries. Rows of -1 (fewer hits than asked) count as misses."""
+    k = k or truth.shape[1]
+    hits = sum(len(set(f[:k][f[:k] >= 0].tolist()) & set(t[:k].tolist())) for f, t in zip(found, truth, strict=True))
+    return hits / (len(truth) * k)
 
 
 def _as_1d(x: ArrayLike, name: str) -> np.ndarray:

@@ -28,16 +28,14 @@ def plot_tuning(result: TuneResult, path: Path, split: str = "test", title: str 
     styles = ["-", "--", ":"]
     for p_i, pooling in enumerate(poolings):
         mine = [t for t in trials if t.candidate.pooling == pooling]
-        gammas = sorted({t.candidate.gamma for t in mine if t.candidate.gamma is not None})
+        gammas = sorted({t.candidate.gamma for t in mine if t.candidate.whiten})
         for gamma in gammas:
-            line = sorted((t for t in mine if t.candidate.gamma == gamma), key=lambda t: t.candidate.dim)
+            line = sorted((t for t in mine if t.candidate.whiten and t.candidate.gamma == gamma), key=lambda t: t.dim)
             label = f"{pooling} gamma={gamma}" if len(poolings) > 1 else f"gamma={gamma}"
-            left.plot(
-                [t.candidate.dim for t in line], [score(t) for t in line], styles[p_i % 3], marker="o", label=label
-            )
-        for raw in (t for t in mine if t.candidate.gamma is None):
+            left.plot([t.dim for t in line], [score(t) for t in line], styles[p_i % 3], marker="o", label=label)
+        for raw in (t for t in mine if not t.candidate.whiten):
             left.axhline(score(raw), color="grey", linestyle=styles[p_i % 3], linewidth=1)
-            left.annotate(f"raw {pooling}", (min(t.candidate.dim for t in mine), score(raw)), fontsize=8)
+            left.annotate(f"raw {pooling}", (min(t.dim for t in mine), score(raw)), fontsize=8)
     left.set_xscale("log", base=2)
     left.set_xlabel("output dimension k")
     left.set_ylabel(f"{metric} ({split})")
@@ -53,7 +51,7 @@ def plot_tuning(result: TuneResult, path: Path, split: str = "test", title: str 
     right.plot([p[0] for p in front], [p[1] for p in front], "-o", color="crimson", label="Pareto front")
     for ms, value, trial in front:
         right.annotate(trial.candidate.label, (ms, value), fontsize=7, rotation=15)
-    right.set_xlabel("single-query flat search (ms, median)")
+    right.set_xlabel("single-query flat search (ms, median, scaled to N from the first block)")
     right.set_ylabel(f"{metric} ({split})")
     right.set_title("quality vs search latency")
     right.legend(fontsize=7)

@@ -60,6 +60,7 @@ class FlatScan:
         parts = max(1, min(threads, matrix.shape[0] // MIN_SLICE_ROWS))
         self.bounds = np.linspace(0, matrix.shape[0], parts + 1).astype(np.int64)
         self.batch_path: str | None = None  # "numpy" or "faiss" once the first batch has timed both
+        self._calibrating = threading.Lock()
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(scores, rows), each (nq, k), best first; k is capped at the number of rows."""
@@ -68,7 +69,9 @@ class FlatScan:
         if queries.shape[0] < FEW_QUERIES:
             return self._sliced(queries, k)
         if self.batch_path is None:
-            self.batch_path = self._faster_batch_path(queries[:CALIBRATION_QUERIES], k)
+            with self._calibrating:  # concurrent first batches: one times, the others wait for its choice
+                if self.batch_path is None:
+                    self.batch_path = self._faster_batch_path(queries[:CALIBRATION_QUERIES], k)
         return self._numpy(queries, k) if self.batch_path == "numpy" else self._faiss(queries, k)
 
     def _faster_batch_path(self, sample: np.ndarray, k: int) -> str:
@@ -85,22 +88,13 @@ class FlatScan:
         return faiss.knn(queries, self.matrix, k, faiss.METRIC_INNER_PRODUCT)
 
     def _numpy(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Blocks of rows: their scores by one matrix product, the block's top k kept, merged at the end.
-
-        Exact, but rows tied at the k-th place inside a block may be kept where FAISS would keep a lower row."""
+        """Blocks of rows, each scored by one matrix product, through a ``TopK``."""
         n, nq = self.matrix.shape[0], queries.shape[0]
         block = max(k, SCORE_BLOCK_BYTES // (4 * nq))
-        kept_scores, kept_rows = [], []
+        top = TopK(nq, k)
         for start in range(0, n, block):
-            scores = queries @ self.matrix[start : start + block].T
-            if scores.shape[1] > k:
-                top = np.argpartition(scores, -k, axis=1)[:, -k:]
-                scores = np.take_along_axis(scores, top, axis=1)
-            else:
-                top = np.broadcast_to(np.arange(scores.shape[1]), scores.shape)
-            kept_scores.append(scores)
-            kept_rows.append(top + start)
-        return _best_first(np.concatenate(kept_scores, axis=1), np.concatenate(kept_rows, axis=1), k)
+            top.push(queries @ self.matrix[start : start + block].T, start)
+        return top.result()
 
     def _sliced(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         slices = list(zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), strict=True))
@@ -116,6 +110,31 @@ class FlatScan:
         return _best_first(
             np.concatenate([p[0] for p in parts], axis=1), np.concatenate([p[1] for p in parts], axis=1), k
         )
+
+
+class TopK:
+    """Exact top-k of (nq, N) scores that arrive in column blocks: memory is one block plus (nq, 2k), however
+    large N grows. Rows tied at the k-th place inside a block may be kept where FAISS would keep a lower row."""
+
+    def __init__(self, nq: int, k: int):
+        self.k = k
+        self.scores = np.full((nq, 0), -np.inf, dtype=np.float32)
+        self.rows = np.full((nq, 0), -1, dtype=np.int64)
+
+    def push(self, scores: np.ndarray, first_row: int) -> None:
+        """Scores of rows ``first_row, first_row + 1, ...`` for every query."""
+        if scores.shape[1] > self.k:
+            top = np.argpartition(scores, -self.k, axis=1)[:, -self.k :]
+            scores = np.take_along_axis(scores, top, axis=1)
+        else:
+            top = np.broadcast_to(np.arange(scores.shape[1]), scores.shape)
+        merged = np.concatenate([self.scores, scores.astype(np.float32, copy=False)], axis=1)
+        rows = np.concatenate([self.rows, top + first_row], axis=1)
+        self.scores, self.rows = _best_first(merged, rows, self.k)
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, rows), best first; fewer than k columns when fewer rows were pushed."""
+        return self.scores, self.rows
 
 
 def _best_first(scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

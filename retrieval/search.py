@@ -1,26 +1,52 @@
-"""Searching an index directory: the same encoder and the same stored transform as the build, then FAISS."""
+"""Searching an index directory: the same encoder and the same stored transform as the build, then FAISS.
+
+A ``Searcher`` holds one whole version of an index (``indexdir.load``) and is safe to share between threads:
+search knobs go to FAISS per call (never set on the shared index), the encoder serialises its own callers,
+and the docs and the stash are read-only memory maps.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 
-from retrieval import files
-from retrieval.encoder import Encoder, check_compatible, load_encoder
-from retrieval.errors import ConfigError, IndexDirError
-from retrieval.index import flat_vectors, load_index, set_search_params
-from retrieval.manifest import DOCS_NAME, INDEX_NAME, STASH_DIR, TRANSFORM_NAME, Manifest
+from retrieval.encoder import Encoder, from_info
+from retrieval.errors import ConfigError
+from retrieval.index import flat_vectors, search_parameters
+from retrieval.indexdir import Loaded, Verify, load
 from retrieval.scan import FlatScan
 from retrieval.stash import VectorStash
-from retrieval.whitening import RawTransform, Whitening, l2_normalize, load_transform
+from retrieval.whitening import l2_normalize
 
 log = logging.getLogger(__name__)
+
+MAX_K = 10_000  # hits per query: past this a caller wants an export, not a search
+
+
+@dataclass(frozen=True)
+class SearchParams:
+    """What one search asks for. ``rescore``: re-rank this many candidates of the (reduced) index by cosine of
+    the full raw vectors kept in the stash (0: off). ``ef_search`` / ``nprobe``: HNSW / IVF knobs for this call
+    (None: the index's defaults)."""
+
+    k: int = 10
+    rescore: int = 0
+    ef_search: int | None = None
+    nprobe: int | None = None
+
+    def check(self) -> None:
+        for name, value, low in (("k", self.k, 1), ("rescore", self.rescore, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_K:
+                raise ConfigError(f"`{name}` must be an integer between {low} and {MAX_K:,} (got {value!r})", name)
+        for name, knob in (("ef_search", self.ef_search), ("nprobe", self.nprobe)):
+            if knob is not None and (isinstance(knob, bool) or not isinstance(knob, int) or not 1 <= knob <= 1 << 20):
+                raise ConfigError(f"`{name}` must be an integer between 1 and {1 << 20:,} (got {knob!r})", name)
 
 
 @dataclass(frozen=True)
@@ -34,72 +60,56 @@ class Hit:
     row: int
 
 
-class Docs:
-    """Row -> (id, text) from ``docs.parquet``: ids in memory, texts read by row group on demand."""
-
-    def __init__(self, path: Path):
-        self._file = pq.ParquetFile(path)
-        self.ids: list[str] = self._file.read(columns=["id"]).column("id").to_pylist()
-        sizes = [self._file.metadata.row_group(i).num_rows for i in range(self._file.num_row_groups)]
-        self._starts = np.cumsum([0, *sizes])
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def texts(self, rows: Sequence[int]) -> list[str]:
-        out: dict[int, str] = {}
-        groups = np.searchsorted(self._starts, rows, side="right") - 1
-        for group in sorted(set(groups.tolist())):
-            column = self._file.read_row_group(group, columns=["text"]).column("text")
-            start = int(self._starts[group])
-            for row in (r for r, g in zip(rows, groups, strict=True) if g == group):
-                out[row] = column[row - start].as_py()
-        return [out[r] for r in rows]
-
-
 class Searcher:
-    """A loaded index directory. ``Searcher.load(dir).search("query", k)`` -> list of Hit."""
+    """A loaded index directory. ``Searcher.load(dir).search("query", SearchParams(k=5))`` -> list of Hit."""
 
-    def __init__(
-        self,
-        directory: Path,
-        manifest: Manifest,
-        transform: Whitening | RawTransform,
-        index: Any,
-        docs: Docs,
-        encoder: Encoder | None,
-    ):
-        self.directory = directory
-        self.manifest = manifest
-        self.transform = transform
-        self.index = index
-        self.docs = docs
+    def __init__(self, loaded: Loaded, encoder: Encoder | None):
+        self.loaded = loaded
+        self.directory = loaded.directory.path
+        self.manifest = loaded.manifest
+        self.transform = loaded.transform
+        self.index = loaded.index
+        self.docs = loaded.docs
         self.encoder = encoder
-        flat = flat_vectors(index)
+        flat = flat_vectors(self.index)
         self._scan = FlatScan(flat) if flat is not None else None
         self._stash: VectorStash | None = None
+        self._stash_lock = threading.Lock()
 
     @classmethod
-    def load(cls, directory: Path, encoder: Encoder | None = None, verify: bool = True, batch_size: int = 32):
-        """Open an index directory, check its files, and prepare the encoder it was built with.
+    def load(
+        cls, directory: Path | str, encoder: Encoder | None = None, verify: Verify | bool = "full", batch_size: int = 32
+    ) -> Searcher:
+        """Open one whole version of an index directory, check its files, and prepare its encoder.
 
-        Pass ``encoder`` to reuse one already loaded (it must match the index's model, pooling and max
-        length); leave it None to load the one the manifest names. Vector-only indexes need no encoder.
+        ``verify``: "full" checks every file's sha256, "quick" sizes and sampled hashes (what a one-shot CLI
+        search does), "none" nothing. Pass ``encoder`` to reuse one already loaded (it must match the index's
+        model, pooling and max length); leave it None to load the one the manifest names. Indexes of
+        precomputed vectors need no encoder.
         """
-        directory = Path(directory)
-        files.recover(directory)
-        manifest = Manifest.load(directory)
-        if verify:
-            manifest.verify(directory, [TRANSFORM_NAME, INDEX_NAME, DOCS_NAME])
-        transform = load_transform(directory / TRANSFORM_NAME)
-        index = load_index(directory / INDEX_NAME)
-        if index.ntotal != manifest.n or index.d != transform.dim_out:
-            raise IndexDirError(f"{directory}: the FAISS index does not match its manifest; rebuild the index")
+        level: Verify = ("full" if verify else "none") if isinstance(verify, bool) else verify
+        loaded = load(directory, level)
+        info = loaded.manifest.encoder
         if encoder is not None:
-            check_compatible(manifest.encoder, encoder.describe())
-        elif manifest.encoder.get("kind") == "transformers":
-            encoder = load_encoder(manifest.encoder, batch_size=batch_size)
-        return cls(directory, manifest, transform, index, Docs(directory / DOCS_NAME), encoder)
+            info.check_query(encoder.info())
+        elif info.kind == "transformers":
+            encoder = from_info(info, batch_size=batch_size)
+        return cls(loaded, encoder)
+
+    def warm_up(self) -> None:
+        """Settle all lazy state now rather than on a user's first request: the encoder's precision and
+        single-query trace, the flat batch path, the stash's memory maps; then run one search."""
+        warm = getattr(self.encoder, "warm_up", None)
+        if warm is not None:
+            warm()
+        if self._scan is not None:
+            probe = l2_normalize(np.random.default_rng(0).normal(size=(64, self.transform.dim_out)))
+            self._scan.search(probe, 10)
+        if self.manifest.stash is not None:
+            for _ in self.stash().iter_parts(self.manifest.transform.pooling):  # opens each part's memory map
+                pass
+        if self.encoder is not None:
+            self.search("warm-up query")
 
     # ----- the query side ---------------------------------------------------------------------------------
     def encode(self, queries: Sequence[str]) -> np.ndarray:
@@ -108,71 +118,64 @@ class Searcher:
             raise ConfigError("this index was built from precomputed vectors; search it with search_vectors()")
         return self.encoder.encode(list(queries))
 
-    def search(self, query: str, k: int = 10, **params: Any) -> list[Hit]:
-        return self.search_batch([query], k, **params)[0]
+    def search(self, query: str, params: SearchParams = SearchParams()) -> list[Hit]:
+        return self.search_batch([query], params)[0]
 
-    def search_batch(self, queries: Sequence[str], k: int = 10, **params: Any) -> list[list[Hit]]:
-        return self.hits(*self.search_raw(self.encode(queries), k, **params))
+    def search_batch(self, queries: Sequence[str], params: SearchParams = SearchParams()) -> list[list[Hit]]:
+        params.check()
+        return self.hits(*self.search_raw(self.encode(queries), params))
 
-    def search_vectors(self, raw: np.ndarray, k: int = 10, **params: Any) -> list[list[Hit]]:
+    def search_vectors(self, raw: np.ndarray, params: SearchParams = SearchParams()) -> list[list[Hit]]:
         """Search with raw encoder-space vectors (they get the index's transform)."""
-        return self.hits(*self.search_raw(raw, k, **params))
+        return self.hits(*self.search_raw(raw, params))
 
-    def search_raw(
-        self,
-        raw: np.ndarray,
-        k: int = 10,
-        rescore: int = 0,
-        ef_search: int | None = None,
-        nprobe: int | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, rows) for raw encoder-space query vectors; rows are -1 where fewer than k were found.
-
-        ``rescore=N`` fetches the top N candidates from the (reduced) index and re-ranks them by cosine
-        between the full raw vectors kept in the stash, returning the top k of those.
-        """
+    def search_raw(self, raw: np.ndarray, params: SearchParams = SearchParams()) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, rows) for raw encoder-space query vectors; rows are -1 where fewer than k were found."""
+        params.check()
         raw = np.atleast_2d(np.asarray(raw, dtype=np.float32))
         if raw.shape[1] != self.transform.dim_in:
             raise ConfigError(f"query vectors have {raw.shape[1]} dims; this index takes {self.transform.dim_in}")
-        if k < 1:
-            raise ConfigError(f"-k must be at least 1 (got {k})")
-        depth = max(k, rescore)
-        scores, rows = self.search_transformed(self.transform.transform(raw), depth, ef_search, nprobe)
-        if rescore:
-            scores, rows = self._rescore(raw, rows, k)
-        return scores[:, :k], rows[:, :k]
+        if not np.isfinite(raw).all():
+            raise ConfigError("query vectors contain NaN or inf")
+        depth = max(params.k, params.rescore)
+        vectors = self.transform.transform(raw)
+        scores, rows = self.search_transformed(vectors, depth, params.ef_search, params.nprobe)
+        if params.rescore:
+            scores, rows = self._rescore(raw, rows, params.k)
+        return scores[:, : params.k], rows[:, : params.k]
 
     def search_transformed(
-        self,
-        vectors: np.ndarray,
-        k: int = 10,
-        ef_search: int | None = None,
-        nprobe: int | None = None,
+        self, vectors: np.ndarray, k: int = 10, ef_search: int | None = None, nprobe: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, rows) for query vectors already in the index's space."""
+        """(scores, rows) for query vectors already in the index's space. Knobs left unset take the index's
+        defaults; they apply to this call only (FAISS search parameters), so concurrent callers never race."""
         k = min(k, self.index.ntotal)
         if self._scan is not None:
             return self._scan.search(vectors, k)
-        # knobs left unset go back to the index's defaults, not to whatever the previous call asked for
-        defaults = self.manifest.index.get("search", {})
-        set_search_params(
+        defaults = self.manifest.index.search
+        params = search_parameters(
             self.index,
             ef_search=defaults.get("ef_search") if ef_search is None else ef_search,
             nprobe=defaults.get("nprobe") if nprobe is None else nprobe,
         )
-        return self.index.search(np.ascontiguousarray(vectors, dtype=np.float32), k)
+        return self.index.search(np.ascontiguousarray(vectors, dtype=np.float32), k, params=params)
+
+    def stash(self) -> VectorStash:
+        """The index's raw-vector stash, opened once (its parts are memory-mapped on first use, then kept)."""
+        with self._stash_lock:
+            if self._stash is None:
+                self._stash = self.loaded.directory.stash("re-score")
+            return self._stash
 
     def _rescore(self, raw: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        if self._stash is None:
-            self._stash = stash_of(self.directory)
-        pooling = self.manifest.transform.get("pooling")
+        stash = self.stash()
+        pooling = self.manifest.transform.pooling
         queries = l2_normalize(raw)
         out_scores = np.full((len(rows), k), -np.inf, dtype=np.float32)
         out_rows = np.full((len(rows), k), -1, dtype=np.int64)
         for i, candidates in enumerate(rows):
             candidates = candidates[candidates >= 0]
-            docs = l2_normalize(self._stash.read_rows(candidates, pooling))
-            scores = docs @ queries[i]
+            scores = l2_normalize(stash.read_rows(candidates, pooling)) @ queries[i]
             order = np.argsort(-scores, kind="stable")[:k]
             out_scores[i, : len(order)] = scores[order]
             out_rows[i, : len(order)] = candidates[order]
@@ -180,23 +183,19 @@ class Searcher:
 
     def hits(self, scores: np.ndarray, rows: np.ndarray) -> list[list[Hit]]:
         out = []
-        for score_row, id_row in zip(scores, rows, strict=True):
-            keep = [int(r) for r in id_row if r >= 0]
+        for score_row, row_ids in zip(scores, rows, strict=True):
+            keep = [int(r) for r in row_ids if r >= 0]
             texts = self.docs.texts(keep)
             out.append(
                 [
-                    Hit(rank=i + 1, id=self.docs.ids[r], score=float(s), text=t, row=r)
+                    Hit(rank=i + 1, id=self.docs.id(r), score=float(s), text=t, row=r)
                     for i, (r, s, t) in enumerate(zip(keep, score_row, texts, strict=False))
                 ]
             )
         return out
 
+    def describe(self) -> dict[str, Any]:
+        """What ``retrieval info`` and the service's /info show of the loaded version."""
+        from retrieval.info import summary
 
-def stash_of(directory: Path) -> VectorStash:
-    """The raw-vector stash kept in an index directory (for re-scoring, tuning and re-fitting)."""
-    path = Path(directory) / STASH_DIR
-    if not (path / "stash.json").is_file():
-        raise IndexDirError(
-            f"{directory} kept no raw vectors; rebuild it without --no-keep-vectors to re-fit, tune or re-score"
-        )
-    return VectorStash.open(path)
+        return summary(self.manifest, self.transform)

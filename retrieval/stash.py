@@ -1,16 +1,22 @@
 """The vector stash: raw encoder vectors on disk in append-only parts, with the ids and texts beside them.
 
-A build appends one part per record batch. Each part (``part-NNNNN.npy`` + ``part-NNNNN.parquet``) is written
-to a temporary name and renamed into place, then ``stash.json`` is rewritten the same way, so after a crash
-the stash holds exactly the parts ``stash.json`` lists: a resumed build continues from there. Reading is by
-memory map, block by block, so the whole stash is never in RAM.
+A part is one ``.npy`` per pooling plus a ``.parquet`` of (id, text), each written to a temporary name and
+renamed into place, with its size and sha256 taken as it is written. ``stash.json`` lists the registered
+parts, in row order, with those checksums; it is rewritten atomically after each registration, so after a crash
+the stash holds exactly the parts ``stash.json`` lists and a resumed build continues from there. Parts can be
+written by one process and registered by another (``write_part`` then ``register``: the distributed build's
+workers write, its driver registers). Reading is by memory map, opened once per part, so the whole stash is
+never in RAM; ``verify`` checks the parts against their checksums before a writer builds on them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
-import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +24,42 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from retrieval.errors import IndexDirError
-from retrieval.files import write_atomic
+from retrieval.errors import ConfigError, IndexDirError
+from retrieval.files import inside, sha256, write_atomic
+from retrieval.moments import RunningMoments
 
-STASH_FORMAT = 1
+STASH_FORMAT = 2
+STATE_NAME = "stash.json"
 DTYPES = ("float32", "float16")
+BLOCK_ROWS = 65536  # rows per block when streaming the stash
+
+
+@dataclass(frozen=True)
+class Part:
+    """One written part: its rows, its files (pooling -> .npy name, and the docs .parquet), their checksums."""
+
+    rows: int
+    vectors: dict[str, str]
+    docs: str
+    source_batches: int = 1
+    checksums: dict[str, dict[str, Any]] = field(default_factory=dict)  # file name -> {"bytes", "sha256"}
+
+    @property
+    def names(self) -> list[str]:
+        return [self.docs, *self.vectors.values()]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Part:
+        return cls(
+            rows=int(data["rows"]),
+            vectors=dict(data["vectors"]),
+            docs=str(data["docs"]),
+            source_batches=int(data.get("source_batches", 1)),
+            checksums=dict(data.get("checksums", {})),
+        )
 
 
 class VectorStash:
@@ -31,42 +68,54 @@ class VectorStash:
     def __init__(self, root: Path, state: dict[str, Any]):
         self.root = Path(root)
         self.state = state
+        self._parts = [Part.from_dict(p) for p in state["parts"]]
+        self._maps: dict[tuple[str, int], np.ndarray] = {}
+        self._maps_lock = threading.Lock()
 
     # ----- creation and opening -----------------------------------------------------------------------
     @classmethod
-    def create(cls, root: Path, dim: int, poolings: list[str], dtype: str = "float32", meta: dict | None = None):
+    def create(
+        cls, root: Path, dim: int, poolings: Sequence[str], dtype: str = "float32", meta: dict | None = None
+    ) -> VectorStash:
         if dtype not in DTYPES:
-            raise IndexDirError(f"unknown stash dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+            raise ConfigError(f"unknown `stash_dtype` {dtype!r}; choose one of {', '.join(DTYPES)}", "stash_dtype")
         root.mkdir(parents=True, exist_ok=True)
-        state = {
-            "format": STASH_FORMAT,
-            "dim": dim,
-            "dtype": dtype,
-            "poolings": poolings,
-            "meta": meta or {},
-            "parts": [],
-        }
-        stash = cls(root, state)
+        state = {"format": STASH_FORMAT, "dim": dim, "dtype": dtype, "poolings": list(poolings), "meta": meta or {}}
+        stash = cls(root, state | {"parts": []})
         stash._save_state()
         return stash
 
     @classmethod
     def open(cls, root: Path) -> VectorStash:
-        path = Path(root) / "stash.json"
+        path = Path(root) / STATE_NAME
         if not path.is_file():
-            raise IndexDirError(f"no vector stash at {root}; rebuild the index with --keep-vectors")
-        state = json.loads(path.read_text())
-        if state.get("format") != STASH_FORMAT:
-            raise IndexDirError(f"stash at {root} has format {state.get('format')}, this version reads {STASH_FORMAT}")
-        return cls(Path(root), state)
+            raise IndexDirError(f"no vector stash at {root}; rebuild the index keeping its vectors")
+        try:
+            state = json.loads(path.read_text())
+            version = state.get("format")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+            raise IndexDirError(f"{path} is unreadable ({err}); rebuild the index") from err
+        if version != STASH_FORMAT:
+            raise IndexDirError(f"the stash at {root} has format {version}; this version reads {STASH_FORMAT}")
+        stash = cls(Path(root), state)
+        for part in stash._parts:  # a name from a file is never trusted to point outside the stash
+            for name in part.names:
+                if not inside(stash.root, name):
+                    raise IndexDirError(f"{path} names a part file outside the stash ({name!r}); rebuild the index")
+        return stash
 
     def _save_state(self) -> None:
-        write_atomic(self.root / "stash.json", json.dumps(self.state, indent=1).encode())
+        self.state["parts"] = [p.to_dict() for p in self._parts]
+        write_atomic(self.root / STATE_NAME, json.dumps(self.state, indent=1).encode())
 
     # ----- properties ---------------------------------------------------------------------------------
     @property
     def dim(self) -> int:
         return int(self.state["dim"])
+
+    @property
+    def dtype(self) -> str:
+        return str(self.state["dtype"])
 
     @property
     def poolings(self) -> list[str]:
@@ -77,73 +126,125 @@ class VectorStash:
         return dict(self.state["meta"])
 
     @property
-    def parts(self) -> list[dict[str, Any]]:
-        return list(self.state["parts"])
+    def parts(self) -> list[Part]:
+        return list(self._parts)
 
     def __len__(self) -> int:
-        return sum(p["rows"] for p in self.state["parts"])
-
-    def files(self) -> list[Path]:
-        names = ["stash.json"]
-        for part in self.state["parts"]:
-            names += [part["docs"], *part["vectors"].values()]
-        return [self.root / n for n in names]
-
-    # ----- writing ------------------------------------------------------------------------------------
-    def append(self, vectors: dict[str, np.ndarray], ids: list[str], texts: list[str], source_batches: int = 1):
-        """Add one part. ``source_batches`` counts the corpus record batches it covers (for resuming)."""
-        number = len(self.state["parts"])
-        stem = f"part-{number:05d}"
-        files = {}
-        for pooling in self.poolings:
-            arr = np.ascontiguousarray(vectors[pooling], dtype=self.state["dtype"])
-            assert arr.shape == (len(ids), self.dim), (arr.shape, len(ids), self.dim)
-            name = f"{stem}.{pooling}.npy"
-            tmp = self.root / (name + ".tmp")
-            with open(tmp, "wb") as fh:
-                np.save(fh, arr)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.root / name)
-            files[pooling] = name
-        table = pa.table({"id": pa.array(ids, pa.string()), "text": pa.array(texts, pa.string())})
-        tmp = self.root / f"{stem}.parquet.tmp"
-        pq.write_table(table, tmp)
-        os.replace(tmp, self.root / f"{stem}.parquet")
-        self.state["parts"].append(
-            {"rows": len(ids), "vectors": files, "docs": f"{stem}.parquet", "source_batches": source_batches}
-        )
-        self._save_state()
+        return sum(p.rows for p in self._parts)
 
     @property
     def source_batches(self) -> int:
-        return sum(p.get("source_batches", 1) for p in self.state["parts"])
+        return sum(p.source_batches for p in self._parts)
+
+    def files(self) -> list[Path]:
+        """``stash.json`` and every part file, as paths."""
+        return [self.root / STATE_NAME] + [self.root / name for part in self._parts for name in part.names]
+
+    # ----- writing ------------------------------------------------------------------------------------
+    def write_part(
+        self, stem: str, vectors: dict[str, np.ndarray], ids: Sequence[str], texts: Sequence[str], source_batches=1
+    ) -> Part:
+        """Write one part's files under ``stem`` (unique per writer) without registering it; returns its record.
+
+        Writing the same stem again replaces the files with identical bytes, so a retried writer is harmless."""
+        checksums: dict[str, dict[str, Any]] = {}
+        names = {}
+        for pooling in self.poolings:
+            array = np.ascontiguousarray(vectors[pooling], dtype=self.dtype)
+            if array.shape != (len(ids), self.dim):
+                raise ValueError(f"part {stem}: vectors {array.shape} for {len(ids)} rows of dimension {self.dim}")
+            buffer = io.BytesIO()
+            np.save(buffer, array, allow_pickle=False)
+            names[pooling] = f"{stem}.{pooling}.npy"
+            checksums[names[pooling]] = self._write(names[pooling], buffer.getvalue())
+        table = pa.table({"id": pa.array(list(ids), pa.string()), "text": pa.array(list(texts), pa.string())})
+        buffer = io.BytesIO()
+        pq.write_table(table, buffer)
+        checksums[f"{stem}.parquet"] = self._write(f"{stem}.parquet", buffer.getvalue())
+        return Part(len(ids), names, f"{stem}.parquet", source_batches, checksums)
+
+    def _write(self, name: str, data: bytes) -> dict[str, Any]:
+        write_atomic(self.root / name, data)
+        return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def register(self, parts: Sequence[Part]) -> None:
+        """Append written parts, in the given order (their row order), and save ``stash.json``."""
+        for part in parts:
+            if set(part.vectors) != set(self.poolings):
+                raise ValueError(f"part {part.docs} holds poolings {sorted(part.vectors)}, not {self.poolings}")
+        self._parts.extend(parts)
+        self._save_state()
+
+    def append(
+        self, vectors: dict[str, np.ndarray], ids: Sequence[str], texts: Sequence[str], source_batches: int = 1
+    ) -> Part:
+        """Write and register the next part. ``source_batches`` counts the corpus record batches it covers."""
+        part = self.write_part(f"part-{len(self._parts):05d}", vectors, ids, texts, source_batches)
+        self.register([part])
+        return part
+
+    # ----- checking -----------------------------------------------------------------------------------
+    def verify(self, full: bool = True) -> None:
+        """Every part file present with its recorded size, and (``full``) its recorded sha256."""
+        for part in self._parts:
+            for name in part.names:
+                path = self.root / name
+                record = part.checksums.get(name)
+                if record is None or not path.is_file():
+                    raise IndexDirError(f"stash file {path} is missing or unrecorded; rebuild the index")
+                if path.stat().st_size != record["bytes"] or (full and sha256(path) != record["sha256"]):
+                    raise IndexDirError(f"stash file {path} is corrupt (checksum mismatch); rebuild the index")
 
     # ----- reading ------------------------------------------------------------------------------------
-    def iter_parts(self, pooling: str | None = None) -> Iterator[np.ndarray]:
-        """Each part's vectors as a read-only memory map (float32 or float16 as stored)."""
+    def check_pooling(self, pooling: str | None) -> str:
         pooling = pooling or self.poolings[0]
         if pooling not in self.poolings:
-            raise IndexDirError(f"the stash holds poolings {', '.join(self.poolings)}, not {pooling!r}")
-        for part in self.state["parts"]:
-            yield np.load(self.root / part["vectors"][pooling], mmap_mode="r")
+            raise ConfigError(
+                f"the stash holds poolings {', '.join(self.poolings)}, not {pooling!r}; "
+                "build with `extra_pooling` to keep more",
+                "pooling",
+            )
+        return pooling
 
-    def iter_blocks(self, block_rows: int = 65536, pooling: str | None = None) -> Iterator[np.ndarray]:
+    def _map(self, pooling: str, number: int) -> np.ndarray:
+        """Part ``number``'s vectors as a read-only memory map, opened once and kept."""
+        key = (pooling, number)
+        with self._maps_lock:
+            if key not in self._maps:
+                part = self._parts[number]
+                try:
+                    array = np.load(self.root / part.vectors[pooling], mmap_mode="r", allow_pickle=False)
+                except (OSError, ValueError) as err:
+                    raise IndexDirError(f"cannot read stash part {part.vectors[pooling]}: {err}") from err
+                if array.shape != (part.rows, self.dim):
+                    raise IndexDirError(f"stash part {part.vectors[pooling]} has shape {array.shape}; rebuild")
+                self._maps[key] = array
+            return self._maps[key]
+
+    def iter_parts(self, pooling: str | None = None) -> Iterator[np.ndarray]:
+        """Each part's vectors as a read-only memory map (float32 or float16 as stored)."""
+        pooling = self.check_pooling(pooling)
+        for number in range(len(self._parts)):
+            yield self._map(pooling, number)
+
+    def iter_blocks(self, block_rows: int = BLOCK_ROWS, pooling: str | None = None) -> Iterator[np.ndarray]:
         """float32 blocks of at most ``block_rows`` rows, in row order."""
-        for arr in self.iter_parts(pooling):
-            for start in range(0, arr.shape[0], block_rows):
-                yield np.asarray(arr[start : start + block_rows], dtype=np.float32)
+        for array in self.iter_parts(pooling):
+            for start in range(0, array.shape[0], block_rows):
+                yield np.asarray(array[start : start + block_rows], dtype=np.float32)
 
     def read_rows(self, rows: np.ndarray, pooling: str | None = None) -> np.ndarray:
         """Vectors of the given global row numbers (any order), float32."""
+        pooling = self.check_pooling(pooling)
         rows = np.asarray(rows, dtype=np.int64)
+        starts = np.cumsum([0] + [p.rows for p in self._parts])
+        if len(rows) and (rows.min() < 0 or rows.max() >= starts[-1]):
+            raise IndexError(f"stash rows must be in [0, {starts[-1]})")
         out = np.empty((len(rows), self.dim), dtype=np.float32)
-        offset = 0
-        for arr in self.iter_parts(pooling):
-            inside = (rows >= offset) & (rows < offset + arr.shape[0])
-            if inside.any():
-                out[inside] = arr[rows[inside] - offset]
-            offset += arr.shape[0]
+        numbers = np.searchsorted(starts, rows, side="right") - 1
+        for number in np.unique(numbers):
+            inside_part = numbers == number
+            out[inside_part] = self._map(pooling, int(number))[rows[inside_part] - starts[number]]
         return out
 
     def sample(self, n: int, seed: int = 0, pooling: str | None = None) -> np.ndarray:
@@ -154,6 +255,20 @@ class VectorStash:
         rows = np.sort(np.random.default_rng(seed).choice(total, size=n, replace=False))
         return self.read_rows(rows, pooling)
 
+    def moments(self, pooling: str | None = None) -> RunningMoments:
+        """Exact moments of every stashed vector of one pooling, streamed block by block."""
+        moments = RunningMoments(self.dim)
+        for block in self.iter_blocks(pooling=pooling):
+            moments.update(block)
+        return moments
+
     def iter_docs(self) -> Iterator[pa.Table]:
-        for part in self.state["parts"]:
-            yield pq.read_table(self.root / part["docs"])
+        """Each part's (id, text) table, in row order."""
+        for part in self._parts:
+            yield pq.read_table(self.root / part.docs)
+
+    def ids(self) -> list[str]:
+        """Every row's id, in row order."""
+        return [
+            i for part in self._parts for i in pq.read_table(self.root / part.docs, columns=["id"])["id"].to_pylist()
+        ]

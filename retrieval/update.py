@@ -1,60 +1,49 @@
-"""Growing and re-fitting an index directory from its stash: add, refit, drift.
+"""Growing and re-fitting an index directory from its stash: add and refit.
 
 ``refit`` fits a new kernel from the stored moments (or from the stash, for another pooling) and rebuilds the
 FAISS index from the stash: nothing is encoded again. ``add`` encodes only new rows, appends them to the stash
-as new parts, merges their moments and adds them to the index with the EXISTING kernel. ``drift`` says how far
-that kernel now is from a fresh fit on the updated moments, so users know when to ``refit``.
+as new parts, merges their moments and adds them to the index with the EXISTING kernel (``info`` reports how
+far that kernel has drifted from a fresh fit, so users know when to ``refit``).
 
-Both writers assemble the new directory in a hidden sibling (unchanged stash parts hard-linked, not copied) and
-swap it into place with ``files.publish``: an interruption leaves the previous index intact.
+Both writers verify what they read, assemble the new version in a hidden sibling (unchanged stash parts
+hard-linked, not copied) and swap it into place with ``files.publish``: an interruption leaves the previous
+index intact.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow.parquet as pq
-
 from retrieval import files
-from retrieval.build import (
-    WINDOW_ROWS,
-    Progress,
-    Timer,
-    TransformSpec,
-    encode_batch,
-    no_progress,
-    write_artifacts,
-    write_docs,
-)
+from retrieval.build import WINDOW_ROWS, index_record, input_dim, write_version
 from retrieval.corpus import Corpus, CorpusSpec
-from retrieval.encoder import Encoder, check_compatible, load_encoder
-from retrieval.errors import ConfigError, CorpusError, IndexDirError
-from retrieval.index import IndexSpec, describe, load_index, save_index
-from retrieval.manifest import (
-    DOCS_NAME,
-    INDEX_NAME,
-    MOMENTS_NAME,
-    STASH_DIR,
-    TRANSFORM_NAME,
+from retrieval.encoder import Encoder, from_info
+from retrieval.errors import ConfigError, CorpusError
+from retrieval.index import IndexSpec
+from retrieval.indexdir import (
+    OWN_NAMES,
+    STASH,
+    TRANSFORM,
+    IndexDir,
     Manifest,
-    stash_part_records,
+    StashRecord,
+    link_from,
+    now,
+    save_docs,
+    save_faiss_index,
+    save_moments,
+    write_manifest,
 )
-from retrieval.moments import RunningMoments
+from retrieval.ingest import Ingest
+from retrieval.progress import Progress, Timer, no_progress
 from retrieval.stash import VectorStash
-from retrieval.whitening import Whitening, load_transform
+from retrieval.whitening import TransformSpec
 
 log = logging.getLogger(__name__)
-
-# drift() advises a refit above these: 10% relative change of the whitened covariance, or a top-k subspace
-# whose mean squared principal cosine fell below 0.9.
-DRIFT_REFIT = 0.1
-OVERLAP_REFIT = 0.9
 
 
 # ----- what to fit, what to build --------------------------------------------------------------------------
@@ -63,7 +52,7 @@ def transform_spec(directory: Path, **changes: Any) -> TransformSpec:
 
     Turning whitening off drops a kept ``dim`` unless one is given (the raw transform keeps every dimension).
     """
-    current = TransformSpec(**Manifest.load(directory).transform["spec"])
+    current = IndexDir(directory).manifest().transform.spec
     given = {key: value for key, value in changes.items() if value is not None}
     if given.get("whiten") is False and "dim" not in given:
         given["dim"] = None
@@ -72,7 +61,7 @@ def transform_spec(directory: Path, **changes: Any) -> TransformSpec:
 
 def index_spec(directory: Path, **changes: Any) -> IndexSpec:
     """The FAISS index spec ``directory`` was built with, with ``changes`` applied (None values: keep)."""
-    current = IndexSpec(**Manifest.load(directory).index["spec"])
+    current = IndexDir(directory).manifest().index.spec
     return dataclasses.replace(current, **{key: value for key, value in changes.items() if value is not None})
 
 
@@ -89,48 +78,36 @@ def refit(
     pooling is unchanged, else from one pass over the stash for the new pooling.
     """
     directory = Path(directory)
+    if index is not None:
+        index.check()
     with files.writing(directory):
-        return _refit(directory, transform, index, progress)
+        return _refit(IndexDir(directory), transform, index, progress)
 
 
-def _refit(directory: Path, transform: TransformSpec, index: IndexSpec | None, progress: Progress) -> Manifest:
-    manifest = Manifest.load(directory)
-    stash = _stash(directory, "refit")
+def _refit(old: IndexDir, transform: TransformSpec, index: IndexSpec | None, progress: Progress) -> Manifest:
+    manifest = old.manifest()
+    old.verify(manifest, "full")
+    stash = old.stash("refit")
     transform.check(stash.dim)
-    pooling = transform.pooling or manifest.transform["pooling"]
-    if pooling not in stash.poolings:
-        raise ConfigError(
-            f"the stash of {directory} holds poolings {', '.join(stash.poolings)}, not {pooling!r}; "
-            "build with --extra-pooling to keep more"
-        )
+    pooling = transform.pooling or manifest.transform.pooling
+    stash.check_pooling(pooling)
     spec = dataclasses.replace(transform, pooling=pooling)
-    index = index or IndexSpec(**manifest.index["spec"])
+    index = index or manifest.index.spec
     timer = Timer()
-    with files.replacing(directory, "refitting") as work:
-        linked = _link_stash(stash, work / STASH_DIR)
+    with files.replacing(old.path, "refitting", OWN_NAMES) as work:
+        linked = link_stash(stash, work / STASH)
         with timer.stage("moments"):
-            if pooling == manifest.transform["pooling"]:
-                moments = RunningMoments.load(directory / MOMENTS_NAME)
-            else:
-                moments = stash_moments(linked, pooling)
-        new = write_artifacts(work, linked, moments, spec, index, timer, progress)
-        new.encoder, new.corpus = manifest.encoder, manifest.corpus
-        new.files = stash_part_records(manifest, list(new.files))
-        if "pooling" in new.encoder:  # queries must be pooled as the documents the new kernel was fitted on
-            new.encoder = new.encoder | {"pooling": pooling}
-        with timer.stage("write"):
-            new.timings = timer.seconds
-            new.save(work)
-    log.info("refitted %s: %d rows, %d -> %d dims", directory, new.n, new.transform["d"], new.transform["k"])
+            moments = old.moments() if pooling == manifest.transform.pooling else linked.moments(pooling)
+        transform_record, index_record_ = write_version(work, linked, moments, spec, index, timer, progress)
+        new = manifest.next_version(
+            encoder=manifest.encoder.with_pooling(pooling),  # queries are pooled as the documents the kernel saw
+            transform=transform_record,
+            index=index_record_,
+            timings=timer.seconds,
+        )
+        new = write_manifest(work, new)
+    log.info("refitted %s: %d rows, %d -> %d dims", old.path, new.n, new.transform.d, new.transform.k)
     return new
-
-
-def stash_moments(stash: VectorStash, pooling: str | None = None) -> RunningMoments:
-    """Moments of every stashed vector of one pooling, streamed block by block."""
-    moments = RunningMoments(stash.dim)
-    for block in stash.iter_blocks(pooling=pooling):
-        moments.update(block)
-    return moments
 
 
 # ----- add -------------------------------------------------------------------------------------------------
@@ -149,88 +126,74 @@ def add(
     """
     directory = Path(directory)
     with files.writing(directory):
-        return _add(directory, corpus, encoder, progress, window_rows)
+        return _add(IndexDir(directory), corpus, encoder, progress, window_rows)
 
 
-def _add(
-    directory: Path, corpus: CorpusSpec, encoder: Encoder | None, progress: Progress, window_rows: int
-) -> Manifest:
-    manifest = Manifest.load(directory)
-    stash = _stash(directory, "add")
+def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: Progress, window_rows: int) -> Manifest:
+    manifest = old.manifest()
+    old.verify(manifest, "full", list(manifest.files))  # what add reads: the index, moments, transform, docs
+    stash = old.stash("add")
+    stash.verify(full=False)  # old parts are only linked, not read: present and of their recorded size
     source = Corpus(corpus)
     report = source.validate(min_rows=1)
     encoder = _encoder_for(manifest, source, encoder)
-    width = _input_width(source, encoder)
+    width = input_dim(source, encoder)
     if width != stash.dim:
-        raise CorpusError(f"{corpus.path} gives {width}-d vectors; the index at {directory} takes {stash.dim}-d")
+        raise CorpusError(f"{corpus.path} gives {width}-d vectors; the index at {old.path} takes {stash.dim}-d")
     offset = len(stash) if source.id_column is None else 0
-    _check_new_ids(directory, source, window_rows, offset)
+    _check_new_ids(stash, source, window_rows, offset)
 
-    pooling = manifest.transform["pooling"]
-    transform = load_transform(directory / TRANSFORM_NAME)
+    transform = old.transform()
     timer = Timer()
-    with files.replacing(directory, "adding") as work:
-        grown = _link_stash(stash, work / STASH_DIR)
-        files.link_or_copy(directory / TRANSFORM_NAME, work / TRANSFORM_NAME)  # never written: safe to share
+    with files.replacing(old.path, "adding", OWN_NAMES) as work:
+        grown = link_stash(stash, work / STASH)
+        link_from(work, old, TRANSFORM)  # never written: safe to share
         with timer.stage("load"):
-            faiss_index = load_index(directory / INDEX_NAME)
-        added = RunningMoments(stash.dim)
-
-        def on_batch(n: int) -> None:
-            progress("encode", n, report.usable)
-
+            faiss_index = old.faiss_index()
+        ingest = Ingest(grown, encoder, manifest.transform.pooling, report.usable, progress)
         with timer.stage("encode"):
             for batch in source.batches(window_rows):
                 ids = [str(int(i) + offset) for i in batch.ids] if offset else batch.ids
-                vectors = encode_batch(batch, source, encoder, grown.poolings, stash.dim, on_batch)
-                grown.append(vectors, ids, batch.texts)
-                stored = np.asarray(vectors[pooling], dtype=grown.state["dtype"]).astype(np.float32, copy=False)
-                added.update(stored)
-                faiss_index.add(transform.transform(stored))
-                if batch.vectors is not None:
-                    progress("encode", len(batch), report.usable)
+                faiss_index.add(transform.transform(ingest(batch, ids)))
         with timer.stage("write"):
-            moments = RunningMoments.load(directory / MOMENTS_NAME).merge(added)
-            moments.save(work / MOMENTS_NAME)  # fresh files, never the linked ones: the old index stays intact
-            save_index(faiss_index, work / INDEX_NAME)
-            write_docs(grown, work / DOCS_NAME)
-            new = _grown_manifest(manifest, grown, faiss_index, corpus, source, added.n)
-            new.timings = timer.seconds
-            new.save(work)
-    log.info("added %d rows to %s (now %d)", added.n, directory, new.n)
+            save_moments(work, old.moments().merge(ingest.moments))  # fresh files: the old index stays intact
+            save_faiss_index(work, faiss_index)
+            save_docs(work, grown)
+            added = {"path": str(Path(corpus.path).resolve()), "rows": ingest.moments.n}
+            added |= {"sha256": source.fingerprint(), "at": now(), **corpus.settings()}
+            new = manifest.next_version(
+                corpus=dataclasses.replace(manifest.corpus, added=[*manifest.corpus.added, added]),
+                index=index_record(faiss_index, manifest.index.spec, len(grown)),
+                stash=StashRecord.of(grown),
+                timings=timer.seconds,
+            )
+            new = write_manifest(work, new)
+    log.info("added %d rows to %s (now %d)", ingest.moments.n, old.path, new.n)
     return new
 
 
 def _encoder_for(manifest: Manifest, source: Corpus, encoder: Encoder | None) -> Encoder | None:
-    built_from_vectors = manifest.encoder.get("kind") == "vectors"
+    built_from_vectors = not manifest.encoder.encodes_text
     if source.precomputed != built_from_vectors:
         if built_from_vectors:
             raise ConfigError(
-                "this index was built from precomputed vectors: add a .npy or a parquet with --vectors-column"
+                "this index was built from precomputed vectors: add a .npy or a parquet with `vectors_column`",
+                "vectors_column",
             )
         raise ConfigError(
-            f"this index encodes text with {manifest.encoder.get('model')!r}: add texts, not precomputed vectors"
+            f"this index encodes text with {manifest.encoder.model!r}: add texts, not precomputed vectors",
+            "vectors_column",
         )
     if source.precomputed:
         return None
     if encoder is None:
-        return load_encoder(manifest.encoder)
-    check_compatible(manifest.encoder, encoder.describe())
+        return from_info(manifest.encoder)
+    manifest.encoder.check_query(encoder.info())
     return encoder
 
 
-def _input_width(source: Corpus, encoder: Encoder | None) -> int:
-    if encoder is not None:
-        return encoder.dim
-    if source.vector_dim is not None:
-        return source.vector_dim
-    first = next(iter(source.batches(1024)))
-    assert first.vectors is not None
-    return int(first.vectors.shape[1])
-
-
-def _check_new_ids(directory: Path, source: Corpus, window_rows: int, offset: int) -> None:
-    existing = set(pq.read_table(directory / DOCS_NAME, columns=["id"]).column("id").to_pylist())
+def _check_new_ids(stash: VectorStash, source: Corpus, window_rows: int, offset: int) -> None:
+    existing = set(stash.ids())
     clashes: list[str] = []
     count = 0
     for batch in source.batches(window_rows):
@@ -247,101 +210,8 @@ def _check_new_ids(directory: Path, source: Corpus, window_rows: int, offset: in
         )
 
 
-def _grown_manifest(
-    old: Manifest, stash: VectorStash, faiss_index: Any, spec: CorpusSpec, source: Corpus, rows: int
-) -> Manifest:
-    corpus = dict(old.corpus)
-    corpus["added"] = [
-        *corpus.get("added", []),
-        {
-            "path": str(Path(spec.path).resolve()),
-            "rows": rows,
-            "sha256": source.fingerprint(),
-            "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            **spec.settings(),
-        },
-    ]
-    index = old.index | {"ntotal": int(faiss_index.ntotal), "faiss": describe(faiss_index)}
-    stash_files = [str(p.relative_to(stash.root.parent)) for p in stash.files()]
-    names = [TRANSFORM_NAME, MOMENTS_NAME, INDEX_NAME, DOCS_NAME, *stash_files]
-    return dataclasses.replace(
-        old,
-        corpus=corpus,
-        index=index,
-        stash=(old.stash or {}) | {"rows": len(stash)},
-        files=stash_part_records(old, names),
-    )
-
-
-# ----- drift -----------------------------------------------------------------------------------------------
-def drift(directory: Path) -> dict[str, Any]:
-    """How far the stored kernel is from a fresh fit on the current moments (after ``add``).
-
-    ``covariance_drift``: ||W^T S W - D||_F / ||D||_F, where S is the current second moment about the kernel's
-    mean (covariance plus the mean shift), W the stored kernel and D = W^T Sigma_fit W its value at fit time
-    (diagonal; ~identity for gamma = 1). ``subspace_overlap``: mean squared cosine of the principal angles
-    between the stored top-k eigenvectors and those of a fresh fit (1 = same subspace; always 1 when k = d).
-    ``mean_shift``: how far the mean moved, in whitened units relative to the spread at fit time.
-    """
-    directory = Path(directory)
-    manifest = Manifest.load(directory)
-    transform = load_transform(directory / TRANSFORM_NAME)
-    moments = RunningMoments.load(directory / MOMENTS_NAME)
-    if not isinstance(transform, Whitening):
-        return {"kind": "raw", "rows_now": moments.n, "rows_added": manifest.n - moments.n}
-    k = transform.dim_out
-    w = transform.kernel
-    lam = transform.eigenvalues
-    scale = lam[0] if lam[0] > 0 else 1.0
-    at_fit = lam[:k] * (lam[:k] + transform.epsilon * scale) ** (-transform.gamma)  # diag of W^T Sigma_fit W
-    shift = moments.mean - transform.mean
-    second = moments.covariance() + np.outer(shift, shift)
-    now = w.T @ second @ w
-    covariance_drift = float(np.linalg.norm(now - np.diag(at_fit))) / max(float(np.linalg.norm(at_fit)), 1e-300)
-    fresh = Whitening.fit(moments, dim=k, gamma=transform.gamma, epsilon=transform.epsilon)
-    old_basis = w / np.linalg.norm(w, axis=0)
-    new_basis = fresh.kernel / np.linalg.norm(fresh.kernel, axis=0)
-    cosines = np.clip(np.linalg.svd(old_basis.T @ new_basis, compute_uv=False), 0.0, 1.0)
-    mean_shift = float(np.linalg.norm(shift @ w) / max(np.sqrt(at_fit.sum()), 1e-300))
-    overlap = float(np.mean(cosines**2))
-    report: dict[str, Any] = {
-        "kind": "whitening",
-        "rows_at_fit": transform.n,
-        "rows_now": moments.n,
-        "rows_added": moments.n - transform.n,
-        "covariance_drift": covariance_drift,
-        "mean_shift": mean_shift,
-        "subspace_overlap": overlap,
-        "max_principal_angle_deg": float(np.degrees(np.arccos(cosines.min()))),
-    }
-    report["refit_advised"] = covariance_drift > DRIFT_REFIT or overlap < OVERLAP_REFIT
-    return report
-
-
-def describe_drift(report: dict[str, Any]) -> str:
-    """One line for ``retrieval info``."""
-    if report["kind"] != "whitening":
-        return "no kernel (raw transform)"
-    line = (
-        f"{report['covariance_drift']:.3f} (whitened covariance, relative), subspace overlap "
-        f"{report['subspace_overlap']:.3f}, {report['rows_added']:,} rows added since the fit"
-    )
-    return line + ("; consider `retrieval refit`" if report["refit_advised"] else "")
-
-
-# ----- shared ----------------------------------------------------------------------------------------------
-def _stash(directory: Path, action: str) -> VectorStash:
-    path = directory / STASH_DIR
-    if not (path / "stash.json").is_file():
-        raise IndexDirError(
-            f"{directory} kept no raw-vector stash, so it cannot {action} without re-encoding; "
-            "rebuild it with --keep-vectors (the default)"
-        )
-    return VectorStash.open(path)
-
-
-def _link_stash(stash: VectorStash, root: Path) -> VectorStash:
-    """The stash's parts hard-linked under ``root`` (no copy); ``stash.json`` copied, as ``append`` rewrites it."""
+def link_stash(stash: VectorStash, root: Path) -> VectorStash:
+    """The stash's parts hard-linked under ``root`` (no copy); ``stash.json`` copied, as ``register`` rewrites it."""
     for path in stash.files():
         if path.name == "stash.json":
             root.mkdir(parents=True, exist_ok=True)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import zipfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -16,6 +18,15 @@ from retrieval.moments import RunningMoments
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+
+# Chosen on SciFact's train queries with all-MiniLM-L6-v2, mean pooling: best dev nDCG@10 at k = 384, 256 and 128
+# (README, "Choosing the default gamma"; `retrieval tune`). Full whitening (1.0) costs ~6% there.
+DEFAULT_GAMMA = 0.25
+DEFAULT_EPSILON = 1e-6
+# Kernel drift above which `retrieval info` advises a refit: 10% relative change of the whitened covariance, or a
+# top-k subspace whose mean squared principal cosine fell below 0.9.
+DRIFT_REFIT = 0.1
+OVERLAP_REFIT = 0.9
 
 
 def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
@@ -97,17 +108,16 @@ class Whitening:
             raise ValueError(f"covariance of shape {cov.shape} does not match a mean of dimension {d}")
         k = d if dim is None else dim
         if not 1 <= k <= d:
-            raise ConfigError(f"--dim must be between 1 and {d} (got {k}): the kernel keeps at most d dimensions")
-        if gamma < 0:
-            raise ConfigError(f"--gamma must be >= 0 (got {gamma}); 1 = full whitening, 0 = PCA rotation")
-        if epsilon < 0:
-            raise ConfigError(f"--epsilon must be >= 0 (got {epsilon})")
+            raise ConfigError(
+                f"`dim` must be between 1 and {d} (got {k}): the kernel keeps at most d dimensions", "dim"
+            )
+        TransformSpec(dim=k, gamma=gamma, epsilon=epsilon).check(d)
         if n < 2:
             raise ConfigError(f"need at least 2 vectors to fit a whitening (got {n}); use a larger corpus")
         if n < 5 * d:
             logger.warning(
                 "fitting a %d x %d covariance on only %d rows: the whitening is noisy; "
-                "use a larger corpus, a smaller --gamma, or --no-whiten",
+                "use a larger corpus, a smaller gamma, or no whitening",
                 d,
                 d,
                 n,
@@ -119,8 +129,9 @@ class Whitening:
         lam_reg = lam[:k] + epsilon * scale
         if gamma > 0 and not lam_reg.all():
             raise ConfigError(
-                f"the covariance is singular within the top {k} directions and --epsilon is 0; "
-                "use --epsilon > 0 or a smaller --dim"
+                f"the covariance is singular within the top {k} directions and `epsilon` is 0; "
+                "use `epsilon` > 0 or a smaller `dim`",
+                "epsilon",
             )
         kernel = u[:, :k] * lam_reg ** (-gamma / 2)
         mean = np.array(mean, dtype=np.float64)  # a copy: the fit must not share the caller's array
@@ -245,3 +256,120 @@ def _read(path: str | os.PathLike[str], kind: str | None = None) -> dict[str, np
     if found != kind and not (kind is None and found in ("whitening", "raw")):
         raise IndexDirError(f"{path}: transform kind {found!r}, expected {kind or 'whitening or raw'!r}")
     return data
+
+
+@dataclass(frozen=True)
+class TransformSpec:
+    """What to fit after pass 1, and one candidate of a tuning sweep.
+
+    Whitening keeps ``W = U[:, :dim] * (lambda + epsilon * lambda_max) ** (-gamma / 2)``; ``whiten=False`` is the
+    raw baseline (L2-normalised encoder output, no centring, no kernel, every dimension). ``pooling`` chooses
+    which stashed pooling to fit on (None: the index's first).
+    """
+
+    dim: int | None = None
+    gamma: float = DEFAULT_GAMMA
+    epsilon: float = DEFAULT_EPSILON
+    whiten: bool = True
+    pooling: str | None = None
+
+    @classmethod
+    def raw(cls, pooling: str | None = None) -> TransformSpec:
+        return cls(whiten=False, pooling=pooling)
+
+    @property
+    def label(self) -> str:
+        """Short name for tables: ``mean raw`` or ``mean k=128 g=0.25``."""
+        pooling = f"{self.pooling} " if self.pooling else ""
+        return f"{pooling}raw" if not self.whiten else f"{pooling}k={self.dim or 'd'} g={self.gamma:g}"
+
+    def check(self, d: int | None = None) -> None:
+        """Refuse what cannot give finite, meaningful vectors, before any work is done (``dim`` against the
+        encoder's dimension ``d`` once it is known)."""
+        if self.dim is not None and self.dim < 1:
+            raise ConfigError(f"`dim` must be at least 1 (got {self.dim})", "dim")
+        if self.dim is not None and d is not None and self.dim > d:
+            raise ConfigError(f"`dim` must be between 1 and the encoder's dimension {d} (got {self.dim})", "dim")
+        if not self.whiten and self.dim is not None and d is not None and self.dim != d:
+            raise ConfigError(f"the raw transform keeps all {d} dimensions; drop `dim` or whiten", "dim")
+        if not (math.isfinite(self.gamma) and 0 <= self.gamma <= 2):
+            raise ConfigError(
+                f"`gamma` must be between 0 and 2 (got {self.gamma}); 1 = full whitening, 0 = PCA rotation", "gamma"
+            )
+        if not (math.isfinite(self.epsilon) and 0 <= self.epsilon <= 1):
+            raise ConfigError(
+                f"`epsilon` must be between 0 and 1 (got {self.epsilon}), relative to the largest eigenvalue",
+                "epsilon",
+            )
+
+    def fit(self, moments: RunningMoments) -> Whitening | RawTransform:
+        if not self.whiten:
+            return RawTransform(moments.dim)
+        return Whitening.fit(moments, dim=self.dim, gamma=self.gamma, epsilon=self.epsilon)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransformSpec:
+        return cls(**{key: data[key] for key in ("dim", "gamma", "epsilon", "whiten", "pooling") if key in data})
+
+
+@dataclass(frozen=True)
+class Drift:
+    """How far a stored kernel is from a fresh fit on the current moments (after rows were added).
+
+    ``covariance_drift``: ||W^T S W - D||_F / ||D||_F, where S is the current second moment about the kernel's
+    mean (covariance plus the mean shift), W the stored kernel and D = W^T Sigma_fit W its value at fit time
+    (diagonal; ~identity for gamma = 1). ``subspace_overlap``: mean squared cosine of the principal angles
+    between the stored top-k eigenvectors and those of a fresh fit (1 = same subspace; always 1 when k = d).
+    ``mean_shift``: how far the mean moved, in whitened units relative to the spread at fit time.
+    """
+
+    rows_at_fit: int
+    rows_now: int
+    covariance_drift: float
+    mean_shift: float
+    subspace_overlap: float
+    max_principal_angle_deg: float
+
+    @property
+    def rows_added(self) -> int:
+        return self.rows_now - self.rows_at_fit
+
+    @property
+    def refit_advised(self) -> bool:
+        return self.covariance_drift > DRIFT_REFIT or self.subspace_overlap < OVERLAP_REFIT
+
+    def describe(self) -> str:
+        """One line for ``retrieval info``."""
+        line = (
+            f"{self.covariance_drift:.3f} (whitened covariance, relative), subspace overlap "
+            f"{self.subspace_overlap:.3f}, {self.rows_added:,} rows added since the fit"
+        )
+        return line + ("; consider `retrieval refit`" if self.refit_advised else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"rows_added": self.rows_added, "refit_advised": self.refit_advised}
+
+
+def kernel_drift(transform: Whitening, moments: RunningMoments) -> Drift:
+    """The ``Drift`` of ``transform`` against ``moments`` (see ``Drift``)."""
+    k, w, lam = transform.dim_out, transform.kernel, transform.eigenvalues
+    scale = lam[0] if lam[0] > 0 else 1.0
+    at_fit = lam[:k] * (lam[:k] + transform.epsilon * scale) ** (-transform.gamma)  # diag of W^T Sigma_fit W
+    shift = moments.mean - transform.mean
+    now = w.T @ (moments.covariance() + np.outer(shift, shift)) @ w
+    covariance_drift = float(np.linalg.norm(now - np.diag(at_fit))) / max(float(np.linalg.norm(at_fit)), 1e-300)
+    fresh = Whitening.fit(moments, dim=k, gamma=transform.gamma, epsilon=transform.epsilon)
+    old_basis = w / np.linalg.norm(w, axis=0)
+    new_basis = fresh.kernel / np.linalg.norm(fresh.kernel, axis=0)
+    cosines = np.clip(np.linalg.svd(old_basis.T @ new_basis, compute_uv=False), 0.0, 1.0)
+    return Drift(
+        rows_at_fit=transform.n,
+        rows_now=moments.n,
+        covariance_drift=covariance_drift,
+        mean_shift=float(np.linalg.norm(shift @ w) / max(np.sqrt(at_fit.sum()), 1e-300)),
+        subspace_overlap=float(np.mean(cosines**2)),
+        max_principal_angle_deg=float(np.degrees(np.arccos(cosines.min()))),
+    )

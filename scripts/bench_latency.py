@@ -22,14 +22,14 @@ import benchlib
 import faiss
 import numpy as np
 
-from retrieval.build import DEFAULT_GAMMA
 from retrieval.encoder import TransformerEncoder
 from retrieval.evaluate import read_queries
 from retrieval.index import IndexSpec, create_index, set_search_params, train
+from retrieval.indexdir import IndexDir
+from retrieval.metrics import knn_recall
 from retrieval.moments import RunningMoments
 from retrieval.scan import FlatScan
-from retrieval.search import stash_of
-from retrieval.whitening import RawTransform, Whitening, l2_normalize
+from retrieval.whitening import DEFAULT_GAMMA, RawTransform, Whitening, l2_normalize
 
 DATA = benchlib.REPO.parent / "shared" / "data"
 KINDS = ("flat", "hnsw", "ivf")
@@ -66,7 +66,7 @@ def main() -> None:
 
 def documents(directory: Path, n: int, seed: int = 0) -> np.ndarray:
     """Real stashed vectors, topped up to ``n`` with Gaussian samples of the same mean and covariance."""
-    stash = stash_of(directory)
+    stash = IndexDir(directory).stash()
     real = np.concatenate(list(stash.iter_blocks(pooling="mean")))
     moments = RunningMoments.from_array(real)
     extra = max(0, n - real.shape[0])
@@ -126,7 +126,7 @@ def bench_model(model: str, directory: Path, query_texts: list[str], args: argpa
             row |= timings(index, q, args, vectors if kind == "flat" else None)
             row |= end_to_end(encoder, transform, index, query_texts, args, vectors if kind == "flat" else None)
             _, found = index.search(q, 10)
-            row["recall@10_vs_exact_full"] = recall(found, truth)
+            row["recall@10_vs_exact_full"] = knn_recall(found, truth)
             rows.append(row)
             print(benchlib.md_table([row], COLUMNS), file=sys.stderr)
     ratios = {}
@@ -201,10 +201,6 @@ def faiss_exact(vectors: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndar
     return index.search(q, 10)
 
 
-def recall(found: np.ndarray, truth: np.ndarray) -> float:
-    return float(np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(found, truth, strict=True)]))
-
-
 def tune_knob(index: Any, kind: str, q: np.ndarray, truth: np.ndarray) -> dict[str, Any]:
     """The smallest efSearch / nprobe that reaches recall@10 >= 0.95 against exact search in the same space."""
     if kind == "flat":
@@ -217,7 +213,7 @@ def tune_knob(index: Any, kind: str, q: np.ndarray, truth: np.ndarray) -> dict[s
     )
     for value in values:
         set_search_params(index, **({"ef_search": value} if kind == "hnsw" else {"nprobe": value}))
-        r = recall(index.search(q, 10)[1], truth)
+        r = knn_recall(index.search(q, 10)[1], truth)
         if r >= 0.95:
             break
     return {"knob": f"{name}={value}", "recall@10_same_space": r}

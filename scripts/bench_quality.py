@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -22,15 +21,18 @@ from typing import Any
 import faiss
 import numpy as np
 
-from retrieval.build import BuildOptions, TransformSpec, build_index
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.encoder import POOLINGS, TransformerEncoder, resolve_model
 from retrieval.evaluate import read_pairs, read_qrels, read_queries, to_run
+from retrieval.indexdir import IndexDir
 from retrieval.metrics import evaluate_run
 from retrieval.moments import RunningMoments
-from retrieval.search import Docs, stash_of
-from retrieval.tune import Candidate, tune_ir, tune_sts
-from retrieval.whitening import l2_normalize
+from retrieval.tune import tune_ir, tune_sts
+from retrieval.whitening import TransformSpec, l2_normalize
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -47,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     if not DATA.is_dir():
         sys.exit(f"evaluation data not found at {DATA}")
-    report: dict[str, Any] = {"machine": machine(), "models": {}}
+    report: dict[str, Any] = {"machine": benchlib.machine(torch_too=True), "models": {}}
     for model in args.models.split(","):
         if resolve_model(model) is None:
             print(f"skipping {model}: not installed (see DEVELOPERS.md)", file=sys.stderr)
@@ -64,17 +66,15 @@ def main() -> None:
     print(markdown(report))
 
 
-def machine() -> dict[str, Any]:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    import torch
+def Candidate(pooling: str, dim: int, gamma: float | None) -> TransformSpec:  # noqa: N802 - reads like the type
+    """A tuning candidate: the raw baseline when ``gamma`` is None."""
+    if gamma is None:
+        return TransformSpec(dim=dim, whiten=False, pooling=pooling)
+    return TransformSpec(dim=dim, gamma=gamma, pooling=pooling)
 
-    return {
-        "cpu": cpu,
-        "cores": len(__import__("os").sched_getaffinity(0)),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "faiss": faiss.__version__,
-    }
+
+def _gamma(spec: TransformSpec) -> float | None:
+    return spec.gamma if spec.whiten else None
 
 
 # ----- SciFact ----------------------------------------------------------------------------------------------
@@ -99,8 +99,8 @@ def scifact(model: str, work: Path, quick: bool) -> dict[str, Any]:
             TransformSpec(),
             options=BuildOptions(extra_poolings=("cls", "first-last-avg"), overwrite=True),
         )
-    stash = stash_of(directory)
-    ids = Docs(directory / "docs.parquet").ids
+    stash = IndexDir(directory).stash()
+    ids = stash.ids()
     encoder = TransformerEncoder(model, "mean")
     dev = (
         read_queries(DATA / "scifact" / "queries-train.parquet"),
@@ -125,7 +125,7 @@ def scifact(model: str, work: Path, quick: bool) -> dict[str, Any]:
     grid = [Candidate(p, d, None) for p in POOLINGS]
     grid += [Candidate(p, k, g) for p in POOLINGS for k in sorted(set(dims + [third]), reverse=True) for g in GAMMAS]
     sweep = tune_ir(stash, ids, vectors, dev, test, grid, "nDCG@10")
-    by = {(t.candidate.pooling, t.candidate.dim, t.candidate.gamma): t for t in sweep.trials}
+    by = {(t.candidate.pooling, t.candidate.dim, _gamma(t.candidate)): t for t in sweep.trials}
     rows = []
     for pooling in POOLINGS:
         raw = by[(pooling, d, None)]
@@ -262,18 +262,18 @@ def sts(model: str, work: Path) -> dict[str, Any]:
     out["stsb_best_on_dev"] = sweep_b.best.to_dict()
     per_pooling_choice = {}
     for pooling in POOLINGS:
-        mine = [t for t in sweep_b.trials if t.candidate.pooling == pooling and t.candidate.gamma is not None]
+        mine = [t for t in sweep_b.trials if t.candidate.pooling == pooling and t.candidate.whiten]
         per_pooling_choice[pooling] = max(mine, key=lambda t: t.dev["all"]).candidate
     out["stsb_choice_per_pooling"] = {p: c.label for p, c in per_pooling_choice.items()}
     targets = {}
     for pooling in POOLINGS:
         raw = next(t for t in sweep_b.trials if t.candidate == Candidate(pooling, d, None))
         third = [t for t in sweep_b.trials if t.candidate.pooling == pooling and t.candidate.dim == d // 3]
-        chosen = max((t for t in third if t.candidate.gamma is not None), key=lambda t: t.dev["all"])
+        chosen = max((t for t in third if t.candidate.whiten), key=lambda t: t.dev["all"])
         best = next(t for t in sweep_b.trials if t.candidate == per_pooling_choice[pooling])
         targets[pooling] = {
             "raw_test": raw.test["all"],
-            "third": {"k": d // 3, "gamma": chosen.candidate.gamma, "test": chosen.test["all"]},
+            "third": {"k": d // 3, "gamma": _gamma(chosen.candidate), "test": chosen.test["all"]},
             "dev_choice": {"label": best.candidate.label, "test": best.test["all"]},
         }
     out["stsb_targets"] = targets

@@ -40,17 +40,11 @@ NPROBE_GRID = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384,
 # ----- source moments and data generation -------------------------------------------------------------------
 def source_moments(index_dir: Path) -> tuple[Any, str]:
     """The real embeddings' moments: the index directory's moments.npz, else streamed from its stash."""
-    from retrieval.manifest import MOMENTS_NAME, STASH_DIR
-    from retrieval.moments import RunningMoments
-    from retrieval.stash import VectorStash
+    from retrieval.indexdir import MOMENTS, IndexDir
 
-    if (index_dir / MOMENTS_NAME).is_file():
-        return RunningMoments.load(index_dir / MOMENTS_NAME), str(index_dir / MOMENTS_NAME)
-    stash = VectorStash.open(index_dir / STASH_DIR)
-    moments = RunningMoments(stash.dim)
-    for block in stash.iter_blocks():
-        moments.update(block)
-    return moments, str(index_dir / "stash")
+    if (index_dir / MOMENTS).is_file():
+        return IndexDir(index_dir).moments(), str(index_dir / MOMENTS)
+    return IndexDir(index_dir).stash().moments(), str(index_dir / "vectors")
 
 
 def generate(src: Any, n: int, n_queries: int, seed: int, work: Path) -> dict[str, Any]:
@@ -96,7 +90,7 @@ def generate(src: Any, n: int, n_queries: int, seed: int, work: Path) -> dict[st
 
 # ----- exact neighbours -------------------------------------------------------------------------------------
 def fit(moments: Any, dim: int) -> Any:
-    from retrieval.build import TransformSpec
+    from retrieval.whitening import TransformSpec
 
     return TransformSpec(dim=dim).fit(moments)  # the library's defaults: gamma, epsilon
 
@@ -144,16 +138,19 @@ def ground_truth(work: Path, dims: list[int], prefixes: list[int], n: int) -> di
 
 
 def recall(found: np.ndarray, truth: np.ndarray) -> float:
-    hits = sum(len(set(a[a >= 0].tolist()) & set(b.tolist())) for a, b in zip(found[:, :K], truth[:, :K], strict=True))
-    return hits / (truth.shape[0] * K)
+    from retrieval.metrics import knn_recall
+
+    return knn_recall(found, truth, K)
 
 
 # ----- one build, in its own process ------------------------------------------------------------------------
 def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import faiss
 
-    from retrieval.index import IndexSpec, create_index, describe, flat_vectors, set_search_params, train, train_size
+    from retrieval.build import fill_index
+    from retrieval.index import IndexSpec, describe, flat_vectors, set_search_params, train_size
     from retrieval.moments import RunningMoments
+    from retrieval.progress import Timer
     from retrieval.scan import FlatScan
     from retrieval.stash import VectorStash
 
@@ -161,37 +158,18 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     work = Path(cfg["work"])
     n, dim, kind = cfg["n"], cfg["dim"], cfg["kind"]
     spec = IndexSpec(**cfg["spec"])
-    stash = VectorStash.open(work / "stash")
-    sw = benchlib.Stopwatch()
+    stash = _prefix(VectorStash.open(work / "stash"), n, work / f"stash-{n}")
+    sw = Timer()
     t_all = time.perf_counter()
-    with sw("fit"):
+    with sw.stage("fit"):
         moments = RunningMoments.load(work / "moments.npz")
         transform = fit(moments, dim)
-    index = create_index(spec, transform.dim_out, n)
-    if kind == "ivf":
-        faiss.extract_index_ivf(index).cp.verbose = False
-    rows = train_size(index, spec, n)
-    if rows:
-        with sw("train_sample_read"):
-            sample = stash.sample(rows) if n == len(stash) else _prefix_sample(stash, rows, n)
-        with sw("transform"):
-            sample = transform.transform(sample)
-        with sw("train"):
-            train(index, sample)
-        del sample
-    added = 0
-    blocks = stash.iter_blocks(BLOCK)
-    while added < n:
-        with sw("read"):
-            block = next(blocks)[: n - added]
-        with sw("transform"):
-            y = transform.transform(block)
-        with sw("add"):
-            index.add(y)
-        added += block.shape[0]
-        del block, y
-    del blocks
+    index = fill_index(stash, transform, spec, timer=sw)  # the library's pass 2: train on a sample, add in blocks
+    rows = train_size(index, spec, n) if not index.is_trained else min(spec.train_size or 0, n)
     build_wall = time.perf_counter() - t_all
+    with sw.stage("transform"):  # whitening's own share of pass 2 (inside "add" above), timed alone afterwards
+        for block in stash.iter_blocks(BLOCK):
+            transform.transform(block)
     rss_build = benchlib.peak_rss_mib()
     info = describe(index)
 
@@ -303,9 +281,31 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def _prefix_sample(stash: Any, rows: int, n: int) -> np.ndarray:
-    picks = np.sort(np.random.default_rng(0).choice(n, size=min(rows, n), replace=False))
-    return stash.read_rows(picks)
+def _prefix(stash: Any, n: int, root: Path) -> Any:
+    """The first ``n`` rows of ``stash`` (whole parts) as a stash of their own, its files hard-linked."""
+    from retrieval.files import link_or_copy
+    from retrieval.stash import VectorStash
+
+    if n == len(stash):
+        return stash
+    parts, rows = [], 0
+    for part in stash.parts:
+        if rows >= n:
+            break
+        parts.append(part)
+        rows += part.rows
+    if rows != n:
+        raise SystemExit(f"a prefix of {n} rows does not end on a stash part boundary")
+    if root.exists():
+        import shutil
+
+        shutil.rmtree(root)
+    prefix = VectorStash.create(root, stash.dim, stash.poolings, stash.dtype, stash.meta)
+    for part in parts:
+        for name in part.names:
+            link_or_copy(stash.root / name, root / name)
+    prefix.register(parts)
+    return prefix
 
 
 def run_worker(cfg: dict[str, Any], work: Path) -> dict[str, Any]:

@@ -15,23 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.build import Timer
+from retrieval.encoder import cpu_model
+from retrieval.progress import Timer
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "results"
 
 
 # ----- the machine ------------------------------------------------------------------------------------------
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _cpu_flags() -> list[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -57,7 +48,7 @@ def _mem_total_gib() -> float | None:
 def machine(torch_too: bool = False) -> dict[str, Any]:
     """CPU model, cores, memory, BLAS in use, FAISS build, torch threads: what a reader needs to compare."""
     info: dict[str, Any] = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "cpu_flags": _cpu_flags(),

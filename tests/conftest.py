@@ -12,6 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from retrieval.encoder import EncoderInfo
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
@@ -40,15 +42,10 @@ class FakeEncoder:
     def dim(self) -> int:
         return self._dim
 
-    def describe(self) -> dict:
-        return {
-            "kind": "fake",
-            "model": self.name,
-            "weights_sha256": self.name,
-            "pooling": self.pooling,
-            "max_length": 64,
-            "dim": self._dim,
-        }
+    def info(self) -> EncoderInfo:
+        return EncoderInfo(
+            kind="fake", dim=self._dim, model=self.name, weights_sha256=self.name, pooling=self.pooling, max_length=64
+        )
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         self.calls += 1

@@ -16,15 +16,16 @@ import pytest
 from conftest import FakeEncoder, write_corpus
 
 from retrieval import files, update
-from retrieval.build import BuildOptions, TransformSpec, build_index
+from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
+from retrieval.docs import Docs
 from retrieval.errors import ConfigError, CorpusError, IndexDirError, RetrievalError
 from retrieval.index import flat_vectors, load_index
-from retrieval.manifest import SCHEMA_VERSION, Manifest
+from retrieval.indexdir import SCHEMA_VERSION, IndexDir, Manifest, StashRecord
 from retrieval.moments import RunningMoments
-from retrieval.search import Searcher, stash_of
+from retrieval.search import Searcher, SearchParams
 from retrieval.stash import VectorStash
-from retrieval.whitening import Whitening, l2_normalize, load_transform
+from retrieval.whitening import TransformSpec, Whitening, l2_normalize, load_transform
 
 N, D, K = 300, 16, 8
 
@@ -34,6 +35,10 @@ SAME_TRANSFORM_ATOL = 1e-6
 
 
 def texts_of(path: Path) -> tuple[list[str], list[str]]:
+    """(ids, texts) of a corpus parquet, or of an index's docs.arrow."""
+    if path.suffix == ".arrow":
+        docs = Docs(path)
+        return docs.ids, docs.texts(range(len(docs)))
     table = pq.read_table(path)
     return table.column("id").to_pylist(), table.column("text").to_pylist()
 
@@ -66,7 +71,7 @@ def test_a_document_finds_itself_first(built: tuple[Path, FakeEncoder, Manifest]
     searcher = Searcher.load(out, encoder=encoder)
     ids, texts = texts_of(corpus)
     for row in (0, 1, 77, 299):
-        hits = searcher.search(texts[row], k=3)
+        hits = searcher.search(texts[row], SearchParams(k=3))
         assert hits[0].id == ids[row] and hits[0].row == row and hits[0].text == texts[row]
         # a unit vector against itself: cosine 1 up to float32 rounding
         assert hits[0].score == pytest.approx(1.0, abs=1e-5)
@@ -113,16 +118,18 @@ def test_manifest_describes_the_directory(built: tuple[Path, FakeEncoder, Manife
     manifest = Manifest.load(out)
     on_disk = json.loads((out / "manifest.json").read_text())
     assert on_disk["schema_version"] == SCHEMA_VERSION == manifest.schema_version
-    assert manifest.encoder == encoder.describe()
+    assert manifest.encoder == encoder.info()
+    assert manifest == Manifest.from_dict(on_disk)  # the typed sections round-trip through JSON
     t = manifest.transform
-    assert (t["kind"], t["d"], t["k"], t["pooling"]) == ("whitening", D, K, "mean")
-    assert t["gamma"] == TransformSpec().gamma and t["epsilon"] == TransformSpec().epsilon
-    assert t["n_fit"] == N and 0.5 < t["explained_variance"] <= 1.0
-    assert manifest.n == N == manifest.index["ntotal"]
-    assert manifest.index["type"] == "flat" and manifest.index["metric"] == "inner_product"
+    assert (t.kind, t.d, t.k, t.pooling) == ("whitening", D, K, "mean")
+    assert t.spec.gamma == TransformSpec().gamma and t.spec.epsilon == TransformSpec().epsilon
+    assert t.n_fit == N and t.explained_variance is not None and 0.5 < t.explained_variance <= 1.0
+    assert manifest.n == N == manifest.index.ntotal
+    assert manifest.index.kind == "flat" and manifest.index.metric == "inner_product"
+    assert manifest.generation == 1 and manifest.created == manifest.updated != ""
     c = manifest.corpus
-    assert (c["rows"], c["indexed"], c["skipped"]) == (N, N, 0)
-    assert c["sha256"] == files.sha256(corpus) and c["path"] == str(corpus.resolve())
+    assert (c.rows, c.indexed, c.skipped) == (N, N, 0)
+    assert c.sha256 == files.sha256(corpus) and c.path == str(corpus.resolve())
     assert set(manifest.timings) >= {"validate", "encode", "fit", "index", "write"}
     assert all(v >= 0 for v in manifest.timings.values())
     # the returned manifest also counts the time spent writing manifest.json itself
@@ -131,21 +138,27 @@ def test_manifest_describes_the_directory(built: tuple[Path, FakeEncoder, Manife
         k: v for k, v in returned.timings.items() if k != "write"
     }
     assert {"numpy", "faiss", "pyarrow", "retrieval"} <= set(manifest.versions)
-    assert manifest.stash == {"dtype": "float32", "poolings": ["mean"], "rows": N}
-    # every file but the manifest is listed, with its true size and sha256
-    listed = set(manifest.files)
-    present = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"manifest.json"}
-    assert listed == present
-    assert {"transform.npz", "moments.npz", "index.faiss", "docs.parquet", "vectors/stash.json"} <= listed
+    stash = IndexDir(out).stash()
+    assert manifest.stash == StashRecord("float32", ["mean"], N, sum(p.stat().st_size for p in stash.files()[1:]))
+    # every top-level file is listed with its true size and sha256; the stash parts in stash.json
+    assert set(manifest.files) == {"transform.npz", "moments.npz", "index.faiss", "docs.arrow", "vectors/stash.json"}
     for name, record in manifest.files.items():
-        assert record == {"bytes": (out / name).stat().st_size, "sha256": files.sha256(out / name)}
-    manifest.verify(out)
+        digest = files.sha256(out / name)
+        assert record == {"bytes": (out / name).stat().st_size, "sha256": digest, "quick_sha256": digest}
+    present = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"manifest.json"}
+    in_stash = {f"vectors/{name}" for part in stash.parts for name in part.checksums}
+    assert present == set(manifest.files) | in_stash
+    for part in stash.parts:
+        for name, record in part.checksums.items():
+            path = out / "vectors" / name
+            assert record == {"bytes": path.stat().st_size, "sha256": files.sha256(path)}
+    IndexDir(out).verify(manifest, "full")
     # nothing is left beside the index
     assert siblings(out) == ["idx"]
 
 
 def test_docs_table_maps_rows_to_ids_and_texts(built: tuple[Path, FakeEncoder, Manifest], corpus: Path) -> None:
-    assert texts_of(built[0] / "docs.parquet") == texts_of(corpus)
+    assert texts_of(built[0] / "docs.arrow") == texts_of(corpus)
 
 
 def test_progress_reports_every_row(corpus: Path, tmp_path: Path) -> None:
@@ -162,18 +175,18 @@ def test_no_keep_vectors_drops_the_stash(corpus: Path, tmp_path: Path) -> None:
     assert not (out / "vectors").exists()
     assert manifest.stash is None
     assert not [name for name in manifest.files if name.startswith("vectors")]
-    Manifest.load(out).verify(out)
-    with pytest.raises(IndexDirError, match="kept no raw vectors"):
-        stash_of(out)
+    IndexDir(out).verify(Manifest.load(out))
+    with pytest.raises(IndexDirError, match="kept no raw-vector stash"):
+        IndexDir(out).stash()
     searcher = Searcher.load(out, encoder=FakeEncoder())
-    with pytest.raises(IndexDirError, match="--no-keep-vectors"):
-        searcher.search_raw(FakeEncoder().encode(["x"]), k=3, rescore=10)
+    with pytest.raises(IndexDirError, match="cannot re-score without re-encoding"):
+        searcher.search_raw(FakeEncoder().encode(["x"]), SearchParams(k=3, rescore=10))
 
 
 def test_no_whiten_indexes_the_raw_normalised_vectors(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "idx"
     manifest = build(corpus, out, transform=TransformSpec(whiten=False))
-    assert (manifest.transform["kind"], manifest.transform["d"], manifest.transform["k"]) == ("raw", D, D)
+    assert (manifest.transform.kind, manifest.transform.d, manifest.transform.k) == ("raw", D, D)
     _, texts = texts_of(corpus)
     stored = flat_vectors(load_index(out / "index.faiss"))
     # no centring, no kernel: only the float32 L2 normalisation
@@ -187,28 +200,41 @@ def test_no_whiten_indexes_the_raw_normalised_vectors(corpus: Path, tmp_path: Pa
 
 
 def test_no_whiten_with_a_smaller_dim_is_refused(corpus: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="--no-whiten"):
+    with pytest.raises(ConfigError, match="the raw transform keeps all 16 dimensions"):
         build(corpus, tmp_path / "idx", transform=TransformSpec(dim=4, whiten=False))
 
 
 def test_full_dim_is_the_default(corpus: Path, tmp_path: Path) -> None:
     manifest = build(corpus, tmp_path / "idx", transform=TransformSpec())
-    assert manifest.transform["k"] == D
+    assert manifest.transform.k == D
 
 
 @pytest.mark.parametrize("dim", [0, -1, D + 1])
 def test_bad_dim_is_refused_before_anything_is_written(corpus: Path, tmp_path: Path, dim: int) -> None:
     encoder = FakeEncoder()
     out = tmp_path / "out" / "idx"
-    with pytest.raises(ConfigError, match=rf"--dim must be between 1 and the encoder's dimension {D} \(got {dim}\)"):
+    message = rf"`dim` must be between 1 and the encoder's dimension {D}" if dim > 0 else "`dim` must be at least 1"
+    with pytest.raises(ConfigError, match=rf"{message} \(got {dim}\)"):
         build(corpus, out, encoder, transform=TransformSpec(dim=dim))
     assert encoder.calls == 0
     assert not out.parent.exists()
 
 
-@pytest.mark.parametrize("spec", [TransformSpec(gamma=-0.5), TransformSpec(epsilon=-1.0)])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TransformSpec(gamma=-0.5),
+        TransformSpec(gamma=float("nan")),
+        TransformSpec(gamma=float("inf")),
+        TransformSpec(gamma=1e6),
+        TransformSpec(epsilon=-1.0),
+        TransformSpec(epsilon=float("nan")),
+        TransformSpec(epsilon=float("inf")),
+    ],
+)
 def test_bad_gamma_or_epsilon_is_refused(corpus: Path, tmp_path: Path, spec: TransformSpec) -> None:
-    with pytest.raises(ConfigError, match="--gamma|--epsilon"):
+    """NaN, inf and huge values used to build all-NaN or all-zero indexes; now refused before any work."""
+    with pytest.raises(ConfigError, match="`gamma` must be between 0 and 2|`epsilon` must be between 0 and 1"):
         build(corpus, tmp_path / "idx", transform=spec)
     assert not (tmp_path / "idx").exists()
 
@@ -227,8 +253,8 @@ def test_skip_empty_indexes_only_the_usable_rows(tmp_path: Path) -> None:
     path = write_corpus(tmp_path / "c.parquet", n=40, text=texts)
     out = tmp_path / "idx"
     manifest = build_index(CorpusSpec(path, skip_empty=True), FakeEncoder(), out, TransformSpec(dim=4))
-    assert manifest.n == 38 and (manifest.corpus["rows"], manifest.corpus["skipped"]) == (40, 2)
-    ids, _ = texts_of(out / "docs.parquet")
+    assert manifest.n == 38 and (manifest.corpus.rows, manifest.corpus.skipped) == (40, 2)
+    ids, _ = texts_of(out / "docs.arrow")
     assert "doc3" not in ids and "doc30" not in ids and len(ids) == 38
 
 
@@ -237,7 +263,7 @@ def test_title_column_is_part_of_what_is_encoded(tmp_path: Path) -> None:
     out = tmp_path / "idx"
     encoder = FakeEncoder()
     build_index(CorpusSpec(path, title_column="title"), encoder, out, TransformSpec(dim=4))
-    hits = Searcher.load(out, encoder=encoder).search("Title 4 document number 4 about topic 4", k=1)
+    hits = Searcher.load(out, encoder=encoder).search("Title 4 document number 4 about topic 4", SearchParams(k=1))
     assert hits[0].id == "doc4" and hits[0].score == pytest.approx(1.0, abs=1e-5)
 
 
@@ -248,23 +274,23 @@ def test_precomputed_vectors_column_needs_no_encoder(tmp_path: Path) -> None:
     pq.write_table(pa.table({"id": [f"v{i}" for i in range(50)], "emb": column}), path)
     out = tmp_path / "idx"
     manifest = build_index(CorpusSpec(path, vectors_column="emb"), None, out, TransformSpec(dim=4))
-    assert manifest.encoder["kind"] == "vectors" and manifest.n == 50
+    assert manifest.encoder.kind == "vectors" and manifest.n == 50
     searcher = Searcher.load(out)
     assert searcher.encoder is None
-    hits = searcher.search_vectors(x[7], k=2)[0]
+    hits = searcher.search_vectors(x[7], SearchParams(k=2))[0]
     assert hits[0].id == "v7" and hits[0].score == pytest.approx(1.0, abs=1e-5)
     with pytest.raises(ConfigError, match="precomputed vectors"):
-        searcher.search("text", k=2)
+        searcher.search("text", SearchParams(k=2))
 
 
 # ----- streaming windows -----------------------------------------------------------------------------------
 def test_windows_that_do_not_divide_n_give_the_same_index(corpus: Path, tmp_path: Path) -> None:
     small = build(corpus, tmp_path / "w7", options=BuildOptions(window_rows=7))
     whole = build(corpus, tmp_path / "wN", options=BuildOptions(window_rows=N))
-    assert len(stash_of(tmp_path / "w7").parts) == -(-N // 7) == 43
-    assert len(stash_of(tmp_path / "wN").parts) == 1
+    assert len(IndexDir(tmp_path / "w7").stash().parts) == -(-N // 7) == 43
+    assert len(IndexDir(tmp_path / "wN").stash().parts) == 1
     assert small.n == whole.n == N
-    assert texts_of(tmp_path / "w7" / "docs.parquet") == texts_of(tmp_path / "wN" / "docs.parquet")
+    assert texts_of(tmp_path / "w7" / "docs.arrow") == texts_of(tmp_path / "wN" / "docs.arrow")
     a = RunningMoments.load(tmp_path / "w7" / "moments.npz")
     b = RunningMoments.load(tmp_path / "wN" / "moments.npz")
     # the same float64 sums in another grouping: agreement to ~1e-12 relative
@@ -282,7 +308,7 @@ def test_existing_index_is_not_replaced_without_overwrite(
     out = built[0]
     before = snapshot(out)
     encoder = FakeEncoder()
-    with pytest.raises(ConfigError, match="already exists; pass --overwrite"):
+    with pytest.raises(ConfigError, match="already exists; pass `overwrite`"):
         build(corpus, out, encoder)
     assert encoder.calls == 0
     assert snapshot(out) == before
@@ -315,7 +341,7 @@ def test_an_empty_folder_is_built_into(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "empty"
     out.mkdir()
     assert build(corpus, out).n == N
-    Manifest.load(out).verify(out)
+    IndexDir(out).verify(Manifest.load(out))
 
 
 def test_overwrite_replaces_the_index(built: tuple[Path, FakeEncoder, Manifest], tmp_path: Path) -> None:
@@ -323,8 +349,8 @@ def test_overwrite_replaces_the_index(built: tuple[Path, FakeEncoder, Manifest],
     other = write_corpus(tmp_path / "other.parquet", n=50)
     manifest = build(other, out, options=BuildOptions(overwrite=True))
     assert manifest.n == 50 == Manifest.load(out).n
-    assert Manifest.load(out).corpus["sha256"] == files.sha256(other)
-    Manifest.load(out).verify(out)
+    assert Manifest.load(out).corpus.sha256 == files.sha256(other)
+    IndexDir(out).verify(Manifest.load(out))
     assert siblings(out) == ["idx"]
 
 
@@ -424,7 +450,7 @@ def test_one_writer_at_a_time(built: tuple[Path, FakeEncoder, Manifest], corpus:
         holder.communicate(b"")
     assert holder.returncode == 0
     assert siblings(out) == ["idx"]  # the lock file went with its holder
-    assert update.refit(out, TransformSpec(dim=4)).transform["k"] == 4  # and the next writer gets in
+    assert update.refit(out, TransformSpec(dim=4)).transform.k == 4  # and the next writer gets in
     assert siblings(out) == ["idx"]
 
 
@@ -443,7 +469,7 @@ def stash(tmp_path: Path) -> tuple[VectorStash, np.ndarray]:
 def test_stash_parts_and_reopen(stash: tuple[VectorStash, np.ndarray]) -> None:
     s, x = stash
     again = VectorStash.open(s.root)
-    assert len(again) == 23 and [p["rows"] for p in again.parts] == [10, 7, 6]
+    assert len(again) == 23 and [p.rows for p in again.parts] == [10, 7, 6]
     assert again.poolings == ["mean", "cls"] and again.meta == {"k": 1} and again.dim == 5
     assert again.source_batches == 3
     assert all(p.is_file() for p in again.files()) and len(again.files()) == 1 + 3 * 3
@@ -491,9 +517,9 @@ def test_stash_float16(tmp_path: Path) -> None:
 
 def test_stash_errors(stash: tuple[VectorStash, np.ndarray], tmp_path: Path) -> None:
     s, _ = stash
-    with pytest.raises(IndexDirError, match="not 'first-last-avg'"):
+    with pytest.raises(ConfigError, match="not 'first-last-avg'"):
         list(s.iter_parts("first-last-avg"))
-    with pytest.raises(IndexDirError, match="unknown stash dtype"):
+    with pytest.raises(ConfigError, match="unknown `stash_dtype`"):
         VectorStash.create(tmp_path / "x", 4, ["mean"], dtype="int8")
     with pytest.raises(IndexDirError, match="no vector stash"):
         VectorStash.open(tmp_path / "missing")

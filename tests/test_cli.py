@@ -180,13 +180,17 @@ BAD_CORPORA = {
         ["holds no rows"],
     ),
     "one row": (lambda d: write(d / "c.parquet", id=["a"], text=["x"]), [], ["at least 2 are needed"]),
-    "dim 0": (lambda d: write_corpus(d / "c.parquet", n=20), ["--dim", "0"], ["--dim must be between 1", "32"]),
+    "dim 0": (lambda d: write_corpus(d / "c.parquet", n=20), ["--dim", "0"], ["--dim must be at least 1 (got 0)"]),
     "dim above d": (
         lambda d: write_corpus(d / "c.parquet", n=20),
         ["--dim", "33"],
         ["--dim must be between 1", "dimension 32 (got 33)"],
     ),
-    "unknown pooling": (lambda d: write_corpus(d / "c.parquet", n=20), ["--pooling", "max"], ["unknown pooling"]),
+    "unknown pooling": (
+        lambda d: write_corpus(d / "c.parquet", n=20),
+        ["--pooling", "max"],
+        ["unknown --pooling 'max'"],
+    ),
 }
 
 
@@ -271,4 +275,6 @@ def test_search_a_truncated_index(built: Path, tmp_path: Path) -> None:
 
 
 def test_search_k_below_one(built: Path) -> None:
-    assert_one_clear_error(run("search", "anything", "--index", built, "-k", "0"), "-k must be at least 1")
+    assert_one_clear_error(
+        run("search", "anything", "--index", built, "-k", "0"), "-k must be an integer between 1 and 10,000 (got 0)"
+    )

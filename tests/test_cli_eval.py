@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 from retrieval.cli import app
 from retrieval.encoder import TransformerEncoder
-from retrieval.manifest import Manifest
+from retrieval.indexdir import Manifest
+from retrieval.search import Searcher, SearchParams
 
 runner = CliRunner()
 METRICS = ("nDCG@10", "Recall@10", "Recall@100", "MRR@10", "MAP@100")
@@ -198,10 +199,9 @@ def test_tune_ir_sweeps_the_stash_without_re_encoding(
     report = json.loads((tmp_path / "out" / "tune.json").read_text())
     assert report["metric"] == "nDCG@10" and report["corpus_rows_encoded"] == 0
     labels = [t["label"] for t in report["trials"]]
-    assert labels[:2] == ["mean raw d=32", "cls raw d=32"] and len(labels) == 2 + 2 * 2 * 2
+    assert labels[:2] == ["mean raw", "cls raw"] and len(labels) == 2 + 2 * 2 * 2
     best = report["best"]
-    assert best["gamma"] is not None and best["dim"] in (16, 8)
-    assert best["dev"]["nDCG@10"] == max(t["dev"]["nDCG@10"] for t in report["trials"] if t["gamma"] is not None)
+    assert best["dev"]["nDCG@10"] == max(t["dev"]["nDCG@10"] for t in report["trials"])  # raw included
     assert all(set(t["test"]) >= set(METRICS) and t["search_ms"] > 0 for t in report["trials"])
     try:
         import matplotlib  # noqa: F401
@@ -215,13 +215,15 @@ def test_tune_ir_sweeps_the_stash_without_re_encoding(
 def test_tune_apply_refits_the_index(built: dict[str, Path], tmp_path: Path) -> None:
     index = Path(shutil.copytree(built["index"], tmp_path / "idx"))
     old = Manifest.load(index).transform
-    assert (old["k"], old["gamma"]) == (32, 0.25)
-    result = ok(run(*tune_ir_args(built, index, tmp_path / "out"), "--apply"))
+    assert (old.k, old.spec.gamma) == (32, 0.25)
+    # mean pooling only: the tiny random BERT's raw cls vectors are nearly parallel, so their cosines tie to float32
+    # rounding, and the sweep's blocked product and FAISS's scan may order such ties differently
+    result = ok(run(*tune_ir_args(built, index, tmp_path / "out"), "--poolings", "mean", "--apply"))
     best = json.loads((tmp_path / "out" / "tune.json").read_text())["best"]
     new = Manifest.load(index).transform
-    assert (new["k"], new["gamma"], new["pooling"]) == (best["dim"], best["gamma"], best["pooling"])
-    assert (new["k"], new["gamma"]) != (old["k"], old["gamma"])
-    assert Manifest.load(index).encoder["pooling"] == best["pooling"]  # queries pooled as the documents now are
+    assert (new.k, new.spec.whiten, new.pooling) == (best["dim"], best["whiten"], best["pooling"])
+    assert (new.k, new.spec.gamma, new.spec.whiten) != (old.k, old.spec.gamma, old.spec.whiten)
+    assert Manifest.load(index).encoder.pooling == best["pooling"]  # queries pooled as the documents now are
     assert f"32 -> {best['dim']} dims" in result.stderr
     hits = ok(run("search", doc_text(42), "--index", index, "--json", "-k", 3)).stdout.splitlines()
     assert len(hits) == 3 and json.loads(hits[0])["id"] == "doc42"
@@ -231,11 +233,36 @@ def test_tune_apply_refits_the_index(built: dict[str, Path], tmp_path: Path) -> 
     assert metrics["nDCG@10"] == pytest.approx(best["dev"]["nDCG@10"], abs=1e-6)  # flat index = the sweep's search
 
 
+def test_tune_apply_writes_a_raw_index_when_raw_wins(built: dict[str, Path], tmp_path: Path) -> None:
+    """The bug: when raw was best, --apply refitted a gamma-0 PCA. Dev qrels made from raw cosine's own top 10
+    (graded 10..1) give raw nDCG@10 = 1, which no whitening reaches: tune must keep raw and write it."""
+    index = Path(shutil.copytree(built["index"], tmp_path / "idx"))
+    ok(run("refit", index, "--no-whiten"))
+    queries = pq.read_table(built["dev_q"]).to_pydict()
+    ranked = Searcher.load(index).search_batch(queries["text"], SearchParams(k=10))
+    graded = [
+        (q, hit.id, 10 - hit.rank + 1) for q, hits in zip(queries["query_id"], ranked, strict=True) for hit in hits
+    ]
+    qrels = tmp_path / "raw-qrels.parquet"
+    pq.write_table(
+        pa.table(dict(zip(("query_id", "doc_id", "score"), map(list, zip(*graded, strict=True)), strict=True))), qrels
+    )
+    ok(run("refit", index, "--whiten", "--dim", 16, "--gamma", 0.25))
+    assert Manifest.load(index).transform.kind == "whitening"
+    args = ["tune", index, "--queries", built["dev_q"], "--qrels", qrels, "--poolings", "mean"]
+    result = ok(run(*args, "--dims", "32,16", "--gammas", "0,0.5,1", "--results", tmp_path / "out", "--apply"))
+    best = json.loads((tmp_path / "out" / "tune.json").read_text())["best"]
+    assert best["whiten"] is False and best["label"] == "mean raw" and best["dev"]["nDCG@10"] == pytest.approx(1.0)
+    manifest = Manifest.load(index)
+    assert (manifest.transform.kind, manifest.transform.k) == ("raw", 32)
+    assert "32 -> 32 dims (raw)" in result.stderr
+
+
 def test_refit_to_the_stashed_cls_pooling_pools_queries_the_same_way(built: dict[str, Path], tmp_path: Path) -> None:
     index = Path(shutil.copytree(built["index"], tmp_path / "idx"))
     ok(run("refit", index, "--pooling", "cls", "--dim", 16))
     manifest = Manifest.load(index)
-    assert (manifest.transform["pooling"], manifest.encoder["pooling"]) == ("cls", "cls")
+    assert (manifest.transform.pooling, manifest.encoder.pooling) == ("cls", "cls")
     hit = json.loads(ok(run("search", doc_text(42), "--index", index, "--json", "-k", 1)).stdout)
     # the query is the document's own text, so with the same pooling on both sides the cosine is 1
     assert hit["id"] == "doc42" and hit["score"] == pytest.approx(1.0, abs=1e-3)  # bf16 autocast, batch padding
@@ -257,7 +284,7 @@ def test_tune_sts_pairs(tiny_bert: Path, tmp_path: Path) -> None:
         set(t["dev"]) == {"dev", "wmean", "all"} and set(t["test"]) == {"test", "wmean", "all"}
         for t in report["trials"]
     )
-    assert report["best"]["dev"]["all"] == max(t["dev"]["all"] for t in report["trials"] if t["gamma"] is not None)
+    assert report["best"]["dev"]["all"] == max(t["dev"]["all"] for t in report["trials"])
 
 
 def test_tune_bad_inputs_are_one_line(built: dict[str, Path], tmp_path: Path) -> None:
@@ -266,5 +293,7 @@ def test_tune_bad_inputs_are_one_line(built: dict[str, Path], tmp_path: Path) ->
     one_error_line(run("tune", built["index"], "--pairs", pairs), "give an INDEX_DIR")
     one_error_line(run("tune", built["index"], "--queries", built["dev_q"]), "needs --queries and --qrels")
     one_error_line(run("tune", "--pairs", pairs, "--apply"), "--apply re-fits an index")
+    one_error_line(run("tune", built["index"], "--dims", "abc"), "--dims takes comma-separated numbers")
+    one_error_line(run("tune", built["index"], "--gammas", "0,x"), "--gammas takes comma-separated numbers")
     dev = ("--queries", built["dev_q"], "--qrels", built["dev_r"])
     one_error_line(run("tune", built["index"], *dev, "--test-queries", built["dev_q"]), "go together")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +14,10 @@ from retrieval import encoder as encoder_module  # noqa: E402
 from retrieval.encoder import (  # noqa: E402
     INSTALL_DEFAULT,
     Encoder,
+    EncoderInfo,
+    MultiPoolingEncoder,
     TransformerEncoder,
-    check_compatible,
-    load_encoder,
+    from_info,
 )
 from retrieval.errors import ConfigError, ModelError  # noqa: E402
 
@@ -130,7 +132,7 @@ def test_default_max_length_fits_the_model_positions(tiny_bert: Path) -> None:
 
 def test_bf16_is_close_to_fp32(tiny_bert: Path, models: dict[str, TransformerEncoder]) -> None:
     enc = TransformerEncoder(str(tiny_bert), max_length=48, precision="bf16")
-    assert enc.describe()["precision"] == "bf16"
+    assert (enc.info().precision, enc.info().precision_used) == ("bf16", "bf16")
     a, b = enc.encode(TEXTS), models["mean"].encode(TEXTS)
     cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     # bf16 keeps 8 bits of mantissa; on a random 2-layer model cosines stay well above 0.99.
@@ -219,7 +221,7 @@ def test_precision_fp32_traces_fp32_only(tiny_bert: Path, monkeypatch: pytest.Mo
 def test_auto_precision_is_fp32_without_native_bf16(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: False)
     enc = TransformerEncoder(str(tiny_bert), max_length=48)
-    assert enc.describe()["precision"] == "fp32"
+    assert (enc.info().precision, enc.info().precision_used) == ("auto", "fp32")
 
 
 def test_auto_precision_is_settled_by_the_first_batch(
@@ -227,11 +229,12 @@ def test_auto_precision_is_settled_by_the_first_batch(
 ) -> None:
     monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: True)
     enc = TransformerEncoder(str(tiny_bert), max_length=48)
-    assert enc.describe()["precision"] == "auto"  # nothing timed yet
+    assert enc.info().precision_used is None  # nothing timed yet
     enc.encode(["one text alone does not settle it"])
-    assert enc.describe()["precision"] == "auto"
+    assert enc.info().precision_used is None
     got = enc.encode(TEXTS)
-    assert enc.describe()["precision"] in ("fp32", "bf16")
+    # what was asked is kept (a query on another CPU decides again); what was measured is recorded beside it
+    assert enc.info().precision == "auto" and enc.info().precision_used in ("fp32", "bf16")
     cos = (got * models["mean"].encode(TEXTS)).sum(1)
     cos /= np.linalg.norm(got, axis=1) * np.linalg.norm(models["mean"].encode(TEXTS), axis=1)
     assert cos.min() > 0.99
@@ -244,69 +247,76 @@ def test_auto_precision_never_takes_bf16_that_disagrees_with_fp32(
     monkeypatch.setattr(encoder_module, "BF16_MIN_COSINE", 1.01)  # no cosine reaches it, however fast bf16 is
     enc = TransformerEncoder(str(tiny_bert), max_length=48)
     enc.encode(TEXTS)
-    assert enc.describe()["precision"] == "fp32"
+    assert enc.info().precision_used == "fp32"
+
+
+def test_warm_up_settles_precision_and_the_trace(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: True)
+    enc = TransformerEncoder(str(tiny_bert), max_length=48)
+    assert enc.info().precision_used is None and enc._traced is None
+    enc.warm_up()
+    assert enc.info().precision_used in ("fp32", "bf16") and enc._traced is not None
 
 
 # ----- identity --------------------------------------------------------------------------------------------
-def test_describe_holds_the_identity_fields(tiny_bert: Path, models: dict[str, TransformerEncoder]) -> None:
+def test_info_holds_the_identity_fields(tiny_bert: Path, models: dict[str, TransformerEncoder]) -> None:
     enc = models["first-last-avg"]
-    info = enc.describe()
-    assert isinstance(enc, Encoder)
-    assert info["kind"] == "transformers"
-    assert info["model"] == str(tiny_bert)
-    assert info["model_path"] == str(tiny_bert.resolve())
-    assert info["architecture"] == "BertModel"
-    assert info["pooling"] == "first-last-avg"
-    assert info["max_length"] == 48
-    assert info["precision"] == "fp32"
-    assert info["dim"] == enc.dim == 32
-    assert len(info["weights_sha256"]) == 64
-    assert info["weights_sha256"] == models["mean"].describe()["weights_sha256"]
+    info = enc.info()
+    assert isinstance(enc, Encoder) and isinstance(enc, MultiPoolingEncoder)
+    assert info.kind == "transformers"
+    assert info.model == str(tiny_bert)
+    assert info.model_path == str(tiny_bert.resolve())
+    assert info.architecture == "BertModel"
+    assert info.pooling == "first-last-avg"
+    assert info.max_length == 48
+    assert info.precision == info.precision_used == "fp32"
+    assert info.dim == enc.dim == 32
+    assert info.weights_sha256 is not None and len(info.weights_sha256) == 64
+    assert info.weights_sha256 == models["mean"].info().weights_sha256
+    assert EncoderInfo.from_dict(info.to_dict()) == info  # the manifest's round trip
 
 
-def test_check_compatible_accepts_the_same_and_refuses_other_settings(
-    models: dict[str, TransformerEncoder],
-) -> None:
-    built = models["mean"].describe()
-    check_compatible(built, dict(built))
-    check_compatible(built, built | {"precision": "bf16", "model": "renamed-folder"})  # same weights
+def test_check_query_accepts_the_same_and_refuses_other_settings(models: dict[str, TransformerEncoder]) -> None:
+    built = models["mean"].info()
+    built.check_query(built)
+    built.check_query(replace(built, precision="bf16", model="renamed-folder"))  # same weights
     with pytest.raises(ConfigError, match=r"pooling 'mean' but the query encoder uses 'cls'"):
-        check_compatible(built, models["cls"].describe())
+        built.check_query(models["cls"].info())
     with pytest.raises(ConfigError, match=r"max_length 48 but the query encoder uses 128"):
-        check_compatible(built, built | {"max_length": 128})
+        built.check_query(replace(built, max_length=128))
     with pytest.raises(ConfigError, match=r"built with model .* but the query encoder uses 'other'"):
-        check_compatible(built, built | {"model": "other", "weights_sha256": "0" * 64})
+        built.check_query(replace(built, model="other", weights_sha256="0" * 64))
 
 
-def test_check_compatible_by_hub_name_and_revision_when_no_weights_hash() -> None:
-    built = {"model": "org/a", "revision": "r1", "weights_sha256": None, "pooling": "mean", "max_length": 8}
-    check_compatible(built, dict(built))
+def test_check_query_by_hub_name_and_revision_when_no_weights_hash() -> None:
+    built = EncoderInfo("transformers", 8, model="org/a", revision="r1", pooling="mean", max_length=8)
+    built.check_query(built)
     with pytest.raises(ConfigError, match="model"):
-        check_compatible(built, built | {"revision": "r2"})
+        built.check_query(replace(built, revision="r2"))
 
 
-def test_load_encoder_rebuilds_the_same_encoder(models: dict[str, TransformerEncoder]) -> None:
-    info = models["cls"].describe()
-    enc = load_encoder(info)
-    assert enc.describe() == info
+def test_from_info_rebuilds_the_same_encoder(models: dict[str, TransformerEncoder]) -> None:
+    info = models["cls"].info()
+    enc = from_info(info)
+    assert enc.info() == replace(info, precision_used="fp32")
     np.testing.assert_allclose(enc.encode(TEXTS), models["cls"].encode(TEXTS), atol=ATOL)
 
 
-def test_load_encoder_refuses_vector_indexes() -> None:
+def test_from_info_refuses_vector_indexes() -> None:
     with pytest.raises(ConfigError, match="precomputed|vectors"):
-        load_encoder({"kind": "vectors", "dim": 4})
+        from_info(EncoderInfo(kind="vectors", dim=4))
 
 
 # ----- bad settings ----------------------------------------------------------------------------------------
 def test_unknown_pooling_is_refused(tiny_bert: Path) -> None:
-    with pytest.raises(ConfigError, match=r"unknown pooling 'max'; choose one of mean, cls, first-last-avg"):
+    with pytest.raises(ConfigError, match=r"unknown `pooling` 'max'; choose one of mean, cls, first-last-avg"):
         TransformerEncoder(str(tiny_bert), pooling="max")
 
 
 def test_unknown_precision_and_bad_sizes_are_refused(tiny_bert: Path) -> None:
-    with pytest.raises(ConfigError, match="unknown precision"):
+    with pytest.raises(ConfigError, match="unknown `precision`"):
         TransformerEncoder(str(tiny_bert), precision="fp8")
-    with pytest.raises(ConfigError, match="--batch-size"):
+    with pytest.raises(ConfigError, match="`batch_size` must be at least 1"):
         TransformerEncoder(str(tiny_bert), batch_size=0)
 
 
@@ -315,7 +325,7 @@ def test_unknown_hub_model_offline_gives_the_install_hint() -> None:
         TransformerEncoder("no-such-org/no-such-model")
     message = str(info.value)
     assert "'no-such-org/no-such-model'" in message
-    assert "--model" in message and INSTALL_DEFAULT in message
+    assert "`model`" in message and INSTALL_DEFAULT in message
     assert "\n" not in message
 
 
@@ -334,7 +344,7 @@ def test_folder_without_a_model_is_a_model_error(tmp_path: Path) -> None:
 
 
 def test_max_length_beyond_the_model_positions_is_refused(tiny_bert: Path) -> None:
-    with pytest.raises(ConfigError, match=r"--max-length must be between 1 and the model's 64 positions \(got 100\)"):
+    with pytest.raises(ConfigError, match=r"`max_length` must be between 1 and the model's 64 positions \(got 100\)"):
         TransformerEncoder(str(tiny_bert), max_length=100)
-    with pytest.raises(ConfigError, match=r"--max-length"):
+    with pytest.raises(ConfigError, match=r"`max_length` must be at least 1"):
         TransformerEncoder(str(tiny_bert), max_length=-1)

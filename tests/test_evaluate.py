@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import FakeEncoder
 
-from retrieval.build import TransformSpec, build_index
+from retrieval.build import build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import CorpusError
 from retrieval.evaluate import (
@@ -27,8 +27,8 @@ from retrieval.evaluate import (
 )
 from retrieval.metrics import spearman
 from retrieval.moments import RunningMoments
-from retrieval.search import Searcher
-from retrieval.whitening import RawTransform, Whitening
+from retrieval.search import Searcher, SearchParams
+from retrieval.whitening import RawTransform, TransformSpec, Whitening
 
 
 def write(path: Path, **columns: list) -> Path:
@@ -173,7 +173,7 @@ def queries_and_qrels(tmp_path: Path) -> tuple:
 def test_evaluate_ir_matches_hand_worked_metrics(searcher: Searcher, tmp_path: Path) -> None:
     queries, qrels = queries_and_qrels(tmp_path)
     # The premise of the hand computation: the duplicates tie exactly, above every other document.
-    scores, rows = searcher.search_raw(searcher.encode([DUP, doc_text(3)]), 3)
+    scores, rows = searcher.search_raw(searcher.encode([DUP, doc_text(3)]), SearchParams(k=3))
     assert scores[0, 0] == scores[0, 1] and scores[0, 2] < scores[0, 0]
     assert {searcher.docs.ids[r] for r in rows[0, :2]} == {"dupA", "dupB"}
     assert searcher.docs.ids[rows[1, 0]] == "d03"
@@ -200,7 +200,7 @@ def test_evaluate_ir_reuses_given_query_vectors(searcher: Searcher, tmp_path: Pa
     result = evaluate_ir(searcher, queries, qrels, raw_queries=raw)
     assert encoder.rows == before  # nothing encoded again
     assert result.metrics["MRR@10"] == pytest.approx(EXPECTED["MRR@10"], rel=1e-12)
-    shallow = evaluate_ir(searcher, queries, qrels, depth=1, raw_queries=raw)
+    shallow = evaluate_ir(searcher, queries, qrels, SearchParams(k=1), raw_queries=raw)
     # depth 1: every query keeps only its own document, so the queries judged on rank 1 alone score as before
     for qid in ("q1", "q2", "q4", "q6"):
         assert shallow.per_query[qid] == result.per_query[qid], qid

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +16,15 @@ from typer.testing import CliRunner
 
 import retrieval.build
 import retrieval.search
-from retrieval.build import TransformSpec, build_index
+from retrieval.build import build_index
 from retrieval.cli import app
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError
 from retrieval.index import REFINE_K_FACTOR, IndexSpec, _hnsw, _ivf
-from retrieval.search import Searcher, stash_of
+from retrieval.indexdir import IndexDir
+from retrieval.metrics import knn_recall
+from retrieval.search import Searcher, SearchParams
+from retrieval.whitening import TransformSpec
 
 N = 2000
 runner = CliRunner()
@@ -54,10 +58,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict
     yield corpus, built, queries
 
 
-def recall(rows: np.ndarray, truth: np.ndarray) -> float:
-    return float(np.mean([len(set(a) & set(b)) / truth.shape[1] for a, b in zip(rows, truth, strict=True)]))
-
-
 def knob_value(searcher: Searcher, knob: str) -> int:
     return int(_hnsw(searcher.index).efSearch) if knob == "ef_search" else int(_ivf(searcher.index).nprobe)
 
@@ -67,28 +67,52 @@ def test_recall_and_search_knobs(setup, kind: str) -> None:
     _, built, queries = setup
     cls, knob, values, generous = KINDS[kind]
     exact = Searcher.load(built["flat"], encoder=FakeEncoder())
-    _, truth = exact.search_raw(queries, 10)
+    _, truth = exact.search_raw(queries, SearchParams(k=10))
     searcher = Searcher.load(built[kind], encoder=FakeEncoder())
     assert type(searcher.index).__name__ == cls
-    assert searcher.manifest.index["type"] == kind
+    assert searcher.manifest.index.kind == kind
     assert searcher.transform.dim_out == exact.transform.dim_out == 16
 
     params = {knob: generous} if knob else {}
-    _, rows = searcher.search_raw(queries, 10, **params)
-    assert recall(rows, truth) >= 0.9, kind
+    _, rows = searcher.search_raw(queries, SearchParams(k=10, **params))
+    assert knn_recall(rows, truth) >= 0.9, kind
     if knob is None:
         return
-    # every knob value reaches FAISS, and more search effort never loses recall on these queries
+    # every knob value reaches FAISS for that call only (the shared index keeps its stored default), and more
+    # search effort never loses recall on these queries
+    stored = knob_value(searcher, knob)
     recalls = []
     for value in values:
-        _, rows = searcher.search_raw(queries, 10, **{knob: value})
-        assert knob_value(searcher, knob) == value
-        recalls.append(recall(rows, truth))
+        _, rows = searcher.search_raw(queries, SearchParams(k=10, **{knob: value}))
+        assert knob_value(searcher, knob) == stored
+        recalls.append(knn_recall(rows, truth))
     assert recalls == sorted(recalls), (kind, recalls)
     assert recalls[0] < 1.0 or kind.startswith("HNSW"), "the smallest setting should cost some recall"
-    # a call without knobs is back on the index's defaults, not on the previous call's
-    searcher.search_raw(queries, 10)
-    assert knob_value(searcher, knob) == searcher.manifest.index["search"][knob]
+    # a call without knobs searches with the index's defaults, whatever the previous call asked
+    _, default_rows = searcher.search_raw(queries, SearchParams(k=10))
+    _, explicit = searcher.search_raw(queries, SearchParams(k=10, **{knob: searcher.manifest.index.search[knob]}))
+    assert np.array_equal(default_rows, explicit)
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "IVF16,Flat", "IVF8,PQ8x4np,Refine(Flat)"])
+def test_concurrent_callers_with_different_knobs_do_not_race(setup, kind: str) -> None:
+    """The bug: knobs were set on the shared FAISS index per call, so two threads with different knobs raced.
+    Each thread's results must equal the same search done alone."""
+    _, built, queries = setup
+    knob = "ef_search" if "hnsw" in kind.lower() else "nprobe"
+    low, high = (1, 512) if knob == "ef_search" else (1, 16)
+    searcher = Searcher.load(built[kind], encoder=FakeEncoder())
+    alone = {v: searcher.search_raw(queries, SearchParams(k=10, **{knob: v}))[1] for v in (low, high)}
+    assert not np.array_equal(alone[low], alone[high])  # the two knobs really give different results
+
+    def worker(value: int) -> bool:
+        return all(
+            np.array_equal(searcher.search_raw(queries, SearchParams(k=10, **{knob: value}))[1], alone[value])
+            for _ in range(30)
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(worker, [low, high, low, high]))
 
 
 def test_default_knobs_and_what_info_shows(setup) -> None:
@@ -105,7 +129,7 @@ def test_default_knobs_and_what_info_shows(setup) -> None:
         assert result.exit_code == 0, result.output
         report = json.loads(result.stdout)
         index = report["manifest"]["index"]
-        assert index["type"] == kind and index["ntotal"] == N
+        assert index["spec"]["kind"] == kind and index["ntotal"] == N
         assert {k: index["faiss"][k] for k in params} == params, kind
         shown = report["summary"]["index"]
         assert shown.startswith(f"{kind} (")
@@ -117,10 +141,12 @@ def test_default_knobs_and_what_info_shows(setup) -> None:
 def test_knobs_are_clamped_and_ignored_where_they_do_not_apply(setup) -> None:
     _, built, queries = setup
     ivf = Searcher.load(built["IVF16,Flat"], encoder=FakeEncoder())
-    ivf.search_raw(queries[:3], 5, nprobe=1000, ef_search=7)  # no HNSW here: ef_search is ignored
-    assert knob_value(ivf, "nprobe") == 16
+    # no HNSW here: ef_search is ignored; nprobe beyond the 16 lists probes them all
+    _, clamped = ivf.search_raw(queries[:3], SearchParams(k=5, nprobe=1000, ef_search=7))
+    _, every_list = ivf.search_raw(queries[:3], SearchParams(k=5, nprobe=16))
+    assert np.array_equal(clamped, every_list)
     hnsw = Searcher.load(built["hnsw"], encoder=FakeEncoder())
-    _, rows = hnsw.search_raw(queries[:3], 5, nprobe=3)
+    _, rows = hnsw.search_raw(queries[:3], SearchParams(k=5, nprobe=3))
     assert (rows >= 0).all()
 
 
@@ -152,13 +178,13 @@ def test_ivf_trains_on_a_transformed_sample_of_the_stash(tmp_path: Path, monkeyp
     assert sample.shape == (300, 12)  # the training-size knob, at the transform's width (not the encoder's 16)
     np.testing.assert_allclose(np.linalg.norm(sample, axis=1), 1.0, atol=1e-5)  # float32 unit rows
     searcher = Searcher.load(out, encoder=FakeEncoder())
-    stash = stash_of(out)
+    stash = IndexDir(out).stash()
     transformed = searcher.transform.transform(np.concatenate(list(stash.iter_blocks())))
     # each sample row is one transformed stash row (cosine 1 up to float32 round-off), 300 distinct rows
     best = (sample @ transformed.T).argmax(axis=1)
     np.testing.assert_allclose(sample, transformed[best], atol=1e-6)
     assert len(set(best.tolist())) == 300
-    assert searcher.manifest.index["faiss"]["nlist"] == 8
+    assert searcher.manifest.index.faiss["nlist"] == 8
 
 
 def test_bad_index_types_are_refused(tmp_path: Path) -> None:
@@ -175,13 +201,13 @@ def test_bad_index_types_are_refused(tmp_path: Path) -> None:
 # ----- the CLI ---------------------------------------------------------------------------------------------
 def test_cli_index_type_and_search_knobs(tiny_bert: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = retrieval.search.set_search_params
+    real = retrieval.search.search_parameters
 
-    def spy(index, ef_search=None, nprobe=None) -> None:
+    def spy(index, ef_search=None, nprobe=None):  # type: ignore[no-untyped-def]
         calls.append((ef_search, nprobe))
-        real(index, ef_search=ef_search, nprobe=nprobe)
+        return real(index, ef_search=ef_search, nprobe=nprobe)
 
-    monkeypatch.setattr(retrieval.search, "set_search_params", spy)
+    monkeypatch.setattr(retrieval.search, "search_parameters", spy)
     corpus = write_corpus(tmp_path / "corpus.parquet", n=120)
     query = "document number 17 about topic 3"
     for kind, flag, value in (("hnsw", "--ef", 64), ("ivf", "--nprobe", 2)):
@@ -191,13 +217,14 @@ def test_cli_index_type_and_search_knobs(tiny_bert: Path, tmp_path: Path, monkey
         )
         assert built.exit_code == 0, built.output
         info = json.loads(runner.invoke(app, ["info", str(out), "--json"]).stdout)
-        assert info["manifest"]["index"]["type"] == kind
+        assert info["manifest"]["index"]["spec"]["kind"] == kind
         calls.clear()
         found = runner.invoke(app, ["search", query, "--index", str(out), "--json", "-k", "3", flag, str(value)])
         assert found.exit_code == 0, found.output
         hits = [json.loads(line) for line in found.stdout.splitlines()]
         assert [h["rank"] for h in hits] == [1, 2, 3]
         assert hits[0]["id"] == "doc17"  # the query is that document's text: cosine 1
+        # the asked knob, and the index's stored default for the other (which the index does not have)
         assert calls == [(64, None)] if kind == "hnsw" else calls == [(None, 2)]
     ivf_info = json.loads(runner.invoke(app, ["info", str(tmp_path / "ivf"), "--json"]).stdout)
     assert ivf_info["manifest"]["index"]["faiss"]["nlist"] == 3  # 120 // 39: few rows, few lists

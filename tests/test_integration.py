@@ -11,10 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import SHARED_DATA, needs_minilm, needs_shared
 
-from retrieval.build import TransformSpec, build_index
+from retrieval.build import build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.index import flat_vectors
-from retrieval.search import Searcher
+from retrieval.search import Searcher, SearchParams
+from retrieval.whitening import TransformSpec
 
 pytestmark = [pytest.mark.slow, needs_shared, needs_minilm]
 
@@ -46,11 +47,11 @@ def test_the_slice_builds_at_k_128(scifact_index: tuple[Path, Path], minilm) -> 
     _, out = scifact_index
     searcher = Searcher.load(out, encoder=minilm)
     t = searcher.manifest.transform
-    assert (t["d"], t["k"], searcher.manifest.n) == (384, 128, ROWS)
-    assert searcher.manifest.encoder["model"] == "all-MiniLM-L6-v2"
-    assert len(searcher.manifest.encoder["weights_sha256"]) == 64
+    assert (t.d, t.k, searcher.manifest.n) == (384, 128, ROWS)
+    assert searcher.manifest.encoder.model == "all-MiniLM-L6-v2"
+    assert len(str(searcher.manifest.encoder.weights_sha256)) == 64
     # 128 of 384 directions of real sentence embeddings hold most of the variance
-    assert 0.6 < t["explained_variance"] < 1.0
+    assert t.explained_variance is not None and 0.6 < t.explained_variance < 1.0
     stored = flat_vectors(searcher.index)
     np.testing.assert_allclose(np.linalg.norm(stored, axis=1), 1.0, atol=1e-5)  # unit rows, float32
 
@@ -61,7 +62,7 @@ def test_titles_find_their_documents(scifact_index: tuple[Path, Path], minilm) -
     ids, titles = table.column("doc_id").to_pylist(), table.column("title").to_pylist()
     searcher = Searcher.load(out, encoder=minilm)
     picks = [0, 37, 101, 150, 199]
-    results = searcher.search_batch([titles[i] for i in picks], k=3)
+    results = searcher.search_batch([titles[i] for i in picks], SearchParams(k=3))
     for i, hits in zip(picks, results, strict=True):
         assert ids[i] in [h.id for h in hits], (titles[i], [h.id for h in hits])
 
@@ -69,7 +70,7 @@ def test_titles_find_their_documents(scifact_index: tuple[Path, Path], minilm) -
 def test_the_index_reloads_its_own_model_from_the_manifest(scifact_index: tuple[Path, Path], minilm) -> None:
     corpus, out = scifact_index
     searcher = Searcher.load(out)  # no encoder given: the manifest names it
-    assert searcher.encoder is not None and searcher.encoder.describe() == minilm.describe()
+    assert searcher.encoder is not None and searcher.encoder.info() == minilm.info()
     title = pq.read_table(corpus).column("title")[5].as_py()
     first = pq.read_table(corpus).column("doc_id")[5].as_py()
-    assert first in [h.id for h in searcher.search(title, k=3)]
+    assert first in [h.id for h in searcher.search(title, SearchParams(k=3))]

@@ -16,26 +16,26 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 from conftest import FakeEncoder, write_corpus
 from typer.testing import CliRunner
 
-from retrieval import build, files
-from retrieval.build import BuildOptions, TransformSpec, build_index
+from retrieval import docs, files
+from retrieval.build import BuildOptions, build_index
 from retrieval.cli import app
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.index import load_index
-from retrieval.manifest import DOCS_NAME, INDEX_NAME, STASH_DIR, TRANSFORM_NAME
+from retrieval.indexdir import INDEX, STASH, IndexDir
+from retrieval.progress import no_progress
 from retrieval.search import Searcher
 from retrieval.stash import VectorStash
-from retrieval.whitening import load_transform
+from retrieval.whitening import TransformSpec
 
 HERE = Path(__file__).resolve()
 WINDOW = 50  # corpus rows per stash part
 ROWS = 600  # 12 parts
-TRANSFORM = TransformSpec(dim=8, gamma=1.0)
+SPEC = TransformSpec(dim=8, gamma=1.0)
 
 
 # ----- the build process under test --------------------------------------------------------------------------
@@ -62,13 +62,13 @@ def _pause_at(point: str, marker: Path) -> None:
         time.sleep(600)
 
     if point == "write":  # inside the final write: transform, moments and index saved, docs not yet
-        real_write_docs = build.write_docs
+        real_write_docs = docs.write_docs
 
         def write_docs(*args):  # type: ignore[no-untyped-def]
             hold()
-            real_write_docs(*args)
+            return real_write_docs(*args)
 
-        build.write_docs = write_docs  # type: ignore[assignment]
+        docs.write_docs = write_docs  # type: ignore[assignment]
     elif point == "publish":  # between publish's two renames: the old index aside, the new one not in place
         real_rename = os.rename
 
@@ -96,10 +96,10 @@ def main(argv: list[str]) -> int:
         encoder = None
         progress = lambda stage, n, total: time.sleep(args.sleep) if stage == "encode" else None  # noqa: E731
     else:
-        encoder, progress = LoggingEncoder(args.log, args.sleep, name=args.model), build.no_progress
+        encoder, progress = LoggingEncoder(args.log, args.sleep, name=args.model), no_progress
     options = BuildOptions(overwrite=args.overwrite, resume=args.resume, window_rows=WINDOW)
     try:
-        build_index(CorpusSpec(args.corpus), encoder, args.out, TRANSFORM, options=options, progress=progress)
+        build_index(CorpusSpec(args.corpus), encoder, args.out, SPEC, options=options, progress=progress)
     except RetrievalError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -127,7 +127,7 @@ def kill_when(process: subprocess.Popen, ready, timeout: float = 30.0) -> None: 
 
 
 def stashed_parts(out: Path) -> int:
-    path = files.work_dir(out) / STASH_DIR / "stash.json"
+    path = files.work_dir(out) / STASH / "stash.json"
     try:
         return len(VectorStash.open(path.parent).parts)
     except Exception:  # mid-rename or not yet written: not ready
@@ -144,22 +144,22 @@ def resume(corpus: Path, out: Path, log: Path, *flags: str) -> subprocess.Comple
 
 
 def assert_same_index(a: Path, b: Path) -> None:
-    ta, tb = load_transform(a / TRANSFORM_NAME), load_transform(b / TRANSFORM_NAME)
+    ta, tb = IndexDir(a).transform(), IndexDir(b).transform()
     # Same stash, same float64 moments (batched the same way): kernels agree to rounding.
     np.testing.assert_allclose(ta.kernel, tb.kernel, rtol=1e-9, atol=1e-12)  # type: ignore[union-attr]
-    ia, ib = load_index(a / INDEX_NAME), load_index(b / INDEX_NAME)
+    ia, ib = load_index(a / INDEX), load_index(b / INDEX)
     assert ia.ntotal == ib.ntotal == ROWS
     np.testing.assert_allclose(ia.reconstruct_n(0, ROWS), ib.reconstruct_n(0, ROWS), atol=1e-6)  # float32 search
-    ids = [pq.read_table(d / DOCS_NAME, columns=["id"]).column("id").to_pylist() for d in (a, b)]
+    ids = [IndexDir(d).docs().ids for d in (a, b)]
     assert ids[0] == ids[1]
-    Searcher.load(a, encoder=FakeEncoder()).manifest.verify(a)
+    IndexDir(a).verify(Searcher.load(a, encoder=FakeEncoder()).manifest, "full")
 
 
 @pytest.fixture
 def clean(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
     folder = tmp_path_factory.mktemp("clean")
     corpus = write_corpus(folder / "corpus.parquet", ROWS)
-    build_index(CorpusSpec(corpus), FakeEncoder(), folder / "idx", TRANSFORM, options=BuildOptions(window_rows=WINDOW))
+    build_index(CorpusSpec(corpus), FakeEncoder(), folder / "idx", SPEC, options=BuildOptions(window_rows=WINDOW))
     return folder / "idx"
 
 
@@ -177,21 +177,21 @@ def test_killed_build_resumes_without_re_encoding(tmp_path, big_corpus, clean, a
     parts = stashed_parts(out)
     assert after_parts <= parts < ROWS // WINDOW
     log.unlink()
-    stray = files.work_dir(out) / STASH_DIR / f"part-{parts:05d}.mean.npy.tmp"
+    stray = files.work_dir(out) / STASH / f"part-{parts:05d}.mean.npy.tmp"
     stray.write_bytes(b"half a part")  # what a kill inside VectorStash.append leaves
 
     done = resume(big_corpus, out, log)
     assert done.returncode == 0, done.stderr
     assert encoded_rows(log) == ROWS - parts * WINDOW  # only the rows not yet stashed
     assert_same_index(out, clean)
-    assert not files.work_dir(out).exists() and not list((out / STASH_DIR).glob("*.tmp"))
+    assert not files.work_dir(out).exists() and not list((out / STASH).glob("*.tmp"))
 
 
 @pytest.mark.parametrize("point", ["write", "publish"])
 def test_kill_in_the_final_write_or_publish_keeps_the_previous_index(tmp_path, big_corpus, clean, point):
     out, log = tmp_path / "idx", tmp_path / "rows.log"
     previous = write_corpus(tmp_path / "previous.parquet", 120)
-    build_index(CorpusSpec(previous), FakeEncoder(), out, TRANSFORM)
+    build_index(CorpusSpec(previous), FakeEncoder(), out, SPEC)
     marker = tmp_path / f"paused-{point}"
     kill_when(start(big_corpus, out, log, "--overwrite", "--pause", point, sleep=0), marker.exists)
     assert encoded_rows(log) == ROWS
@@ -199,7 +199,7 @@ def test_kill_in_the_final_write_or_publish_keeps_the_previous_index(tmp_path, b
     # The previous index is intact and loads (after publish's first rename it is aside; loading puts it back).
     searcher = Searcher.load(out, encoder=FakeEncoder())
     assert searcher.manifest.n == 120
-    searcher.manifest.verify(out)
+    IndexDir(out).verify(searcher.manifest, "full")
     log.unlink()
     done = resume(big_corpus, out, log, "--overwrite")
     assert done.returncode == 0, done.stderr
@@ -209,11 +209,11 @@ def test_kill_in_the_final_write_or_publish_keeps_the_previous_index(tmp_path, b
 
 def test_kill_mid_way_keeps_the_previous_index(tmp_path, big_corpus, clean):
     out, log = tmp_path / "idx", tmp_path / "rows.log"
-    build_index(CorpusSpec(write_corpus(tmp_path / "previous.parquet", 120)), FakeEncoder(), out, TRANSFORM)
-    before = (out / INDEX_NAME).read_bytes()
+    build_index(CorpusSpec(write_corpus(tmp_path / "previous.parquet", 120)), FakeEncoder(), out, SPEC)
+    before = (out / INDEX).read_bytes()
     kill_when(start(big_corpus, out, log, "--overwrite"), lambda: stashed_parts(out) >= 4)
-    assert (out / INDEX_NAME).read_bytes() == before
-    Searcher.load(out, encoder=FakeEncoder()).manifest.verify(out)
+    assert (out / INDEX).read_bytes() == before
+    IndexDir(out).verify(Searcher.load(out, encoder=FakeEncoder()).manifest, "full")
     assert resume(big_corpus, out, log, "--overwrite").returncode == 0
     assert_same_index(out, clean)
 
@@ -228,10 +228,10 @@ def test_resume_with_a_changed_corpus_or_settings_is_refused(tmp_path, big_corpu
     assert "cannot resume" in other_model.stderr and "encoder changed" in other_model.stderr
     resumed = BuildOptions(resume=True, window_rows=WINDOW)
     with pytest.raises(ConfigError, match="text_column changed"):  # reading the corpus differently is a change
-        build_index(CorpusSpec(big_corpus, text_column="id"), FakeEncoder(), out, TRANSFORM, options=resumed)
+        build_index(CorpusSpec(big_corpus, text_column="id"), FakeEncoder(), out, SPEC, options=resumed)
     write_corpus(big_corpus, ROWS, text=[f"edited document {i}" for i in range(ROWS)])
     with pytest.raises(ConfigError, match="the corpus file has changed since it started"):
-        build_index(CorpusSpec(big_corpus), FakeEncoder(), out, TRANSFORM, options=resumed)
+        build_index(CorpusSpec(big_corpus), FakeEncoder(), out, SPEC, options=resumed)
     assert stashed_parts(out) == parts  # a refusal leaves the unfinished build as it was
 
 
@@ -252,10 +252,10 @@ def test_cli_resume_of_a_killed_npy_build(tmp_path):
     np.save(tmp_path / "v.npy", vectors)
     assert resume(tmp_path / "v.npy", out, tmp_path / "unused.log").returncode == 0
     clean = tmp_path / "clean"
-    build_index(CorpusSpec(tmp_path / "v.npy"), None, clean, TRANSFORM, options=BuildOptions(window_rows=WINDOW))
+    build_index(CorpusSpec(tmp_path / "v.npy"), None, clean, SPEC, options=BuildOptions(window_rows=WINDOW))
     np.testing.assert_allclose(
-        load_index(out / INDEX_NAME).reconstruct_n(0, ROWS),
-        load_index(clean / INDEX_NAME).reconstruct_n(0, ROWS),
+        load_index(out / INDEX).reconstruct_n(0, ROWS),
+        load_index(clean / INDEX).reconstruct_n(0, ROWS),
         atol=1e-6,
     )
 

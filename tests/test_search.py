@@ -15,12 +15,13 @@ import pytest
 from conftest import FakeEncoder, write_corpus
 
 from retrieval import home
-from retrieval.build import TransformSpec, build_index
+from retrieval.build import build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.index import flat_vectors, load_index
-from retrieval.search import Hit, Searcher, stash_of
-from retrieval.whitening import l2_normalize
+from retrieval.indexdir import IndexDir
+from retrieval.search import Hit, Searcher, SearchParams
+from retrieval.whitening import TransformSpec, l2_normalize
 
 # float32 inner products of unit vectors summed in different orders (BLAS vs FAISS kernels).
 SCORE_ATOL = 1e-5
@@ -53,7 +54,7 @@ def queries(n: int = 5) -> np.ndarray:
 
 # ----- hits ------------------------------------------------------------------------------------------------
 def test_hits_are_typed_ranked_and_json_able(searcher: Searcher) -> None:
-    hits = searcher.search("document number 12 about topic 5", k=5)
+    hits = searcher.search("document number 12 about topic 5", SearchParams(k=5))
     assert [h.rank for h in hits] == [1, 2, 3, 4, 5]
     assert all(isinstance(h, Hit) for h in hits)
     first = hits[0]
@@ -72,17 +73,28 @@ def test_k_larger_than_n_returns_every_document(tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "c.parquet", n=6)
     build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "idx", TransformSpec(dim=3))
     searcher = Searcher.load(tmp_path / "idx", encoder=FakeEncoder())
-    hits = searcher.search("anything", k=50)
+    hits = searcher.search("anything", SearchParams(k=50))
     assert sorted(h.id for h in hits) == [f"doc{i}" for i in range(6)]
     assert [h.rank for h in hits] == list(range(1, 7))
-    batch = searcher.search_batch(["one", "two"], k=50)  # the FAISS path (nq = 2) too
+    batch = searcher.search_batch(["one", "two"], SearchParams(k=50))  # the FAISS path (nq = 2) too
     assert [len(b) for b in batch] == [6, 6]
 
 
-@pytest.mark.parametrize("k", [0, -3])
-def test_k_below_one_is_refused(searcher: Searcher, k: int) -> None:
-    with pytest.raises(ConfigError, match=rf"-k must be at least 1 \(got {k}\)"):
-        searcher.search("query", k=k)
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (SearchParams(k=0), "`k` must be an integer between 1 and 10,000 (got 0)"),
+        (SearchParams(k=-3), "`k` must be an integer between 1 and 10,000 (got -3)"),
+        (SearchParams(k=10**9), "`k` must be an integer between 1 and 10,000"),
+        (SearchParams(rescore=-5), "`rescore` must be an integer between 0 and 10,000 (got -5)"),
+        (SearchParams(ef_search=0), "`ef_search` must be an integer between 1"),
+        (SearchParams(nprobe=-3), "`nprobe` must be an integer between 1"),
+    ],
+)
+def test_bad_search_params_are_refused(searcher: Searcher, params: SearchParams, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        searcher.search("query", params)
+    assert str(info.value).startswith(message) and info.value.param in message
 
 
 def test_query_vectors_of_the_wrong_width_are_refused(searcher: Searcher) -> None:
@@ -92,9 +104,9 @@ def test_query_vectors_of_the_wrong_width_are_refused(searcher: Searcher) -> Non
 
 def test_search_batch_equals_single_searches(searcher: Searcher) -> None:
     texts = ["document number 3 about topic 3", "topic 5", "whatever else"]
-    batch = searcher.search_batch(texts, k=4)
+    batch = searcher.search_batch(texts, SearchParams(k=4))
     for text, hits in zip(texts, batch, strict=True):
-        single = searcher.search(text, k=4)
+        single = searcher.search(text, SearchParams(k=4))
         assert [h.id for h in hits] == [h.id for h in single]
         np.testing.assert_allclose([h.score for h in hits], [h.score for h in single], atol=SCORE_ATOL)
 
@@ -122,7 +134,7 @@ def test_an_index_from_a_python_encoder_needs_one_to_search_text(index_dir: Path
 
 
 # ----- damaged or missing indexes --------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["index.faiss", "transform.npz", "docs.parquet"])
+@pytest.mark.parametrize("name", ["index.faiss", "transform.npz", "docs.arrow"])
 def test_a_flipped_byte_is_a_checksum_error(damaged: Path, name: str) -> None:
     path = damaged / name
     data = bytearray(path.read_bytes())
@@ -144,8 +156,8 @@ def test_a_truncated_file_is_refused(damaged: Path, name: str) -> None:
 
 
 def test_a_missing_file_is_refused(damaged: Path) -> None:
-    (damaged / "docs.parquet").unlink()
-    with pytest.raises(IndexDirError, match="docs.parquet is missing"):
+    (damaged / "docs.arrow").unlink()
+    with pytest.raises(IndexDirError, match="docs.arrow is missing"):
         Searcher.load(damaged, encoder=FakeEncoder())
 
 
@@ -165,7 +177,7 @@ def test_another_schema_version_is_refused(damaged: Path) -> None:
     data = json.loads((damaged / "manifest.json").read_text())
     data["schema_version"] = 99
     (damaged / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(IndexDirError, match="schema version 99; this retrieval reads version 1"):
+    with pytest.raises(IndexDirError, match="schema version 99; this retrieval reads version 2"):
         Searcher.load(damaged, encoder=FakeEncoder())
 
 
@@ -200,10 +212,10 @@ def test_the_last_built_index_is_remembered(isolated_home: Path, index_dir: Path
 def test_rescore_returns_the_exact_raw_cosine_top_k_among_the_candidates(searcher: Searcher, index_dir: Path) -> None:
     raw = queries(4)
     k, depth = 5, 50
-    _, candidates = searcher.search_raw(raw, depth)
-    scores, rows = searcher.search_raw(raw, k, rescore=depth)
+    _, candidates = searcher.search_raw(raw, SearchParams(k=depth))
+    scores, rows = searcher.search_raw(raw, SearchParams(k=k, rescore=depth))
     assert scores.shape == rows.shape == (4, k)
-    stash = stash_of(index_dir)
+    stash = IndexDir(index_dir).stash()
     for q in range(4):
         cosines = l2_normalize(stash.read_rows(candidates[q])) @ l2_normalize(raw[q : q + 1])[0]
         best = np.argsort(-cosines, kind="stable")[:k]
@@ -216,8 +228,8 @@ def test_rescore_returns_the_exact_raw_cosine_top_k_among_the_candidates(searche
 
 def test_rescore_over_every_document_is_the_exact_raw_top_k(searcher: Searcher, index_dir: Path) -> None:
     raw = queries(2)
-    scores, rows = searcher.search_raw(raw, 3, rescore=10_000)
-    everything = l2_normalize(np.concatenate(list(stash_of(index_dir).iter_blocks())))
+    scores, rows = searcher.search_raw(raw, SearchParams(k=3, rescore=10_000))
+    everything = l2_normalize(np.concatenate(list(IndexDir(index_dir).stash().iter_blocks())))
     exact = l2_normalize(raw) @ everything.T
     for q in range(2):
         assert rows[q].tolist() == np.argsort(-exact[q], kind="stable")[:3].tolist()

@@ -11,16 +11,23 @@ import numpy as np
 import pytest
 from conftest import FakeEncoder, write_corpus
 
-from retrieval.build import TransformSpec, build_index
+from retrieval.build import build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.evaluate import Pairs, Queries, moments_of, pair_cosines, to_run
+from retrieval.indexdir import IndexDir
 from retrieval.metrics import Qrels, evaluate_run, sts_scores
-from retrieval.search import Docs, stash_of
 from retrieval.stash import VectorStash
-from retrieval.tune import Candidate, Trial, TuneResult, candidates, pick, tune_ir, tune_sts
-from retrieval.whitening import RawTransform, Whitening, l2_normalize
+from retrieval.tune import Trial, TuneResult, candidates, pick, tune_ir, tune_sts
+from retrieval.whitening import RawTransform, TransformSpec, Whitening, l2_normalize
 
-EPSILON = 1e-6  # tune_ir / tune_sts default
+EPSILON = TransformSpec().epsilon
+
+
+def Candidate(pooling: str, dim: int, gamma: float | None) -> TransformSpec:  # noqa: N802 - reads like the type
+    """A tuning candidate: the raw baseline when ``gamma`` is None."""
+    if gamma is None:
+        return TransformSpec(dim=dim, whiten=False, pooling=pooling)
+    return TransformSpec(dim=dim, gamma=gamma, pooling=pooling)
 
 
 # ----- the grid and the choice -----------------------------------------------------------------------------
@@ -31,7 +38,7 @@ def test_candidates_grid_includes_a_raw_baseline_per_pooling() -> None:
         Candidate(p, k, g) for p in ("mean", "cls") for k in (16, 8) for g in (0.0, 1.0)
     ]  # dims deduplicated, largest first
     assert len(set(grid)) == len(grid) == 10
-    assert Candidate("cls", 32, None).label == "cls raw d=32"
+    assert Candidate("cls", 32, None).label == "cls raw"
     assert Candidate("mean", 8, 0.5).label == "mean k=8 g=0.5"
 
 
@@ -47,6 +54,9 @@ def test_pick_prefers_the_best_then_smaller_dim_then_smaller_gamma() -> None:
     assert pick([trial(16, 0.0, 0.5000004), trial(8, 0.0, 0.5)], "m").candidate.dim == 8
     # ... a real difference does not
     assert pick([trial(16, 0.0, 0.50001), trial(8, 0.0, 0.5)], "m").candidate.dim == 16
+    # raw can win: best score, or a tie at the same dimension (no transform is simpler than one)
+    assert not pick([trial(16, None, 0.6), trial(8, 0.25, 0.55)], "m").candidate.whiten
+    assert not pick([trial(16, 0.0, 0.6), trial(16, None, 0.6)], "m").candidate.whiten
 
 
 # ----- IR --------------------------------------------------------------------------------------------------
@@ -69,7 +79,7 @@ def stash_matrix(stash: VectorStash) -> np.ndarray:
 
 def reference_transform(cand: Candidate, x: np.ndarray) -> Whitening | RawTransform:
     """The fit done directly: numpy mean and population covariance of the stashed rows."""
-    if cand.gamma is None:
+    if not cand.whiten:
         return RawTransform(x.shape[1])
     x64 = x.astype(np.float64)
     cov = np.cov(x64, rowvar=False, bias=True)
@@ -91,8 +101,8 @@ def qrels_from(cand: Candidate, docs_raw: np.ndarray, queries: Queries, doc_ids:
 
 def test_tune_ir_never_encodes_the_corpus_and_matches_an_independent_evaluation(ir_index) -> None:
     directory, encoder = ir_index
-    stash = stash_of(directory)
-    doc_ids = Docs(directory / "docs.parquet").ids
+    stash = IndexDir(directory).stash()
+    doc_ids = stash.ids()
     docs_raw = stash_matrix(stash)
     dev = Queries([f"dev{i}" for i in range(8)], [f"a question about topic {i}" for i in range(8)])
     test = Queries([f"test{i}" for i in range(8)], [f"another question, number {i}" for i in range(8)])
@@ -143,20 +153,34 @@ def test_tune_ir_never_encodes_the_corpus_and_matches_an_independent_evaluation(
     assert by_label[PREFERRED_BY_TEST].test["nDCG@10"] > result.best.test["nDCG@10"]
     assert result.raw is not None and result.raw.candidate == Candidate("mean", 16, None)
     as_dict = result.to_dict()
-    assert as_dict["best"]["label"] == "mean k=8 g=1.0" and len(as_dict["trials"]) == 5
+    assert as_dict["best"]["label"] == "mean k=8 g=1" and len(as_dict["trials"]) == 5
 
 
 def test_tune_ir_without_a_test_split_and_another_metric(ir_index) -> None:
     directory, encoder = ir_index
-    stash = stash_of(directory)
-    doc_ids = Docs(directory / "docs.parquet").ids
+    stash = IndexDir(directory).stash()
+    doc_ids = stash.ids()
     dev = Queries(["q"], ["a question about topic 1"])
     qrels = qrels_from(CHOSEN_BY_DEV, stash_matrix(stash), dev, doc_ids)
     grid = [Candidate("mean", 16, None), CHOSEN_BY_DEV]
     result = tune_ir(stash, doc_ids, lambda p, q: encoder.encode(q.texts), (dev, qrels), None, grid, metric="MRR@10")
     assert result.metric == "MRR@10"
     assert all(t.test == {} for t in result.trials)
-    assert result.best.candidate == CHOSEN_BY_DEV  # the raw baseline is reported, never chosen
+    assert result.best.candidate == CHOSEN_BY_DEV
+
+
+def test_tune_ir_chooses_raw_when_raw_is_best_on_dev(ir_index) -> None:
+    """The bug: tune never chose the raw baseline, even when raw was best on dev."""
+    directory, encoder = ir_index
+    stash = IndexDir(directory).stash()
+    doc_ids = stash.ids()
+    dev = Queries([f"q{i}" for i in range(6)], [f"a question about topic {i}" for i in range(6)])
+    raw = Candidate("mean", 16, None)
+    qrels = qrels_from(raw, stash_matrix(stash), dev, doc_ids)  # raw's own ranking is the truth
+    result = tune_ir(stash, doc_ids, lambda p, q: encoder.encode(q.texts), (dev, qrels), None, GRID)
+    assert result.best.candidate == raw and result.best is result.raw
+    assert result.best.dev["nDCG@10"] == pytest.approx(1.0, abs=1e-12)
+    assert all(t.dev["nDCG@10"] < 1 - 1e-6 for t in result.trials if t.candidate.whiten)
 
 
 # ----- STS -------------------------------------------------------------------------------------------------
@@ -171,7 +195,7 @@ def synthetic_vectors(seed: int, sentences: list[str], d: int = 8) -> dict[str, 
 
 def pairs_scored_by(cand: Candidate, vectors: dict, fit: list[str], s1: list[str], s2: list[str], name: str) -> Pairs:
     """Gold = this candidate's own cosines, so it alone reaches Spearman 100."""
-    transform = cand.fit(moments_of(vectors[cand.pooling], fit), EPSILON)
+    transform = cand.fit(moments_of(vectors[cand.pooling], fit))
     unlabelled = Pairs(name, s1, s2, np.zeros(len(s1)), [name] * len(s1))
     gold = pair_cosines(vectors[cand.pooling], unlabelled, transform)
     return Pairs(name, s1, s2, gold, [name] * len(s1))

@@ -14,19 +14,20 @@ import typer.main
 from conftest import FakeEncoder
 from typer.testing import CliRunner
 
-from retrieval import manifest as manifest_module
-from retrieval import update
-from retrieval.build import BuildOptions, TransformSpec, build_index
+from retrieval import files, update
+from retrieval.build import BuildOptions, build_index
 from retrieval.cli import app
 from retrieval.corpus import CorpusSpec
+from retrieval.docs import Docs
+from retrieval.encoder import EncoderInfo
 from retrieval.errors import ConfigError, CorpusError, IndexDirError
 from retrieval.index import IndexSpec, load_index
+from retrieval.indexdir import DOCS, INDEX, MANIFEST, MOMENTS, STASH, TRANSFORM, IndexDir, Manifest
 from retrieval.info import describe_index
-from retrieval.manifest import DOCS_NAME, INDEX_NAME, MANIFEST_NAME, MOMENTS_NAME, STASH_DIR, TRANSFORM_NAME
 from retrieval.moments import RunningMoments
-from retrieval.search import Searcher, stash_of
+from retrieval.search import Searcher, SearchParams
 from retrieval.stash import VectorStash
-from retrieval.whitening import Whitening, load_transform
+from retrieval.whitening import Drift, TransformSpec, Whitening, kernel_drift, load_transform
 
 OPTIONS = BuildOptions(window_rows=64)  # several stash parts, the last one short
 runner = CliRunner()
@@ -37,12 +38,12 @@ def build(corpus: Path, out: Path, encoder=None, transform=TransformSpec(dim=8),
 
 
 def index_vectors(directory: Path) -> np.ndarray:
-    index = load_index(directory / INDEX_NAME)
+    index = load_index(directory / INDEX)
     return faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d).copy()
 
 
 def ids_of(directory: Path) -> list[str]:
-    return pq.read_table(directory / DOCS_NAME, columns=["id"]).column("id").to_pylist()
+    return Docs(directory / DOCS).ids
 
 
 def anisotropic(n: int, d: int = 16, seed: int = 1338, shift: float = 0.0) -> np.ndarray:
@@ -62,25 +63,26 @@ def more_docs(path: Path, ids: list[str]) -> Path:
 
 # ----- refit -------------------------------------------------------------------------------------------------
 def test_refit_equals_a_clean_build_and_never_encodes(tmp_path, corpus, monkeypatch):
-    monkeypatch.setattr("retrieval.encoder.load_encoder", lambda *a, **k: pytest.fail("refit loaded an encoder"))
+    monkeypatch.setattr("retrieval.update.from_info", lambda *a, **k: pytest.fail("refit loaded an encoder"))
     directory = tmp_path / "idx"
     build(corpus, directory)
-    part = stash_of(directory).files()[1]
+    part = IndexDir(directory).stash().files()[1]
     inode = os.stat(part).st_ino
     target = TransformSpec(dim=6, gamma=1.0, epsilon=1e-5)
 
     manifest = update.refit(directory, target, IndexSpec("hnsw", m=16))
     clean = build(corpus, tmp_path / "clean", transform=target, index=IndexSpec("hnsw", m=16))
 
-    a, b = load_transform(directory / TRANSFORM_NAME), load_transform(tmp_path / "clean" / TRANSFORM_NAME)
+    a, b = load_transform(directory / TRANSFORM), load_transform(tmp_path / "clean" / TRANSFORM)
     assert isinstance(a, Whitening) and isinstance(b, Whitening)
     # Same float64 moments on both sides: the kernels agree to rounding.
     np.testing.assert_allclose(a.kernel, b.kernel, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(a.mean, b.mean, rtol=1e-12)
-    assert manifest.transform["k"] == 6 and manifest.index["type"] == "hnsw" and manifest.n == clean.n
+    assert manifest.transform.k == 6 and manifest.index.kind == "hnsw" and manifest.n == clean.n
+    assert manifest.generation == 2 and clean.generation == 1
     # HNSW stores its vectors flat underneath; float32 transform of identical inputs -> 1e-6.
-    got = load_index(directory / INDEX_NAME).reconstruct_n(0, manifest.n)
-    want = load_index(tmp_path / "clean" / INDEX_NAME).reconstruct_n(0, clean.n)
+    got = load_index(directory / INDEX).reconstruct_n(0, manifest.n)
+    want = load_index(tmp_path / "clean" / INDEX).reconstruct_n(0, clean.n)
     np.testing.assert_allclose(got, want, atol=1e-6)
     assert ids_of(directory) == ids_of(tmp_path / "clean")
     assert os.stat(directory / part.relative_to(directory)).st_ino == inode  # hard-linked, not copied
@@ -95,24 +97,24 @@ def files_beside(directory: Path) -> list[str]:
 
 def verify_loads(directory: Path) -> None:
     """The directory loads and every file matches its checksum."""
-    Searcher.load(directory, encoder=FakeEncoder()).manifest.verify(directory)
+    searcher = Searcher.load(directory, encoder=FakeEncoder())
+    IndexDir(directory).verify(searcher.manifest, "full")
 
 
-def test_refit_to_another_pooling_streams_the_stash(tmp_path):
+def test_refit_to_another_pooling_streams_the_stash(tmp_path, monkeypatch):
     vectors = anisotropic(200)
     path = tmp_path / "v.npy"
     np.save(path, vectors)
     directory = tmp_path / "idx"
     build_index(CorpusSpec(path), None, directory, TransformSpec(dim=4), options=OPTIONS)
-    # A moments.npz that disagrees with the stash proves which source refit used.
-    RunningMoments.from_array(vectors[:10]).save(directory / MOMENTS_NAME)
+    # same pooling: the moments come from moments.npz, not from a pass over the stash
+    monkeypatch.setattr(VectorStash, "moments", lambda *a: pytest.fail("refit streamed the stash"))
     update.refit(directory, TransformSpec(dim=4, pooling="vectors"), None)
-    kept = load_transform(directory / TRANSFORM_NAME)
-    assert isinstance(kept, Whitening) and kept.n == 10  # same pooling: moments.npz, as stored
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match="not 'cls'"):
         update.refit(directory, TransformSpec(pooling="cls"))
     np.testing.assert_allclose(
-        update.stash_moments(stash_of(directory)).covariance(), np.cov(vectors.T, bias=True), rtol=1e-6, atol=1e-9
+        IndexDir(directory).stash().moments().covariance(), np.cov(vectors.T, bias=True), rtol=1e-6, atol=1e-9
     )
 
 
@@ -132,49 +134,50 @@ def test_add_then_search_finds_the_new_docs(tmp_path, corpus):
     directory = tmp_path / "idx"
     encoder = FakeEncoder()
     build(corpus, directory, encoder)
-    kernel_before = (directory / TRANSFORM_NAME).read_bytes()
+    kernel_before = (directory / TRANSFORM).read_bytes()
     new_ids = [f"new{i}" for i in range(40)]
     encoder.rows = 0
 
     manifest = update.add(directory, CorpusSpec(more_docs(tmp_path / "more.parquet", new_ids)), encoder)
 
     assert encoder.rows == 40  # only the new rows were encoded
-    assert manifest.n == 340 and manifest.stash["rows"] == 340 and manifest.corpus["added"][-1]["rows"] == 40
-    assert ids_of(directory)[-40:] == new_ids and len(VectorStash.open(directory / STASH_DIR)) == 340
-    assert (directory / TRANSFORM_NAME).read_bytes() == kernel_before  # the existing kernel
+    assert manifest.stash is not None
+    assert manifest.n == 340 and manifest.stash.rows == 340 and manifest.corpus.added[-1]["rows"] == 40
+    assert ids_of(directory)[-40:] == new_ids and len(VectorStash.open(directory / STASH)) == 340
+    assert (directory / TRANSFORM).read_bytes() == kernel_before  # the existing kernel
     searcher = Searcher.load(directory, encoder=FakeEncoder())
-    searcher.manifest.verify(directory)
+    IndexDir(directory).verify(searcher.manifest, "full")
     for i in (0, 17, 39):
-        assert searcher.search(f"a brand new passage new{i} on whitening", k=1)[0].id == f"new{i}"
+        assert searcher.search(f"a brand new passage new{i} on whitening", SearchParams(k=1))[0].id == f"new{i}"
     # The index holds every stash row through the old kernel; the moments cover all rows (float64 -> 1e-9).
-    stash = stash_of(directory)
+    stash = IndexDir(directory).stash()
     raw = np.concatenate(list(stash.iter_blocks()))
     np.testing.assert_allclose(index_vectors(directory), searcher.transform.transform(raw), atol=1e-6)
-    moments = RunningMoments.load(directory / MOMENTS_NAME)
+    moments = RunningMoments.load(directory / MOMENTS)
     np.testing.assert_allclose(moments.covariance(), np.cov(raw.T.astype(np.float64), bias=True), rtol=1e-9)
     assert not files_beside(directory)
 
 
 @pytest.mark.parametrize("action", ["add", "refit"])
-def test_add_and_refit_hash_only_what_they_wrote(tmp_path, corpus, monkeypatch, action):
-    """Stash parts are written once: add and refit carry their checksums over instead of re-hashing them."""
+def test_add_links_old_parts_unread_and_refit_verifies_what_it_reads(tmp_path, corpus, monkeypatch, action):
+    """Stash parts are written once, checksummed as they are written. add only links the old parts (it checks
+    their sizes, not their bytes); refit reads every part, so it verifies every part's sha256 first."""
     directory = tmp_path / "idx"
     build(corpus, directory)
-    old_parts = {n for n in manifest_module.Manifest.load(directory).files if n.startswith(f"{STASH_DIR}/part-")}
-    assert len(old_parts) >= 10  # 300 rows in windows of 64: 5 parts, a parquet and a .npy each
+    old_parts = {name for part in IndexDir(directory).stash().parts for name in part.checksums}
+    assert len(old_parts) == 10  # 300 rows in windows of 64: 5 parts, a parquet and a .npy each
     hashed: list[str] = []
-    real_sha256 = manifest_module.sha256
-    monkeypatch.setattr(manifest_module, "sha256", lambda path: hashed.append(path.name) or real_sha256(path))
+    real_sha256 = files.sha256
+    monkeypatch.setattr("retrieval.stash.sha256", lambda path: hashed.append(path.name) or real_sha256(path))
 
     if action == "add":
         update.add(directory, CorpusSpec(more_docs(tmp_path / "more.parquet", ["n1", "n2"])), FakeEncoder())
+        assert not old_parts & set(hashed)
     else:
         update.refit(directory, TransformSpec(dim=4))
-
-    assert hashed and not {Path(n).name for n in old_parts} & set(hashed)
-    assert any(name.startswith("part-") for name in hashed) == (action == "add")  # the new part is hashed
+        assert old_parts <= set(hashed)
     monkeypatch.undo()
-    manifest_module.Manifest.load(directory).verify(directory)  # and every carried-over record is still true
+    IndexDir(directory).verify(Manifest.load(directory), "full")  # every recorded checksum is still true
 
 
 def test_add_with_duplicate_ids_is_refused_and_writes_nothing(tmp_path, corpus):
@@ -220,17 +223,20 @@ def test_cli_add_npy_continues_row_ids_and_refit(tmp_path):
     assert "added 30 rows" in result.output
     assert ids_of(directory)[-30:] == [str(i) for i in range(200, 230)]
     searcher = Searcher.load(directory)
-    assert [h[0].id for h in searcher.search_vectors(np.load(tmp_path / "more.npy")[[0, 29]], k=1)] == ["200", "229"]
+    assert [h[0].id for h in searcher.search_vectors(np.load(tmp_path / "more.npy")[[0, 29]], SearchParams(k=1))] == [
+        "200",
+        "229",
+    ]
 
     result = runner.invoke(app, ["refit", str(directory), "--gamma", "1", "--index-type", "hnsw", "--m", "8"])
     assert result.exit_code == 0, result.output
     manifest = Searcher.load(directory).manifest
-    assert manifest.transform["k"] == 4 and manifest.transform["gamma"] == 1.0  # --dim kept, --gamma changed
-    assert manifest.index["factory"] == "HNSW8" and manifest.n == 230
-    assert manifest.corpus["added"][0]["rows"] == 30  # history survives a refit
+    assert manifest.transform.k == 4 and manifest.transform.spec.gamma == 1.0  # --dim kept, --gamma changed
+    assert manifest.index.factory == "HNSW8" and manifest.n == 230
+    assert manifest.corpus.added[0]["rows"] == 30  # history survives a refit
     result = runner.invoke(app, ["refit", str(directory), "--no-whiten"])
     assert result.exit_code == 0, result.output
-    assert Searcher.load(directory).manifest.transform["kind"] == "raw"
+    assert Searcher.load(directory).manifest.transform.kind == "raw"
 
 
 @pytest.mark.parametrize("command", ["add", "refit"])
@@ -247,27 +253,34 @@ def test_drift_is_zero_after_a_build_and_grows_with_shifted_rows(tmp_path):
     np.save(tmp_path / "v.npy", anisotropic(400))
     directory = tmp_path / "idx"
     build_index(CorpusSpec(tmp_path / "v.npy"), None, directory, TransformSpec(dim=4, gamma=1.0), options=OPTIONS)
-    fresh = update.drift(directory)
+    fresh = drift(directory)
     # Stored kernel vs the same moments: only eigh round-off.
-    assert fresh["covariance_drift"] < 1e-9 and fresh["subspace_overlap"] > 1 - 1e-9 and fresh["rows_added"] == 0
-    assert not fresh["refit_advised"]
+    assert fresh.covariance_drift < 1e-9 and fresh.subspace_overlap > 1 - 1e-9 and fresh.rows_added == 0
+    assert not fresh.refit_advised
 
     np.save(tmp_path / "same.npy", anisotropic(100, seed=3))  # same distribution: little drift
     update.add(directory, CorpusSpec(tmp_path / "same.npy"))
-    same = update.drift(directory)
+    same = drift(directory)
     np.save(tmp_path / "shifted.npy", anisotropic(400, seed=4, shift=1.0))
     update.add(directory, CorpusSpec(tmp_path / "shifted.npy"))
-    shifted = update.drift(directory)
-    assert same["rows_added"] == 100 and shifted["rows_added"] == 500
-    assert same["covariance_drift"] < 0.1 < shifted["covariance_drift"]
-    assert shifted["subspace_overlap"] < same["subspace_overlap"] <= 1
-    assert shifted["refit_advised"]
+    shifted = drift(directory)
+    assert same.rows_added == 100 and shifted.rows_added == 500
+    assert same.covariance_drift < 0.1 < shifted.covariance_drift
+    assert shifted.subspace_overlap < same.subspace_overlap <= 1
+    assert shifted.refit_advised
     assert "kernel drift" in describe_index(directory)["summary"]
     assert "consider `retrieval refit`" in describe_index(directory)["summary"]["kernel drift"]
+    assert describe_index(directory)["drift"] == shifted.to_dict()
 
     update.refit(directory, TransformSpec(dim=4, gamma=1.0))
-    assert update.drift(directory)["covariance_drift"] < 1e-9
-    assert update.drift(directory)["rows_added"] == 0
+    assert drift(directory).covariance_drift < 1e-9
+    assert drift(directory).rows_added == 0
+
+
+def drift(directory: Path) -> Drift:
+    transform = IndexDir(directory).transform()
+    assert isinstance(transform, Whitening)
+    return kernel_drift(transform, IndexDir(directory).moments())
 
 
 # ----- .npy and bad vectors ---------------------------------------------------------------------------------
@@ -278,7 +291,7 @@ def test_npy_input_builds_like_a_vectors_column(tmp_path):
     a = build_index(CorpusSpec(tmp_path / "v.npy"), None, tmp_path / "a", TransformSpec(dim=6), options=OPTIONS)
     spec = CorpusSpec(tmp_path / "v.parquet", vectors_column="emb")
     build_index(spec, None, tmp_path / "b", TransformSpec(dim=6), options=OPTIONS)
-    assert a.n == 150 and a.encoder == {"kind": "vectors", "column": "v.npy", "dim": 16}
+    assert a.n == 150 and a.encoder == EncoderInfo(kind="vectors", dim=16)
     assert ids_of(tmp_path / "a") == [str(i) for i in range(150)] == ids_of(tmp_path / "b")
     np.testing.assert_allclose(index_vectors(tmp_path / "a"), index_vectors(tmp_path / "b"), atol=1e-6)
 
@@ -320,10 +333,10 @@ def test_nan_and_inf_vectors_are_counted_and_named(tmp_path):
     # ... and the same on add, before the index is touched
     np.save(tmp_path / "good.npy", anisotropic(100))
     build_index(CorpusSpec(tmp_path / "good.npy"), None, tmp_path / "idx", TransformSpec(dim=4), options=OPTIONS)
-    before = (tmp_path / "idx" / MANIFEST_NAME).read_bytes()
+    before = (tmp_path / "idx" / MANIFEST).read_bytes()
     with pytest.raises(CorpusError, match="3 of 300 vectors contain NaN or inf"):
         update.add(tmp_path / "idx", CorpusSpec(tmp_path / "v.npy"))
-    assert (tmp_path / "idx" / MANIFEST_NAME).read_bytes() == before
+    assert (tmp_path / "idx" / MANIFEST).read_bytes() == before
 
 
 def test_width_mismatch_inside_a_vectors_column_is_refused(tmp_path):
@@ -341,7 +354,7 @@ def test_a_failure_midway_through_add_leaves_the_index_as_it_was(tmp_path, corpu
     def disk_full(*args):  # type: ignore[no-untyped-def]
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("retrieval.update.write_docs", disk_full)  # after new parts, moments and index are written
+    monkeypatch.setattr("retrieval.docs.write_docs", disk_full)  # after new parts, moments and index are written
     with pytest.raises(OSError, match="No space left"):
         update.add(directory, CorpusSpec(more_docs(tmp_path / "more.parquet", ["new1", "new2"])), FakeEncoder())
     assert {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()} == before

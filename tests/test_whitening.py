@@ -118,10 +118,10 @@ def test_singular_covariance_without_epsilon_is_refused() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"dim": 0}, "--dim must be between 1 and 16"),
-        ({"dim": D + 1}, "--dim must be between 1 and 16"),
-        ({"gamma": -0.5}, "--gamma"),
-        ({"epsilon": -1e-6}, "--epsilon"),
+        ({"dim": 0}, "`dim` must be between 1 and 16"),
+        ({"dim": D + 1}, "`dim` must be between 1 and 16"),
+        ({"gamma": -0.5}, "`gamma`"),
+        ({"epsilon": -1e-6}, "`epsilon`"),
     ],
 )
 def test_bad_options_are_refused(data: np.ndarray, kwargs: dict, message: str) -> None:
@@ -142,7 +142,7 @@ def test_few_rows_log_a_warning(data: np.ndarray, caplog: pytest.LogCaptureFixtu
     assert not caplog.records
     with caplog.at_level(logging.WARNING, logger="retrieval.whitening"):
         fit(data[: 5 * D - 1])
-    assert "only 79 rows" in caplog.text and "--no-whiten" in caplog.text
+    assert "only 79 rows" in caplog.text and "no whitening" in caplog.text
 
 
 def test_transform_centres_whitens_and_normalises(data: np.ndarray) -> None:

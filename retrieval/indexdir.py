@@ -1,0 +1,442 @@
+"""An index directory: the only module that knows its file names; the typed manifest; one reader, one writer.
+
+    manifest.json   the Manifest: schema version, typed sections, timings, versions, checksums of the files below
+    transform.npz   the fitted Whitening or RawTransform
+    moments.npz     RunningMoments of the pooling the transform was fitted on
+    index.faiss     the FAISS index of the transformed vectors
+    docs.arrow      row -> (id, text), memory-mapped
+    vectors/        the stash of raw vectors (absent when built without it); its parts carry their own checksums
+
+Writers (build, add, refit) assemble a new version in a hidden sibling and publish it whole (``files``); a
+reader loads one whole version (``load``): if a publish replaced the directory while it read, it reads again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from retrieval import files
+from retrieval.docs import Docs
+from retrieval.encoder import EncoderInfo
+from retrieval.errors import IndexDirError
+from retrieval.index import IndexSpec
+from retrieval.moments import RunningMoments
+from retrieval.stash import STATE_NAME, VectorStash
+from retrieval.whitening import RawTransform, TransformSpec, Whitening, load_transform
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 2
+MANIFEST = "manifest.json"
+TRANSFORM = "transform.npz"
+MOMENTS = "moments.npz"
+INDEX = "index.faiss"
+DOCS = "docs.arrow"
+STASH = "vectors"
+OWN_NAMES = frozenset({MANIFEST, TRANSFORM, MOMENTS, INDEX, DOCS, STASH})  # what a publish replaces
+LOAD_RETRY_SECONDS = 10.0  # how long a reader keeps retrying a load that raced a publish
+
+Verify = Literal["full", "quick", "none"]
+
+
+# ----- the manifest's sections -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TransformRecord:
+    """The fitted transform: its spec (pooling filled in), d -> k, and what the fit saw."""
+
+    spec: TransformSpec
+    d: int
+    k: int
+    n_fit: int | None = None
+    explained_variance: float | None = None
+
+    @property
+    def kind(self) -> str:
+        return "whitening" if self.spec.whiten else "raw"
+
+    @property
+    def pooling(self) -> str:
+        assert self.spec.pooling is not None
+        return self.spec.pooling
+
+    @classmethod
+    def of(cls, transform: Whitening | RawTransform, spec: TransformSpec) -> TransformRecord:
+        if isinstance(transform, Whitening):
+            return cls(spec, transform.dim_in, transform.dim_out, transform.n, float(transform.explained_variance))
+        return cls(spec, transform.dim_in, transform.dim_out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **asdict(self), "spec": self.spec.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransformRecord:
+        return cls(
+            TransformSpec.from_dict(data["spec"]),
+            data["d"],
+            data["k"],
+            data.get("n_fit"),
+            data.get("explained_variance"),
+        )
+
+
+@dataclass(frozen=True)
+class IndexRecord:
+    """The FAISS index: the spec it was built from, the factory string, its size, default knobs, a description."""
+
+    spec: IndexSpec
+    factory: str
+    ntotal: int
+    search: dict[str, int] = field(default_factory=dict)  # default ef_search / nprobe
+    faiss: dict[str, Any] = field(default_factory=dict)  # index.describe()
+    metric: str = "inner_product"
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"spec": self.spec.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> IndexRecord:
+        return cls(
+            IndexSpec.from_dict(data["spec"]),
+            data["factory"],
+            int(data["ntotal"]),
+            dict(data.get("search", {})),
+            dict(data.get("faiss", {})),
+            data.get("metric", "inner_product"),
+        )
+
+
+@dataclass(frozen=True)
+class StashRecord:
+    dtype: str
+    poolings: list[str]
+    rows: int
+    bytes: int = 0  # all part files together
+
+    @classmethod
+    def of(cls, stash: VectorStash) -> StashRecord:
+        size = sum(record["bytes"] for part in stash.parts for record in part.checksums.values())
+        return cls(stash.dtype, stash.poolings, len(stash), size)
+
+
+@dataclass(frozen=True)
+class CorpusRecord:
+    """Where the rows came from: the first corpus, and one entry per ``add``."""
+
+    path: str
+    rows: int
+    indexed: int
+    skipped: int
+    sha256: str
+    settings: dict[str, Any] = field(default_factory=dict)  # text_column, id_column, ...
+    added: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Self-description of an index directory (``manifest.json``)."""
+
+    encoder: EncoderInfo
+    transform: TransformRecord
+    index: IndexRecord
+    corpus: CorpusRecord
+    stash: StashRecord | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> bytes, sha256, quick_sha256
+    versions: dict[str, str] = field(default_factory=dict)
+    created: str = ""  # when the index was first built
+    updated: str = ""  # when this version was published
+    generation: int = 1  # 1 for a build, +1 for each add or refit
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def n(self) -> int:
+        return self.index.ntotal
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "generation": self.generation,
+            "created": self.created,
+            "updated": self.updated,
+            "encoder": self.encoder.to_dict(),
+            "transform": self.transform.to_dict(),
+            "index": self.index.to_dict(),
+            "corpus": asdict(self.corpus),
+            "stash": asdict(self.stash) if self.stash else None,
+            "timings": self.timings,
+            "versions": self.versions,
+            "files": self.files,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        stash = data.get("stash")
+        return cls(
+            encoder=EncoderInfo.from_dict(data["encoder"]),
+            transform=TransformRecord.from_dict(data["transform"]),
+            index=IndexRecord.from_dict(data["index"]),
+            corpus=CorpusRecord(**data["corpus"]),
+            stash=StashRecord(**stash) if stash else None,
+            timings=dict(data.get("timings", {})),
+            files=dict(data.get("files", {})),
+            versions=dict(data.get("versions", {})),
+            created=str(data.get("created", "")),
+            updated=str(data.get("updated", "")),
+            generation=int(data.get("generation", 1)),
+            schema_version=int(data["schema_version"]),
+        )
+
+    @classmethod
+    def load(cls, directory: Path | str) -> Manifest:
+        """The manifest of the index at ``directory`` (``IndexDir(directory).manifest()``)."""
+        return IndexDir(directory).manifest()
+
+    def next_version(self, **changes: Any) -> Manifest:
+        """This manifest for the next published version (``add``/``refit``): generation + 1, files re-recorded."""
+        return replace(self, generation=self.generation + 1, files={}, **changes)
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of what made the index, from installed metadata (importing torch to ask costs seconds)."""
+    import retrieval
+
+    versions = {"retrieval": retrieval.__version__, "python": platform.python_version()}
+    for name in ("numpy", "faiss-cpu", "pyarrow", "torch", "transformers"):
+        try:
+            versions[name.removesuffix("-cpu")] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+# ----- reading ---------------------------------------------------------------------------------------------
+class IndexDir:
+    """Typed readers of the files of one index directory (no caching: each call reads)."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"IndexDir({str(self.path)!r})"
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def manifest(self) -> Manifest:
+        path = self.path / MANIFEST
+        if not self.path.is_dir():
+            raise IndexDirError(f"no index directory at {self.path}; build one with `retrieval index CORPUS`")
+        if not path.is_file():
+            raise IndexDirError(f"{self.path} has no {MANIFEST}: it is not a complete index; rebuild it")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise IndexDirError(f"{path} is not valid JSON ({err}); the index is corrupt, rebuild it") from err
+        version = data.get("schema_version") if isinstance(data, dict) else None
+        if version != SCHEMA_VERSION:
+            raise IndexDirError(
+                f"{self.path} has index schema version {version}; this retrieval reads version {SCHEMA_VERSION}: "
+                "rebuild the index with this version"
+            )
+        try:
+            return Manifest.from_dict(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise IndexDirError(
+                f"{path} lacks required fields or holds wrong types ({err}); rebuild the index"
+            ) from err
+
+    def transform(self) -> Whitening | RawTransform:
+        return load_transform(self.path / TRANSFORM)
+
+    def moments(self) -> RunningMoments:
+        return RunningMoments.load(self.path / MOMENTS)
+
+    def faiss_index(self) -> Any:
+        from retrieval.index import load_index  # FAISS only where the index itself is read
+
+        return load_index(self.path / INDEX)
+
+    def docs(self) -> Docs:
+        return Docs(self.path / DOCS)
+
+    def has_stash(self) -> bool:
+        return (self.path / STASH / STATE_NAME).is_file()
+
+    def stash(self, purpose: str = "re-fit, tune or re-score") -> VectorStash:
+        if not self.has_stash():
+            raise IndexDirError(
+                f"{self.path} kept no raw-vector stash, so it cannot {purpose} without re-encoding; "
+                "rebuild it keeping its vectors (the default)"
+            )
+        return VectorStash.open(self.path / STASH)
+
+    def verify(self, manifest: Manifest, level: Verify = "full", names: list[str] | None = None) -> None:
+        """Check the listed files (all by default): size always, then sha256 ("full") or a sampled hash
+        ("quick"); "full" also checks every stash part against the checksums in ``stash.json``."""
+        if level == "none":
+            return
+        for name in names if names is not None else list(manifest.files):
+            expected = manifest.files.get(name)
+            path = self.path / name
+            if expected is None or not files.inside(self.path, name):
+                raise IndexDirError(f"{self.path}/{MANIFEST} does not list {name} as an index file; rebuild the index")
+            if not path.is_file():
+                raise IndexDirError(f"index file {path} is missing; rebuild the index")
+            digest = files.sha256 if level == "full" else files.quick_sha256
+            key = "sha256" if level == "full" else "quick_sha256"
+            if path.stat().st_size != expected["bytes"] or digest(path) != expected[key]:
+                raise IndexDirError(f"index file {path} is corrupt or truncated (checksum mismatch); rebuild the index")
+        if level == "full" and names is None and self.has_stash():
+            self.stash().verify(full=True)
+
+    def identity(self) -> tuple[int, int] | None:
+        """Which version of the directory the path names now (inode and change time), or None if absent."""
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return stat.st_ino, stat.st_ctime_ns
+
+
+@dataclass
+class Loaded:
+    """One whole version of an index directory, read: what a Searcher serves."""
+
+    directory: IndexDir
+    manifest: Manifest
+    transform: Whitening | RawTransform
+    index: Any
+    docs: Docs
+
+
+def load(path: Path | str, verify: Verify = "full") -> Loaded:
+    """Read one whole version of the index at ``path``: never the manifest of one and the index of another.
+
+    A load that fails while a publish is replacing the directory (seen as a change of the directory's identity,
+    or a directory missing while a writer holds it) is retried for up to LOAD_RETRY_SECONDS; a failure on an
+    unchanged directory is a real one and raised at once."""
+    directory = IndexDir(path)
+    deadline = time.monotonic() + LOAD_RETRY_SECONDS
+    while True:
+        files.recover(directory.path)
+        before = directory.identity()
+        try:
+            loaded = _load_once(directory, verify)
+            if directory.identity() == before:
+                return loaded
+            log.info("%s was replaced while it was read: reading the new version", directory.path)
+        except (IndexDirError, OSError) as err:
+            if not _raced(directory, before) or time.monotonic() > deadline:
+                if isinstance(err, IndexDirError):
+                    raise
+                raise IndexDirError(f"cannot read the index at {directory.path}: {err}; rebuild it") from err
+            log.info("%s changed under a load: reading it again", directory.path)
+        time.sleep(0.01)
+
+
+def _raced(directory: IndexDir, before: tuple[int, int] | None) -> bool:
+    now = directory.identity()
+    publishing = now is None and files.lock_path(directory.path).exists()
+    return publishing or (before is not None and now is not None and now != before)
+
+
+def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
+    manifest = directory.manifest()
+    directory.verify(manifest, verify, [TRANSFORM, INDEX, DOCS] if verify != "full" else None)
+    transform = directory.transform()
+    index = directory.faiss_index()
+    docs = directory.docs()
+    if index.ntotal != manifest.n or len(docs) != manifest.n or index.d != transform.dim_out:
+        raise IndexDirError(f"{directory.path}: the FAISS index does not match its manifest; rebuild the index")
+    return Loaded(directory, manifest, transform, index, docs)
+
+
+# ----- writing ---------------------------------------------------------------------------------------------
+def save_transform(work: Path, transform: Whitening | RawTransform) -> None:
+    transform.save(work / TRANSFORM)
+
+
+def save_moments(work: Path, moments: RunningMoments) -> None:
+    moments.save(work / MOMENTS)
+
+
+def save_faiss_index(work: Path, index: Any) -> None:
+    from retrieval.index import save_index
+
+    save_index(index, work / INDEX)
+
+
+def save_docs(work: Path, stash: VectorStash) -> None:
+    from retrieval.docs import write_docs
+
+    write_docs(stash.iter_docs(), work / DOCS)
+
+
+def link_from(work: Path, old: IndexDir, name: str) -> None:
+    """Share an unchanged file of the previous version (hard link: never written again, so never at risk)."""
+    files.link_or_copy(old.path / name, work / name)
+
+
+def write_manifest(work: Path, manifest: Manifest) -> Manifest:
+    """The one writer of ``manifest.json``: checks that every file of a complete index is in ``work``, records
+    their sizes and checksums, stamps versions and times, and writes the manifest last (atomically)."""
+    names = [TRANSFORM, MOMENTS, INDEX, DOCS] + ([f"{STASH}/{STATE_NAME}"] if manifest.stash else [])
+    missing = [name for name in names if not (work / name).is_file()]
+    if missing:
+        raise AssertionError(f"incomplete index in {work}: {missing} missing")
+    records = {name: _record(work / name) for name in names}
+    stamp = now()
+    manifest = replace(
+        manifest,
+        files=records,
+        versions=library_versions(),
+        created=manifest.created or stamp,
+        updated=stamp,
+        schema_version=SCHEMA_VERSION,
+    )
+    files.write_atomic(work / MANIFEST, (json.dumps(manifest.to_dict(), indent=2) + "\n").encode())
+    return manifest
+
+
+def _record(path: Path) -> dict[str, Any]:
+    full = files.sha256(path)
+    size = path.stat().st_size
+    return {
+        "bytes": size,
+        "sha256": full,
+        "quick_sha256": full if size < files.QUICK_FULL_BELOW else files.quick_sha256(path),
+    }
+
+
+def is_index_dir(path: Path) -> bool:
+    """True only for a real directory whose manifest says this tool built it (what a publish may replace)."""
+    manifest = Path(path) / MANIFEST
+    if Path(path).is_symlink() or not Path(path).is_dir() or not manifest.is_file():
+        return False
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return (
+        isinstance(data, dict)
+        and isinstance(data.get("schema_version"), int)
+        and all(isinstance(data.get(key), dict) for key in ("encoder", "transform", "index", "corpus"))
+        and "retrieval" in (data.get("versions") or {})
+    )

@@ -1,0 +1,91 @@
+"""Pass 1, one record batch at a time: encode it, write it to the stash, fold it into the moments, report.
+
+The same unit serves a build, an ``add`` and each worker of a distributed build; only where a part goes
+differs (``write``: the stash's next part locally, a uniquely named unregistered part on a worker).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from retrieval.corpus import Batch
+from retrieval.encoder import Encoder, MultiPoolingEncoder
+from retrieval.errors import ConfigError, CorpusError
+from retrieval.moments import RunningMoments
+from retrieval.progress import Progress, no_progress
+from retrieval.stash import Part, VectorStash
+
+# write(vectors per pooling, ids, texts) -> the written part
+PartWriter = Callable[[dict[str, np.ndarray], Sequence[str], Sequence[str]], Part]
+
+
+def poolings_for(encoder: Encoder | None, extra: Sequence[str] = ()) -> list[str]:
+    """The poolings a stash keeps: the encoder's own first, then ``extra``; "vectors" for precomputed input."""
+    if encoder is None:
+        if extra:
+            raise ConfigError("`extra_pooling` needs a transformers encoder", "extra_pooling")
+        return ["vectors"]
+    own = encoder.info().pooling or "vectors"
+    poolings = [own, *[p for p in extra if p != own]]
+    if len(poolings) > 1 and not isinstance(encoder, MultiPoolingEncoder):
+        raise ConfigError("this encoder cannot capture several poolings in one pass", "extra_pooling")
+    return poolings
+
+
+def encode_batch(
+    batch: Batch, encoder: Encoder | None, poolings: Sequence[str], d: int, on_batch: Callable[[int], None]
+) -> dict[str, np.ndarray]:
+    """One batch's raw vectors per pooling: the input's own vectors, or the encoder's; NaN/inf refused."""
+    if batch.vectors is not None:
+        if batch.vectors.shape[1] != d and len(batch):
+            raise CorpusError(
+                f"the input holds {batch.vectors.shape[1]}-d vectors where earlier rows had {d}; "
+                "every vector must have the same width"
+            )
+        vectors = {poolings[0]: batch.vectors}
+        on_batch(len(batch))
+    elif isinstance(encoder, MultiPoolingEncoder):
+        vectors = encoder.encode_poolings(batch.texts, poolings, on_batch=on_batch)
+    else:
+        assert encoder is not None
+        vectors = {poolings[0]: encoder.encode(batch.texts)}
+        on_batch(len(batch))
+    for pooling, array in vectors.items():
+        bad = ~np.isfinite(array).all(axis=1)
+        if bad.any():
+            first = [batch.ids[i] for i in np.flatnonzero(bad)[:5]]
+            raise CorpusError(
+                f"{int(bad.sum())} vectors ({pooling}) contain NaN or inf (first ids: {', '.join(first)}); "
+                "fix the input vectors or the encoder"
+            )
+    return vectors
+
+
+class Ingest:
+    """Pass 1 over a stream of batches into ``stash``: each call encodes one batch, writes it as a part, folds the
+    ``pooling`` vectors (as stored: a float16 stash is folded in float16, as a resumed build reads it back)
+    into ``moments`` and returns them as float32."""
+
+    def __init__(
+        self,
+        stash: VectorStash,
+        encoder: Encoder | None,
+        pooling: str,
+        total: int,
+        progress: Progress = no_progress,
+        write: PartWriter | None = None,
+    ):
+        self.stash, self.encoder, self.pooling = stash, encoder, pooling
+        self.moments = RunningMoments(stash.dim)
+        self.parts: list[Part] = []
+        self._write = write or stash.append
+        self._on_batch = lambda n: progress("encode", n, total)
+
+    def __call__(self, batch: Batch, ids: Sequence[str] | None = None) -> np.ndarray:
+        vectors = encode_batch(batch, self.encoder, self.stash.poolings, self.stash.dim, self._on_batch)
+        self.parts.append(self._write(vectors, batch.ids if ids is None else ids, batch.texts))
+        stored = np.asarray(vectors[self.pooling], dtype=self.stash.dtype).astype(np.float32, copy=False)
+        self.moments.update(stored)
+        return stored

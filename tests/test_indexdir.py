@@ -1,0 +1,184 @@
+"""The index directory as one owner sees it: typed manifest round trips, what importing the core pulls in, the
+cheap check a one-shot search does, a reader that always sees one whole version while writers publish, and
+user files that survive a publish."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, FakeEncoder, write_corpus
+
+from retrieval import files, update
+from retrieval.build import BuildOptions, build_index
+from retrieval.corpus import CorpusSpec
+from retrieval.errors import IndexDirError
+from retrieval.indexdir import INDEX, MANIFEST, IndexDir, Manifest, load
+from retrieval.search import Searcher, SearchParams
+from retrieval.whitening import TransformSpec
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Path:
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=300)
+    build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "idx", TransformSpec(dim=8))
+    return tmp_path / "idx"
+
+
+def test_the_manifest_round_trips_through_json(index: Path) -> None:
+    manifest = Manifest.load(index)
+    assert Manifest.from_dict(json.loads(json.dumps(manifest.to_dict()))) == manifest
+    assert manifest.to_dict() == json.loads((index / MANIFEST).read_text())
+
+
+# ----- what importing the core costs -------------------------------------------------------------------------
+def test_the_core_imports_neither_the_service_nor_ray_nor_the_cli() -> None:
+    """retrieval.search and retrieval.build are what the service and the Ray workers import: they must not drag
+    in fastapi, ray, typer or rich (nor torch, which only an encoder loads)."""
+    code = (
+        "import sys, retrieval.search, retrieval.build, retrieval.info\n"
+        "print(sorted(m for m in ('fastapi', 'ray', 'typer', 'rich', 'torch', 'uvicorn') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_info_needs_no_faiss() -> None:
+    code = "import sys, retrieval.info\nprint('faiss' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_package_parses_as_python_3_10() -> None:
+    """pyproject says >= 3.10: no 3.11-only syntax (mypy checks the 3.10 API, e.g. datetime.UTC, separately)."""
+    for path in sorted((ROOT / "retrieval").glob("*.py")):
+        ast.parse(path.read_text(), filename=str(path), feature_version=(3, 10))
+    assert "datetime.UTC" not in "".join(p.read_text() for p in (ROOT / "retrieval").glob("*.py"))
+    assert "dt.UTC" not in "".join(p.read_text() for p in (ROOT / "retrieval").glob("*.py"))
+
+
+# ----- the cheap check of a one-shot search ------------------------------------------------------------------
+def test_quick_verification_samples_large_files_and_catches_truncation(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(files, "QUICK_FULL_BELOW", 1024)  # every file counts as large: hashed by sampling
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=300)
+    build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "idx", TransformSpec(dim=8))
+    index, manifest = tmp_path / "idx", Manifest.load(tmp_path / "idx")
+    path = index / INDEX
+    assert manifest.files[INDEX]["quick_sha256"] != manifest.files[INDEX]["sha256"]  # a sample, not the file
+    IndexDir(index).verify(manifest, "quick")
+    data = path.read_bytes()
+    path.write_bytes(data[:-1])  # truncated: the size differs
+    with pytest.raises(IndexDirError, match="checksum mismatch"):
+        IndexDir(index).verify(manifest, "quick")
+    path.write_bytes(data[:-64] + bytes(64))  # the tail zeroed: the sample includes the last block
+    with pytest.raises(IndexDirError, match="checksum mismatch"):
+        IndexDir(index).verify(manifest, "quick")
+
+
+def test_a_quick_load_hashes_no_large_file_whole(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(files, "QUICK_FULL_BELOW", 1024)
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=300)
+    build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "idx", TransformSpec(dim=8))
+    hashed: list[str] = []
+    real = files.sha256
+    monkeypatch.setattr(files, "sha256", lambda path: hashed.append(Path(path).name) or real(path))
+    Searcher.load(tmp_path / "idx", encoder=FakeEncoder(), verify="quick")
+    assert hashed == []
+    Searcher.load(tmp_path / "idx", encoder=FakeEncoder(), verify="full")
+    assert set(hashed) >= {"index.faiss", "docs.arrow", "transform.npz"}
+
+
+# ----- one whole version, whatever writers do ----------------------------------------------------------------
+def test_readers_see_one_whole_version_while_writers_publish(index: Path, tmp_path: Path) -> None:
+    """The bug: a reader loading while ``add``/``refit`` published could read the new manifest with the old FAISS
+    index ("does not match its manifest") or find the directory gone. Loads race 12 publishes: none may fail."""
+    errors: list[BaseException] = []
+    loads = 0
+    stop = threading.Event()
+
+    def reader() -> None:
+        nonlocal loads
+        while not stop.is_set():
+            try:
+                searcher = Searcher.load(index, encoder=FakeEncoder(), verify="quick")
+                assert searcher.index.ntotal == searcher.manifest.n == len(searcher.docs)
+                loads += 1
+            except BaseException as err:  # noqa: BLE001 - every failure counts
+                errors.append(err)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for i in range(6):
+            more = write_corpus(tmp_path / f"more{i}.parquet", n=20)
+            ids = [f"new{i}-{j}" for j in range(20)]
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pq.read_table(more).set_column(0, "id", pa.array(ids)), more)
+            update.add(index, CorpusSpec(more), FakeEncoder())
+            update.refit(index, TransformSpec(dim=8 - i % 2))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert not errors, errors[:3]
+    assert loads > 12
+    assert Manifest.load(index).generation == 13
+
+
+def test_a_publish_between_reading_the_manifest_and_the_index_is_read_again(index: Path, monkeypatch) -> None:
+    """Deterministically, the race the loop above samples: a refit to another dim lands after the reader has
+    read the manifest and before it reads the FAISS index. The reader must not mix the two versions."""
+    real = IndexDir.faiss_index
+    published = []
+
+    def publish_first(self):  # type: ignore[no-untyped-def]
+        if not published:
+            published.append(update.refit(index, TransformSpec(dim=5)))
+        return real(self)
+
+    monkeypatch.setattr(IndexDir, "faiss_index", publish_first)
+    searcher = Searcher.load(index, encoder=FakeEncoder(), verify="quick")
+    assert published and searcher.manifest.transform.k == searcher.index.d == 5
+    assert searcher.manifest.generation == 2
+
+
+def test_a_load_that_fails_on_an_unchanged_directory_fails_at_once(index: Path) -> None:
+    (index / INDEX).write_bytes(b"garbage")
+    with pytest.raises(IndexDirError):
+        load(index, "none")
+
+
+# ----- user files are not the writers' to delete -------------------------------------------------------------
+def test_files_a_user_put_inside_an_index_survive_add_refit_and_overwrite(index: Path, tmp_path: Path) -> None:
+    (index / "NOTES.md").write_text("why this index exists")
+    (index / "eval-results").mkdir()
+    (index / "eval-results" / "run1.json").write_text("{}")
+    update.refit(index, TransformSpec(dim=4))
+    more = write_corpus(tmp_path / "more.parquet", n=5)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pq.read_table(more).set_column(0, "id", pa.array([f"x{i}" for i in range(5)])), more)
+    update.add(index, CorpusSpec(more), FakeEncoder())
+    build_index(CorpusSpec(more), FakeEncoder(), index, TransformSpec(dim=4), options=BuildOptions(overwrite=True))
+    assert (index / "NOTES.md").read_text() == "why this index exists"
+    assert (index / "eval-results" / "run1.json").read_text() == "{}"
+    assert Searcher.load(index, encoder=FakeEncoder()).search("x", SearchParams(k=1))
+    assert sorted(p.name for p in index.parent.iterdir() if p.name.startswith(".idx")) == []
+
+
+def test_search_params_reject_floats_and_bools() -> None:
+    with pytest.raises(Exception, match="`k` must be an integer"):
+        SearchParams(k=2.5).check()  # type: ignore[arg-type]
+    with pytest.raises(Exception, match="`k` must be an integer"):
+        SearchParams(k=True).check()
+    assert np.isfinite(1.0)
