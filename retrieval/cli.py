@@ -30,10 +30,11 @@ from retrieval.corpus import CorpusSpec
 from retrieval.encoder import POOLINGS, PRECISIONS, EncoderSpec
 from retrieval.errors import ConfigError, RetrievalError, render
 from retrieval.index import IndexSpec
-from retrieval.indexdir import Manifest
+from retrieval.indexdir import RESCORE_DEPTH, Manifest
 from retrieval.search import SearchParams
 from retrieval.stash import DTYPES
-from retrieval.whitening import TransformSpec
+from retrieval.tune import AUTO_QUERIES
+from retrieval.whitening import DEFAULT_GAMMA, TransformSpec
 
 
 class _OneLineErrors(typer.core.TyperGroup):
@@ -160,9 +161,16 @@ DefaultSearch = SearchParams()
 @user_errors
 def index(
     corpus: Corpus,
-    dim: Annotated[int | None, typer.Option(help="Output dimension k (default: the encoder's own).")] = None,
+    dim: Annotated[
+        int | None,
+        typer.Option(help="Output dimension k: whitens down to k \\[default: the encoder's own, raw vectors]."),
+    ] = None,
     gamma: Annotated[
-        float, typer.Option(help="Eigenvalue power: W = U_k diag(lambda^(-gamma/2)); 1 whitens, 0 only rotates.")
+        float | None,
+        typer.Option(
+            help=f"Eigenvalue power: W = U_k diag(lambda^(-gamma/2)); 1 whitens, 0 only rotates; given, it whitens "
+            f"\\[default: {DEFAULT_GAMMA:g} with --dim]."
+        ),
     ] = DefaultTransform.gamma,
     epsilon: Annotated[
         float, typer.Option(help="Added to eigenvalues, relative to the largest.")
@@ -212,7 +220,7 @@ def index(
     choice("stash_dtype", stash_dtype, DTYPES)
     target = out_dir or home.default_out(corpus)
     spec = CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty)
-    transform = TransformSpec(dim=dim, gamma=gamma, epsilon=epsilon, whiten=not no_whiten)
+    transform = TransformSpec(dim=dim, gamma=gamma, epsilon=epsilon, whiten=False if no_whiten else None)
     index_spec = IndexSpec(index_type, m, ef_construction, ef_search, nlist, nprobe, train_size)
     options = BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume)
     transform.check()  # every value checked before a model is loaded; dim against d once it is known
@@ -250,7 +258,14 @@ def _bytes(n: float) -> str:
 IndexDir = Annotated[Path | None, typer.Option("--index", help="Index directory \\[default: the last built].")]
 EfOption = Annotated[int | None, typer.Option("--ef-search", "--ef", help="HNSW search beam width.")]
 NprobeOption = Annotated[int | None, typer.Option(help="IVF lists probed.")]
-RescoreOption = Annotated[int, typer.Option(help="Re-rank this many candidates with the full stashed vectors.")]
+RescoreOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Re-rank this many candidates at full dimension from the stash; 0: off "
+        f"\\[default: the index's: {RESCORE_DEPTH} when it has fewer dims than the encoder and kept its stash, "
+        "else off]."
+    ),
+]
 
 
 @app.command()
@@ -453,7 +468,9 @@ def eval_sts(
         str, typer.Option(help=f"Pooling when no --index: {', '.join(POOLINGS)}.")
     ] = DefaultEncoder.pooling,
     dim: Annotated[int | None, typer.Option(help="Output dimension of the fitted transform.")] = None,
-    gamma: Annotated[float, typer.Option(help="Eigenvalue power of the fitted transform.")] = DefaultTransform.gamma,
+    gamma: Annotated[
+        float | None, typer.Option(help=f"Eigenvalue power of the fitted transform \\[default: {DEFAULT_GAMMA:g}].")
+    ] = DefaultTransform.gamma,
     fit_file: Annotated[
         list[Path] | None, typer.Option(help="More pair files whose sentences join the fit (e.g. train/dev splits).")
     ] = None,
@@ -529,30 +546,47 @@ def tune(
     apply: Annotated[
         bool, typer.Option(help="Re-fit the index with the chosen transform, raw included (atomic).")
     ] = False,
+    auto: Annotated[
+        bool,
+        typer.Option(
+            help="No qrels: choose on pseudo-queries made from the index's own documents (a sentence taken out "
+            "is the query, the rest of its document the one relevant hit)."
+        ),
+    ] = False,
+    auto_queries: Annotated[int, typer.Option(help="--auto: how many pseudo-queries.")] = AUTO_QUERIES,
+    seed: Annotated[int, typer.Option(help="--auto: seed of the documents sampled.")] = 0,
 ) -> None:
-    """Sweep pooling x k x gamma (and raw) WITHOUT re-encoding the corpus; choose on dev, report on test."""
+    """Sweep pooling x k x gamma (and raw) WITHOUT re-encoding the corpus; choose on dev, report on test.
+
+    With --auto no qrels are needed: the dev split is made of pseudo-queries from the corpus itself."""
     from retrieval import tune as tuning
     from retrieval.evaluate import read_pairs, read_qrels, read_queries
 
     if (index_dir is None) == (pairs is None):
-        raise ConfigError("give an INDEX_DIR with `queries`/`qrels` (IR), or `pairs` (STS)")
+        raise ConfigError("give an INDEX_DIR with `queries`/`qrels` or `auto` (IR), or `pairs` (STS)")
     if apply and index_dir is None:  # before any encoding, not after the whole sweep
         raise ConfigError("`apply` re-fits an index: it needs INDEX_DIR", "apply")
+    if auto and (index_dir is None or queries is not None or qrels is not None):
+        raise ConfigError("`auto` tunes an INDEX_DIR on pseudo-queries: give it without `queries` and `qrels`", "auto")
+    if not 1 <= auto_queries <= 100_000:
+        raise ConfigError(f"`auto_queries` must be between 1 and 100,000 (got {auto_queries})", "auto_queries")
     pools = [p for p in (poolings or "").split(",") if p] or None
     for pooling in pools or []:
         choice("poolings", pooling, POOLINGS)
     dim_list, gamma_list = numbers("dims", dims, int), numbers("gammas", gammas)
     with progress_bars() as update:
         if index_dir is not None:
-            if queries is None or qrels is None:
-                raise ConfigError("IR tuning needs `queries` and `qrels` (the dev split)", "queries")
+            if not auto and (queries is None or qrels is None):
+                raise ConfigError("IR tuning needs `queries` and `qrels` (the dev split), or `auto`", "queries")
             if (test_queries is None) != (test_qrels is None):
                 raise ConfigError("`test_queries` and `test_qrels` go together: give both or neither", "test_qrels")
             test = (read_queries(test_queries), read_qrels(test_qrels)) if test_queries and test_qrels else None
-            dev = (read_queries(queries), read_qrels(qrels))
-            result = tuning.tune_index(
-                index_dir, dev, test, pools, dim_list, gamma_list or tuning.DEFAULT_GAMMAS, metric or "nDCG@10", update
-            )
+            sweep = (pools, dim_list, gamma_list or tuning.DEFAULT_GAMMAS, metric or "nDCG@10", update)
+            if auto:
+                result = tuning.tune_auto(index_dir, auto_queries, seed, test, *sweep)
+            else:
+                assert queries is not None and qrels is not None
+                result = tuning.tune_index(index_dir, (read_queries(queries), read_qrels(qrels)), test, *sweep)
         else:
             assert pairs is not None
             result = tuning.tune_pairs(
@@ -566,14 +600,20 @@ def tune(
                 metric or "all",
                 update,
             )
-    if index_dir is not None:
+    if index_dir is not None and not auto:
         err.print("tuned on the stashed vectors: the corpus was not re-encoded", markup=False)
+    elif auto:
+        err.print(
+            f"tuned on {result.dev_source}: only their {result.corpus_rows_encoded:,} documents were encoded again",
+            markup=False,
+        )
     _report_tuning(result, results)
     if apply:
         assert index_dir is not None
         from retrieval.update import refit
 
-        manifest = refit(index_dir, result.best.candidate)
+        scorer = result.scorer.candidate if result.scorer else None
+        manifest = refit(index_dir, result.best.candidate, scorer=scorer)
         err.print(summary_line(index_dir, manifest, "refitted"), markup=False)
 
 
@@ -596,7 +636,9 @@ def _report_tuning(result: Any, folder: Path | None) -> None:
         line += f", test {best.test[metric]:.4f}"
         if result.raw and result.raw.test:
             line += f" (raw {result.raw.test[metric]:.4f}, {best.test[metric] / result.raw.test[metric]:.1%} of raw)"
-    out.print(line, markup=False)
+    out.print(line + ("" if result.dev_source == "dev split" else f" (dev: {result.dev_source})"), markup=False)
+    if result.scorer is not None and result.scorer.dim > best.dim:
+        out.print(f"re-scoring at full dimension by: {result.scorer.candidate.label}", markup=False)
     if folder:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "tune.json").write_text(json.dumps(result.to_dict(), indent=1))

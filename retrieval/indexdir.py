@@ -6,6 +6,7 @@
     index.faiss     the FAISS index of the transformed vectors
     docs.arrow      row -> (id, text), memory-mapped
     vectors/        the stash of raw vectors (absent when built without it); its parts carry their own checksums
+    rescore.npz     the full-rank transform that re-scores candidates, when tune found one better than raw cosine
 
 Writers (build, add, refit) assemble a new version in a hidden sibling and publish it whole (``files``); a
 reader loads one whole version (``load``): if a publish replaced the directory while it read, it reads again.
@@ -42,7 +43,12 @@ MOMENTS = "moments.npz"
 INDEX = "index.faiss"
 DOCS = "docs.arrow"
 STASH = "vectors"
-OWN_NAMES = frozenset({MANIFEST, TRANSFORM, MOMENTS, INDEX, DOCS, STASH})  # what a publish replaces
+RESCORE = "rescore.npz"
+OWN_NAMES = frozenset({MANIFEST, TRANSFORM, MOMENTS, INDEX, DOCS, STASH, RESCORE})  # what a publish replaces
+# Candidates re-scored at full dimension by default when an index is reduced (k < d) and kept its stash: the
+# smallest depth that kept every dev task of the basket at >= 99.9% of raw nDCG@10 (README, "Choosing the
+# defaults"; scripts/choose_defaults.py).
+RESCORE_DEPTH = 50
 LOAD_RETRY_SECONDS = 10.0  # how long a reader keeps retrying a load that raced a publish
 
 Verify = Literal["full", "quick", "none"]
@@ -70,6 +76,7 @@ class TransformRecord:
 
     @classmethod
     def of(cls, transform: Whitening | RawTransform, spec: TransformSpec) -> TransformRecord:
+        spec = spec.resolve(transform.dim_in)  # what was fitted, every default filled in
         if isinstance(transform, Whitening):
             return cls(spec, transform.dim_in, transform.dim_out, transform.n, float(transform.explained_variance))
         return cls(spec, transform.dim_in, transform.dim_out)
@@ -132,6 +139,29 @@ class StashRecord:
 
 
 @dataclass(frozen=True)
+class RescoreRecord:
+    """Re-scoring by default (``SearchParams.rescore=None``): the top ``depth`` candidates of the reduced index are
+    re-ranked at full dimension by ``scorer``, the raw cosine of the stashed vectors (``whiten=False``) or a
+    full-rank transform saved as ``rescore.npz`` (when ``tune`` found it better than raw). ``depth`` 0: off."""
+
+    depth: int
+    scorer: TransformSpec
+
+    @classmethod
+    def default(cls, transform: TransformRecord, stash: StashRecord | None) -> RescoreRecord:
+        """``RESCORE_DEPTH`` by raw cosine when the index kept its stash and is reduced (k < d), else off."""
+        depth = RESCORE_DEPTH if stash is not None and transform.k < transform.d else 0
+        return cls(depth, TransformSpec.raw(transform.pooling).resolve(transform.d))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"depth": self.depth, "scorer": self.scorer.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RescoreRecord:
+        return cls(int(data["depth"]), TransformSpec.from_dict(data["scorer"]))
+
+
+@dataclass(frozen=True)
 class CorpusRecord:
     """Where the rows came from: the first corpus, and one entry per ``add``."""
 
@@ -153,6 +183,7 @@ class Manifest:
     index: IndexRecord
     corpus: CorpusRecord
     stash: StashRecord | None = None
+    rescore: RescoreRecord | None = None  # None until written: ``write_manifest`` records the default
     timings: dict[str, float] = field(default_factory=dict)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> bytes, sha256, quick_sha256
     versions: dict[str, str] = field(default_factory=dict)
@@ -165,6 +196,11 @@ class Manifest:
     def n(self) -> int:
         return self.index.ntotal
 
+    @property
+    def rescoring(self) -> RescoreRecord:
+        """How this index re-scores by default (the recorded choice, else the default rule)."""
+        return self.rescore or RescoreRecord.default(self.transform, self.stash)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": self.schema_version,
@@ -176,6 +212,7 @@ class Manifest:
             "index": self.index.to_dict(),
             "corpus": asdict(self.corpus),
             "stash": asdict(self.stash) if self.stash else None,
+            "rescore": self.rescoring.to_dict(),
             "timings": self.timings,
             "versions": self.versions,
             "files": self.files,
@@ -184,12 +221,14 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         stash = data.get("stash")
+        rescore = data.get("rescore")  # absent from manifests written before re-scoring had a default
         return cls(
             encoder=EncoderInfo.from_dict(data["encoder"]),
             transform=TransformRecord.from_dict(data["transform"]),
             index=IndexRecord.from_dict(data["index"]),
             corpus=CorpusRecord(**data["corpus"]),
             stash=StashRecord(**stash) if stash else None,
+            rescore=RescoreRecord.from_dict(rescore) if rescore else None,
             timings=dict(data.get("timings", {})),
             files=dict(data.get("files", {})),
             versions=dict(data.get("versions", {})),
@@ -207,6 +246,11 @@ class Manifest:
     def next_version(self, **changes: Any) -> Manifest:
         """This manifest for the next published version (``add``/``refit``): generation + 1, files re-recorded."""
         return replace(self, generation=self.generation + 1, files={}, **changes)
+
+    @property
+    def has_rescorer(self) -> bool:
+        """Whether re-scoring uses a full-rank transform file (``rescore.npz``) rather than raw cosine."""
+        return bool(self.rescoring.scorer.whiten)
 
 
 def now() -> str:
@@ -268,6 +312,12 @@ class IndexDir:
     def moments(self) -> RunningMoments:
         return RunningMoments.load(self.path / MOMENTS)
 
+    def rescorer(self, manifest: Manifest) -> Whitening | RawTransform:
+        """The full-dimension scorer of re-scoring: the saved full-rank transform, or raw cosine."""
+        if manifest.has_rescorer:
+            return load_transform(self.path / RESCORE)
+        return RawTransform(manifest.transform.d)
+
     def faiss_index(self) -> Any:
         from retrieval.index import load_index  # FAISS only where the index itself is read
 
@@ -324,6 +374,7 @@ class Loaded:
     transform: Whitening | RawTransform
     index: Any
     docs: Docs
+    rescorer: Whitening | RawTransform | None = None  # scores re-ranked candidates at full dimension
 
 
 def load(path: Path | str, verify: Verify = "full") -> Loaded:
@@ -359,13 +410,17 @@ def _raced(directory: IndexDir, before: tuple[int, int] | None) -> bool:
 
 def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
     manifest = directory.manifest()
-    directory.verify(manifest, verify, [TRANSFORM, INDEX, DOCS] if verify != "full" else None)
+    quick = [TRANSFORM, INDEX, DOCS] + ([RESCORE] if manifest.has_rescorer else [])
+    directory.verify(manifest, verify, quick if verify != "full" else None)
     transform = directory.transform()
     index = directory.faiss_index()
     docs = directory.docs()
     if index.ntotal != manifest.n or len(docs) != manifest.n or index.d != transform.dim_out:
         raise IndexDirError(f"{directory.path}: the FAISS index does not match its manifest; rebuild the index")
-    return Loaded(directory, manifest, transform, index, docs)
+    rescorer = directory.rescorer(manifest)
+    if rescorer.dim_in != transform.dim_in or rescorer.dim_out != transform.dim_in:
+        raise IndexDirError(f"{directory.path}: the re-scoring transform is not full-rank; rebuild the index")
+    return Loaded(directory, manifest, transform, index, docs, rescorer)
 
 
 # ----- writing ---------------------------------------------------------------------------------------------
@@ -375,6 +430,10 @@ def save_transform(work: Path, transform: Whitening | RawTransform) -> None:
 
 def save_moments(work: Path, moments: RunningMoments) -> None:
     moments.save(work / MOMENTS)
+
+
+def save_rescorer(work: Path, transform: Whitening) -> None:
+    transform.save(work / RESCORE)
 
 
 def save_faiss_index(work: Path, index: Any) -> None:
@@ -397,7 +456,10 @@ def link_from(work: Path, old: IndexDir, name: str) -> None:
 def write_manifest(work: Path, manifest: Manifest) -> Manifest:
     """The one writer of ``manifest.json``: checks that every file of a complete index is in ``work``, records
     their sizes and checksums, stamps versions and times, and writes the manifest last (atomically)."""
+    rescore = manifest.rescoring
+    assert manifest.stash is not None or rescore.depth == 0, "re-scoring needs the stash"
     names = [TRANSFORM, MOMENTS, INDEX, DOCS] + ([f"{STASH}/{STATE_NAME}"] if manifest.stash else [])
+    names += [RESCORE] if rescore.scorer.whiten else []
     missing = [name for name in names if not (work / name).is_file()]
     if missing:
         raise AssertionError(f"incomplete index in {work}: {missing} missing")
@@ -405,6 +467,7 @@ def write_manifest(work: Path, manifest: Manifest) -> Manifest:
     stamp = now()
     manifest = replace(
         manifest,
+        rescore=rescore,
         files=records,
         versions=library_versions(),
         created=manifest.created or stamp,

@@ -45,6 +45,7 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
         "index": f"{idx.kind} ({idx.factory}) {_params(idx.faiss)}".strip(),
         "corpus": manifest.corpus.path,
         "stash": "none" if not stash else f"{stash.rows:,} rows, {stash.dtype}, poolings {', '.join(stash.poolings)}",
+        "re-scoring": _rescoring(manifest),
         "size on disk": _sizes(sizes, stash.bytes if stash else 0),
         "built": f"{manifest.created} with retrieval {manifest.versions.get('retrieval')}",
         "version": f"{manifest.generation} (published {manifest.updated})",
@@ -60,6 +61,14 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
             f"half the variance in {spectrum['dims_for_50pct']} dims, 90% in {spectrum['dims_for_90pct']}"
         )
     return lines
+
+
+def _rescoring(manifest: Manifest) -> str:
+    rescore = manifest.rescoring
+    if not rescore.depth:
+        return "off by default (" + ("no stash" if manifest.stash is None else "the index keeps every dimension") + ")"
+    scorer = "raw cosine" if not rescore.scorer.whiten else f"a full-rank transform, gamma {rescore.scorer.gamma}"
+    return f"top {rescore.depth} by {scorer} of the stashed vectors, by default"
 
 
 def spectrum_summary(eigenvalues: np.ndarray, k: int) -> dict[str, Any]:

@@ -28,7 +28,7 @@ def plot_tuning(result: TuneResult, path: Path, split: str = "test", title: str 
     styles = ["-", "--", ":"]
     for p_i, pooling in enumerate(poolings):
         mine = [t for t in trials if t.candidate.pooling == pooling]
-        gammas = sorted({t.candidate.gamma for t in mine if t.candidate.whiten})
+        gammas = sorted({t.candidate.gamma for t in mine if t.candidate.whiten and t.candidate.gamma is not None})
         for gamma in gammas:
             line = sorted((t for t in mine if t.candidate.whiten and t.candidate.gamma == gamma), key=lambda t: t.dim)
             label = f"{pooling} gamma={gamma}" if len(poolings) > 1 else f"gamma={gamma}"

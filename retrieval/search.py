@@ -22,7 +22,7 @@ from retrieval.index import flat_vectors, search_parameters
 from retrieval.indexdir import Loaded, Verify, load
 from retrieval.scan import FlatScan
 from retrieval.stash import VectorStash
-from retrieval.whitening import l2_normalize
+from retrieval.whitening import RawTransform, l2_normalize
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +31,20 @@ MAX_K = 10_000  # hits per query: past this a caller wants an export, not a sear
 
 @dataclass(frozen=True)
 class SearchParams:
-    """What one search asks for. ``rescore``: re-rank this many candidates of the (reduced) index by cosine of
-    the full raw vectors kept in the stash (0: off). ``ef_search`` / ``nprobe``: HNSW / IVF knobs for this call
-    (None: the index's defaults)."""
+    """What one search asks for. ``rescore``: re-rank this many candidates of the (reduced) index (at least
+    ``k``) at full dimension, from the raw vectors kept in the stash; 0: off; None: the index's default, which is
+    ``RESCORE_DEPTH`` when the index is reduced (k < d) and kept its stash, else off (``Manifest.rescoring``).
+    ``ef_search`` / ``nprobe``: HNSW / IVF knobs for this call (None: the index's defaults)."""
 
     k: int = 10
-    rescore: int = 0
+    rescore: int | None = None
     ef_search: int | None = None
     nprobe: int | None = None
 
     def check(self) -> None:
         for name, value, low in (("k", self.k, 1), ("rescore", self.rescore, 0)):
+            if name == "rescore" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_K:
                 raise ConfigError(f"`{name}` must be an integer between {low} and {MAX_K:,} (got {value!r})", name)
         for name, knob in (("ef_search", self.ef_search), ("nprobe", self.nprobe)):
@@ -137,12 +140,17 @@ class Searcher:
             raise ConfigError(f"query vectors have {raw.shape[1]} dims; this index takes {self.transform.dim_in}")
         if not np.isfinite(raw).all():
             raise ConfigError("query vectors contain NaN or inf")
-        depth = max(params.k, params.rescore)
+        rescore = self.rescore_depth(params)
+        depth = max(params.k, rescore)
         vectors = self.transform.transform(raw)
         scores, rows = self.search_transformed(vectors, depth, params.ef_search, params.nprobe)
-        if params.rescore:
+        if rescore:
             scores, rows = self._rescore(raw, rows, params.k)
         return scores[:, : params.k], rows[:, : params.k]
+
+    def rescore_depth(self, params: SearchParams) -> int:
+        """How many candidates a search with ``params`` re-scores: its own ``rescore``, else the index's default."""
+        return self.manifest.rescoring.depth if params.rescore is None else params.rescore
 
     def search_transformed(
         self, vectors: np.ndarray, k: int = 10, ef_search: int | None = None, nprobe: int | None = None
@@ -168,14 +176,17 @@ class Searcher:
             return self._stash
 
     def _rescore(self, raw: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Re-rank each query's candidate rows by the full-dimension scorer (raw cosine unless the index records a
+        full-rank transform) of their stashed vectors."""
         stash = self.stash()
         pooling = self.manifest.transform.pooling
-        queries = l2_normalize(raw)
+        scorer = self.loaded.rescorer or RawTransform(self.transform.dim_in)
+        queries = scorer.transform(raw)
         out_scores = np.full((len(rows), k), -np.inf, dtype=np.float32)
         out_rows = np.full((len(rows), k), -1, dtype=np.int64)
         for i, candidates in enumerate(rows):
             candidates = candidates[candidates >= 0]
-            scores = l2_normalize(stash.read_rows(candidates, pooling)) @ queries[i]
+            scores = scorer.transform(stash.read_rows(candidates, pooling)) @ queries[i]
             order = np.argsort(-scores, kind="stable")[:k]
             out_scores[i, : len(order)] = scores[order]
             out_rows[i, : len(order)] = candidates[order]

@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from retrieval.evaluate import Pairs, Queries, moments_of, sts_result, to_run
 from retrieval.indexdir import IndexDir
 from retrieval.metrics import Qrels, evaluate_run
 from retrieval.progress import Progress, no_progress
+from retrieval.pseudo import make_pseudo_queries
 from retrieval.scan import TopK
 from retrieval.stash import VectorStash
 from retrieval.whitening import TransformSpec
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GAMMAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 TIMING_QUERIES = 30  # single-query flat searches timed per candidate
+AUTO_QUERIES = 300  # pseudo-queries of `tune --auto`: its sampled documents are the only ones encoded again
+MIN_AUTO_QUERIES = 20
 
 
 def default_dims(d: int) -> list[int]:
@@ -47,7 +50,7 @@ def candidates(poolings: Sequence[str], dims: Sequence[int], gammas: Sequence[fl
         TransformSpec(gamma=gamma).check(d)
     grid = [TransformSpec(dim=d, whiten=False, pooling=p) for p in poolings]
     grid += [
-        TransformSpec(dim=k, gamma=g, pooling=p)
+        TransformSpec(dim=k, gamma=g, whiten=True, pooling=p)
         for p, k, g in itertools.product(poolings, sorted(set(dims), reverse=True), gammas)
     ]
     return grid
@@ -82,6 +85,8 @@ class TuneResult:
     best: Trial
     raw: Trial | None  # the raw baseline of the chosen pooling
     corpus_rows_encoded: int = 0
+    dev_source: str = "dev split"  # what the choice was made on: a labelled dev split, or pseudo-queries
+    scorer: Trial | None = None  # the best full-dimension candidate of the chosen pooling: re-scoring's scorer
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +94,8 @@ class TuneResult:
             "best": self.best.to_dict(),
             "raw": self.raw.to_dict() if self.raw else None,
             "corpus_rows_encoded": self.corpus_rows_encoded,
+            "dev_source": self.dev_source,
+            "scorer": self.scorer.to_dict() if self.scorer else None,
             "trials": [t.to_dict() for t in self.trials],
         }
 
@@ -97,15 +104,18 @@ def pick(trials: Sequence[Trial], metric: str) -> Trial:
     """Best dev score; ties go to the smaller dimension, then to raw, then to the smaller gamma (cheaper, gentler)."""
     return max(
         trials,
-        key=lambda t: (round(t.dev[metric], 6), -t.dim, not t.candidate.whiten, -t.candidate.gamma),
+        key=lambda t: (round(t.dev[metric], 6), -t.dim, not t.candidate.whiten, -(t.candidate.gamma or 0.0)),
     )
 
 
-def _result(trials: list[Trial], metric: str) -> TuneResult:
+def choose(trials: list[Trial], metric: str) -> TuneResult:
+    """The choice among scored trials: the best (``pick``), the raw baseline of its pooling, and the best
+    full-dimension candidate of that pooling (re-scoring's scorer)."""
     best = pick(trials, metric)
     pooling = best.candidate.pooling
     raw = next((t for t in trials if not t.candidate.whiten and t.candidate.pooling == pooling), None)
-    return TuneResult(metric, trials, best, raw)
+    full = [t for t in trials if raw is not None and t.candidate.pooling == pooling and t.dim == raw.dim]
+    return TuneResult(metric, trials, best, raw, scorer=pick(full, metric) if full else None)
 
 
 # ----- IR ---------------------------------------------------------------------------------------------------
@@ -121,27 +131,97 @@ def tune_index(
 ) -> TuneResult:
     """Sweep the stash of the index at ``directory``: the queries are encoded by the index's own encoder (every
     pooling in one pass), the corpus comes from the stash, which is verified first."""
-    index_dir = IndexDir(directory)
-    manifest = index_dir.manifest()
-    if not manifest.encoder.encodes_text:
-        raise ConfigError("IR tuning needs a text encoder to encode the queries: this index was built from vectors")
-    stash = index_dir.stash("tune")
-    stash.verify(full=True)
-    pools = list(poolings or stash.poolings)
-    for pooling in pools:
-        stash.check_pooling(pooling)
-    grid = candidates(pools, list(dims or default_dims(stash.dim)), gammas, stash.dim)
-    encoder = from_info(manifest.encoder.with_pooling(pools[0]))
-    encoded: dict[int, dict[str, np.ndarray]] = {}
-
-    def query_vectors(pooling: str, queries: Queries) -> np.ndarray:
-        if id(queries) not in encoded:  # each split once, for all poolings
-            encoded[id(queries)] = encoder.encode_poolings(queries.texts, pools)
-        return encoded[id(queries)][pooling]
-
+    sweep = _Sweep(directory, poolings, dims, gammas)
     return tune_ir(
-        stash, stash.ids(), query_vectors, dev, test, grid, metric, on_trial=lambda t: progress("tune", 1, len(grid))
+        sweep.stash,
+        sweep.stash.ids(),
+        sweep.query_vectors,
+        dev,
+        test,
+        sweep.grid,
+        metric,
+        on_trial=lambda t: progress("tune", 1, len(sweep.grid)),
     )
+
+
+def tune_auto(
+    directory: Path,
+    n_queries: int = AUTO_QUERIES,
+    seed: int = 0,
+    test: tuple[Queries, Qrels] | None = None,
+    poolings: Sequence[str] | None = None,
+    dims: Sequence[int] | None = None,
+    gammas: Sequence[float] = DEFAULT_GAMMAS,
+    metric: str = "nDCG@10",
+    progress: Progress = no_progress,
+    encoder: MultiPoolingEncoder | None = None,
+) -> TuneResult:
+    """Tune without qrels: pseudo-queries made from the index's own documents (``pseudo``) are the dev split.
+
+    Only the sampled documents are encoded again (without their query sentence), once for every pooling;
+    ``test``, if given, is reported as usual and never used to choose. ``encoder``: one already loaded (it must
+    match the index's); None loads the one the manifest names."""
+    sweep = _Sweep(directory, poolings, dims, gammas, encoder)
+    docs = IndexDir(directory).docs()
+    pseudo = make_pseudo_queries(len(sweep.stash), docs.texts, docs.id, n_queries, seed)
+    if len(pseudo) < MIN_AUTO_QUERIES:
+        raise ConfigError(
+            f"only {len(pseudo)} documents of {len(sweep.stash)} are long enough to make a pseudo-query "
+            f"(at least {MIN_AUTO_QUERIES} needed): tune with `queries` and `qrels` instead",
+            "auto",
+        )
+    encoded = sweep.encoder.encode_poolings(
+        pseudo.positives, sweep.poolings, on_batch=lambda n: progress("encode", n, len(pseudo))
+    )
+    rows = np.asarray(pseudo.rows, dtype=np.int64)
+    result = tune_ir(
+        sweep.stash,
+        sweep.stash.ids(),
+        sweep.query_vectors,
+        (pseudo.queries, pseudo.qrels),
+        test,
+        sweep.grid,
+        metric,
+        on_trial=lambda t: progress("tune", 1, len(sweep.grid)),
+        dev_positives={p: (rows, encoded[p]) for p in sweep.poolings},
+    )
+    result.corpus_rows_encoded = len(pseudo)
+    result.dev_source = f"{len(pseudo)} pseudo-queries (seed {seed})"
+    return result
+
+
+class _Sweep:
+    """What every IR sweep of an index directory needs: its verified stash, the candidate grid, and its encoder
+    with each query split encoded once, for every pooling in one pass."""
+
+    def __init__(
+        self,
+        directory: Path,
+        poolings: Sequence[str] | None,
+        dims: Sequence[int] | None,
+        gammas: Sequence[float],
+        encoder: MultiPoolingEncoder | None = None,
+    ):
+        index_dir = IndexDir(directory)
+        manifest = index_dir.manifest()
+        if not manifest.encoder.encodes_text:
+            raise ConfigError("IR tuning needs a text encoder to encode the queries: this index was built from vectors")
+        self.stash = index_dir.stash("tune")
+        self.stash.verify(full=True)
+        self.poolings = list(poolings or self.stash.poolings)
+        for pooling in self.poolings:
+            self.stash.check_pooling(pooling)
+        self.grid = candidates(self.poolings, list(dims or default_dims(self.stash.dim)), gammas, self.stash.dim)
+        if encoder is not None:  # the same model and max length (it pools every way asked, whatever its own pooling)
+            info = encoder.info()
+            manifest.encoder.with_pooling(info.pooling or "").check_query(replace(info, pooling=info.pooling or ""))
+        self.encoder: MultiPoolingEncoder = encoder or from_info(manifest.encoder.with_pooling(self.poolings[0]))
+        self._encoded: dict[int, dict[str, np.ndarray]] = {}
+
+    def query_vectors(self, pooling: str, queries: Queries) -> np.ndarray:
+        if id(queries) not in self._encoded:  # each split once, for all poolings
+            self._encoded[id(queries)] = self.encoder.encode_poolings(queries.texts, self.poolings)
+        return self._encoded[id(queries)][pooling]
 
 
 def tune_ir(
@@ -154,9 +234,13 @@ def tune_ir(
     metric: str = "nDCG@10",
     depth: int = 100,
     on_trial: Callable[[Trial], None] | None = None,
+    dev_positives: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> TuneResult:
     """Evaluate every candidate on dev (and test), choose on dev only. ``query_vectors(pooling, queries)``
-    returns raw query vectors: queries are encoded, the corpus never is (it comes from the stash)."""
+    returns raw query vectors: queries are encoded, the corpus never is (it comes from the stash).
+
+    ``dev_positives[pooling] = (rows, raw vectors)``: for the dev queries only, these stash rows are replaced by
+    these vectors (pseudo-queries' positives, re-encoded without the query); test sees the stash as it is."""
     splits = {"dev": dev} | ({"test": test} if test is not None else {})
     moments = {p: stash.moments(p) for p in dict.fromkeys(str(c.pooling) for c in grid)}
     raw_queries = {(p, name): query_vectors(p, split[0]) for p in moments for name, split in splits.items()}
@@ -167,10 +251,21 @@ def tune_ir(
         transform = cand.fit(moments[cand.pooling])
         queries = {name: transform.transform(raw_queries[(cand.pooling, name)]) for name in splits}
         tops = {name: TopK(len(q), depth) for name, q in queries.items()}
+        swap_rows, swap = None, None
+        if dev_positives is not None:
+            swap_rows = np.asarray(dev_positives[cand.pooling][0], dtype=np.int64)
+            swap = transform.transform(dev_positives[cand.pooling][1])
         start, search_ms = 0, None
         for block in stash.iter_blocks(pooling=cand.pooling):
             docs = transform.transform(block)
             for name, q in queries.items():
+                if name == "dev" and swap_rows is not None and swap is not None:
+                    inside = (swap_rows >= start) & (swap_rows < start + len(docs))
+                    if inside.any():
+                        dev_docs = docs.copy()
+                        dev_docs[swap_rows[inside] - start] = swap[inside]
+                        tops[name].push(q @ dev_docs.T, start)
+                        continue
                 tops[name].push(q @ docs.T, start)
             if search_ms is None:
                 search_ms = _single_query_ms(docs, queries["dev"]) * len(stash) / len(docs)
@@ -183,7 +278,7 @@ def tune_ir(
         trials.append(trial)
         if on_trial:
             on_trial(trial)
-    return _result(trials, metric)
+    return choose(trials, metric)
 
 
 def _single_query_ms(docs: np.ndarray, queries: np.ndarray) -> float:
@@ -245,4 +340,4 @@ def tune_sts(
         trials.append(trial)
         if on_trial:
             on_trial(trial)
-    return _result(trials, metric)
+    return choose(trials, metric)

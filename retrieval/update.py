@@ -26,22 +26,25 @@ from retrieval.errors import ConfigError, CorpusError
 from retrieval.index import IndexSpec
 from retrieval.indexdir import (
     OWN_NAMES,
+    RESCORE,
     STASH,
     TRANSFORM,
     IndexDir,
     Manifest,
+    RescoreRecord,
     StashRecord,
     link_from,
     now,
     save_docs,
     save_faiss_index,
     save_moments,
+    save_rescorer,
     write_manifest,
 )
 from retrieval.ingest import Ingest
 from retrieval.progress import Progress, Timer, no_progress
 from retrieval.stash import VectorStash
-from retrieval.whitening import TransformSpec
+from retrieval.whitening import TransformSpec, Whitening
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,10 @@ def transform_spec(directory: Path, **changes: Any) -> TransformSpec:
     given = {key: value for key, value in changes.items() if value is not None}
     if given.get("whiten") is False and "dim" not in given:
         given["dim"] = None
+    if "whiten" not in given and ("dim" in given or "gamma" in given):
+        given["whiten"] = None  # a new `dim` or `gamma` without a word on whitening: the defaults decide
+        if not current.whiten and "gamma" not in given:
+            given["gamma"] = None  # a raw index has no gamma to keep: the default one
     return dataclasses.replace(current, **given)
 
 
@@ -71,20 +78,25 @@ def refit(
     transform: TransformSpec,
     index: IndexSpec | None = None,
     progress: Progress = no_progress,
+    scorer: TransformSpec | None = None,
 ) -> Manifest:
     """Re-fit the kernel and rebuild the index of ``directory`` from its stash, without encoding anything.
 
     ``index=None`` keeps the current index kind and knobs. The moments come from ``moments.npz`` when the
-    pooling is unchanged, else from one pass over the stash for the new pooling.
+    pooling is unchanged, else from one pass over the stash for the new pooling. ``scorer``: the full-dimension
+    scorer of re-scoring (raw, or a full-rank whitening fitted here; ``tune`` chooses it); None keeps the
+    current one while the pooling is unchanged, else raw cosine.
     """
     directory = Path(directory)
     if index is not None:
         index.check()
     with files.writing(directory):
-        return _refit(IndexDir(directory), transform, index, progress)
+        return _refit(IndexDir(directory), transform, index, progress, scorer)
 
 
-def _refit(old: IndexDir, transform: TransformSpec, index: IndexSpec | None, progress: Progress) -> Manifest:
+def _refit(
+    old: IndexDir, transform: TransformSpec, index: IndexSpec | None, progress: Progress, scorer: TransformSpec | None
+) -> Manifest:
     manifest = old.manifest()
     old.verify(manifest, "full")
     stash = old.stash("refit")
@@ -92,6 +104,12 @@ def _refit(old: IndexDir, transform: TransformSpec, index: IndexSpec | None, pro
     pooling = transform.pooling or manifest.transform.pooling
     stash.check_pooling(pooling)
     spec = dataclasses.replace(transform, pooling=pooling)
+    if scorer is None:
+        kept = manifest.rescoring.scorer
+        scorer = kept if kept.pooling == pooling else TransformSpec.raw(pooling)
+    scorer = dataclasses.replace(scorer, pooling=pooling).resolve(stash.dim)
+    if scorer.dim != stash.dim:
+        raise ConfigError(f"the re-scoring transform must keep all {stash.dim} dimensions (got {scorer.dim})", "dim")
     index = index or manifest.index.spec
     timer = Timer()
     with files.replacing(old.path, "refitting", OWN_NAMES) as work:
@@ -99,10 +117,15 @@ def _refit(old: IndexDir, transform: TransformSpec, index: IndexSpec | None, pro
         with timer.stage("moments"):
             moments = old.moments() if pooling == manifest.transform.pooling else linked.moments(pooling)
         transform_record, index_record_ = write_version(work, linked, moments, spec, index, timer, progress)
+        fitted = scorer.fit(moments)
+        if isinstance(fitted, Whitening):
+            save_rescorer(work, fitted)
+        rescore = RescoreRecord(RescoreRecord.default(transform_record, manifest.stash).depth, scorer)
         new = manifest.next_version(
             encoder=manifest.encoder.with_pooling(pooling),  # queries are pooled as the documents the kernel saw
             transform=transform_record,
             index=index_record_,
+            rescore=rescore,
             timings=timer.seconds,
         )
         new = write_manifest(work, new)
@@ -148,6 +171,8 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
     with files.replacing(old.path, "adding", OWN_NAMES) as work:
         grown = link_stash(stash, work / STASH)
         link_from(work, old, TRANSFORM)  # never written: safe to share
+        if manifest.has_rescorer:
+            link_from(work, old, RESCORE)
         with timer.stage("load"):
             faiss_index = old.faiss_index()
         ingest = Ingest(grown, encoder, manifest.transform.pooling, report.usable, progress)

@@ -6,7 +6,7 @@ import logging
 import math
 import os
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -265,12 +265,17 @@ class TransformSpec:
     Whitening keeps ``W = U[:, :dim] * (lambda + epsilon * lambda_max) ** (-gamma / 2)``; ``whiten=False`` is the
     raw baseline (L2-normalised encoder output, no centring, no kernel, every dimension). ``pooling`` chooses
     which stashed pooling to fit on (None: the index's first).
+
+    Left as None, ``whiten`` follows the defaults chosen in the README ("Choosing the defaults"): whiten when
+    ``dim`` reduces the dimension or a ``gamma`` is given, else keep the raw vectors (at full dimension a transform
+    cost quality on the dev basket and buys no speed); ``gamma`` None is ``DEFAULT_GAMMA``. ``resolve(d)`` fills
+    both in; the manifest records the resolved spec.
     """
 
     dim: int | None = None
-    gamma: float = DEFAULT_GAMMA
+    gamma: float | None = None
     epsilon: float = DEFAULT_EPSILON
-    whiten: bool = True
+    whiten: bool | None = None
     pooling: str | None = None
 
     @classmethod
@@ -278,10 +283,31 @@ class TransformSpec:
         return cls(whiten=False, pooling=pooling)
 
     @property
+    def whitens(self) -> bool | None:
+        """Whether this spec whitens, when that is known without the encoder's dimension (None: it depends)."""
+        if self.whiten is not None:
+            return self.whiten
+        return True if self.gamma is not None else None if self.dim is not None else False
+
+    def resolve(self, d: int) -> TransformSpec:
+        """This spec for an encoder of dimension ``d``, every default filled in: raw keeps all ``d`` dimensions
+        (and no gamma); whitening gets ``dim`` (default ``d``) and ``gamma`` (default ``DEFAULT_GAMMA``)."""
+        whiten = self.whitens
+        if whiten is None:
+            whiten = self.dim is not None and self.dim < d
+        if not whiten:
+            return replace(self, dim=d, gamma=None, whiten=False)
+        gamma = DEFAULT_GAMMA if self.gamma is None else self.gamma
+        return replace(self, dim=self.dim or d, gamma=gamma, whiten=True)
+
+    @property
     def label(self) -> str:
         """Short name for tables: ``mean raw`` or ``mean k=128 g=0.25``."""
         pooling = f"{self.pooling} " if self.pooling else ""
-        return f"{pooling}raw" if not self.whiten else f"{pooling}k={self.dim or 'd'} g={self.gamma:g}"
+        if self.whitens is False:
+            return f"{pooling}raw"
+        gamma = DEFAULT_GAMMA if self.gamma is None else self.gamma
+        return f"{pooling}k={self.dim or 'd'} g={gamma:g}"
 
     def check(self, d: int | None = None) -> None:
         """Refuse what cannot give finite, meaningful vectors, before any work is done (``dim`` against the
@@ -290,9 +316,9 @@ class TransformSpec:
             raise ConfigError(f"`dim` must be at least 1 (got {self.dim})", "dim")
         if self.dim is not None and d is not None and self.dim > d:
             raise ConfigError(f"`dim` must be between 1 and the encoder's dimension {d} (got {self.dim})", "dim")
-        if not self.whiten and self.dim is not None and d is not None and self.dim != d:
+        if self.whiten is False and self.dim is not None and d is not None and self.dim != d:
             raise ConfigError(f"the raw transform keeps all {d} dimensions; drop `dim` or whiten", "dim")
-        if not (math.isfinite(self.gamma) and 0 <= self.gamma <= 2):
+        if self.gamma is not None and not (math.isfinite(self.gamma) and 0 <= self.gamma <= 2):
             raise ConfigError(
                 f"`gamma` must be between 0 and 2 (got {self.gamma}); 1 = full whitening, 0 = PCA rotation", "gamma"
             )
@@ -303,9 +329,11 @@ class TransformSpec:
             )
 
     def fit(self, moments: RunningMoments) -> Whitening | RawTransform:
-        if not self.whiten:
+        spec = self.resolve(moments.dim)
+        if not spec.whiten:
             return RawTransform(moments.dim)
-        return Whitening.fit(moments, dim=self.dim, gamma=self.gamma, epsilon=self.epsilon)
+        assert spec.gamma is not None
+        return Whitening.fit(moments, dim=spec.dim, gamma=spec.gamma, epsilon=spec.epsilon)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -25,7 +25,7 @@ from retrieval.indexdir import SCHEMA_VERSION, IndexDir, Manifest, StashRecord
 from retrieval.moments import RunningMoments
 from retrieval.search import Searcher, SearchParams
 from retrieval.stash import VectorStash
-from retrieval.whitening import TransformSpec, Whitening, l2_normalize, load_transform
+from retrieval.whitening import DEFAULT_GAMMA, TransformSpec, Whitening, l2_normalize, load_transform
 
 N, D, K = 300, 16, 8
 
@@ -122,7 +122,7 @@ def test_manifest_describes_the_directory(built: tuple[Path, FakeEncoder, Manife
     assert manifest == Manifest.from_dict(on_disk)  # the typed sections round-trip through JSON
     t = manifest.transform
     assert (t.kind, t.d, t.k, t.pooling) == ("whitening", D, K, "mean")
-    assert t.spec.gamma == TransformSpec().gamma and t.spec.epsilon == TransformSpec().epsilon
+    assert t.spec.gamma == DEFAULT_GAMMA and t.spec.epsilon == TransformSpec().epsilon
     assert t.n_fit == N and t.explained_variance is not None and 0.5 < t.explained_variance <= 1.0
     assert manifest.n == N == manifest.index.ntotal
     assert manifest.index.kind == "flat" and manifest.index.metric == "inner_product"

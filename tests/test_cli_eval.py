@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from retrieval.cli import app
 from retrieval.encoder import TransformerEncoder
-from retrieval.indexdir import Manifest
+from retrieval.indexdir import RESCORE_DEPTH, Manifest
 from retrieval.search import Searcher, SearchParams
 
 runner = CliRunner()
@@ -214,22 +214,30 @@ def test_tune_ir_sweeps_the_stash_without_re_encoding(
 
 def test_tune_apply_refits_the_index(built: dict[str, Path], tmp_path: Path) -> None:
     index = Path(shutil.copytree(built["index"], tmp_path / "idx"))
+    assert (Manifest.load(index).transform.k, Manifest.load(index).transform.spec.whiten) == (32, False)  # no --dim
+    ok(run("refit", index, "--dim", 24, "--gamma", 0.5))  # a transform the sweep below does not try
     old = Manifest.load(index).transform
-    assert (old.k, old.spec.gamma) == (32, 0.25)
+    assert (old.k, old.spec.gamma, old.spec.whiten) == (24, 0.5, True)
     # mean pooling only: the tiny random BERT's raw cls vectors are nearly parallel, so their cosines tie to float32
     # rounding, and the sweep's blocked product and FAISS's scan may order such ties differently
     result = ok(run(*tune_ir_args(built, index, tmp_path / "out"), "--poolings", "mean", "--apply"))
-    best = json.loads((tmp_path / "out" / "tune.json").read_text())["best"]
+    report = json.loads((tmp_path / "out" / "tune.json").read_text())
+    best = report["best"]
     new = Manifest.load(index).transform
     assert (new.k, new.spec.whiten, new.pooling) == (best["dim"], best["whiten"], best["pooling"])
     assert (new.k, new.spec.gamma, new.spec.whiten) != (old.k, old.spec.gamma, old.spec.whiten)
     assert Manifest.load(index).encoder.pooling == best["pooling"]  # queries pooled as the documents now are
     assert f"32 -> {best['dim']} dims" in result.stderr
+    # re-scoring: by the best full-dimension candidate of the sweep, on by default only when the index is reduced
+    rescore = Manifest.load(index).rescoring
+    scorer = report["scorer"]
+    assert scorer["dim"] == 32 and rescore.scorer.to_dict() == {k: scorer[k] for k in rescore.scorer.to_dict()}
+    assert rescore.depth == (RESCORE_DEPTH if best["dim"] < 32 else 0)
+    assert (index / "rescore.npz").is_file() == scorer["whiten"]
     hits = ok(run("search", doc_text(42), "--index", index, "--json", "-k", 3)).stdout.splitlines()
     assert len(hits) == 3 and json.loads(hits[0])["id"] == "doc42"
-    metrics = json.loads(
-        ok(run("eval", "ir", index, "--queries", built["dev_q"], "--qrels", built["dev_r"], "--json")).stdout
-    )
+    args = ("eval", "ir", index, "--queries", built["dev_q"], "--qrels", built["dev_r"], "--json", "--rescore", 0)
+    metrics = json.loads(ok(run(*args)).stdout)
     assert metrics["nDCG@10"] == pytest.approx(best["dev"]["nDCG@10"], abs=1e-6)  # flat index = the sweep's search
 
 
@@ -297,3 +305,44 @@ def test_tune_bad_inputs_are_one_line(built: dict[str, Path], tmp_path: Path) ->
     one_error_line(run("tune", built["index"], "--gammas", "0,x"), "--gammas takes comma-separated numbers")
     dev = ("--queries", built["dev_q"], "--qrels", built["dev_r"])
     one_error_line(run("tune", built["index"], *dev, "--test-queries", built["dev_q"]), "go together")
+
+
+def write_multi_sentence_corpus(path: Path, n: int = 120) -> Path:
+    """Documents of three sentences in the tiny BERT's vocabulary, so a sentence can be taken out of each."""
+    words = "whitening vectors search query index corpus sentence cosine model retrieval".split()
+    texts = [
+        f"The document number {i} is about topic {i % 7}. This {words[i % 10]} of the {words[(i * 3) % 10]} "
+        f"is fast. A {words[(i + 4) % 10]} with {words[(i * 7) % 10]} vectors was slow for {i % 9}."
+        for i in range(n)
+    ]
+    pq.write_table(pa.table({"id": [f"doc{i}" for i in range(n)], "text": texts}), path)
+    return path
+
+
+def test_tune_auto_chooses_without_qrels(
+    tiny_bert: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, built: dict[str, Path]
+) -> None:
+    corpus = write_multi_sentence_corpus(tmp_path / "corpus.parquet")
+    ok(run("index", corpus, "--model", tiny_bert, "--out", tmp_path / "idx"))
+    counter = EncodeCounter(monkeypatch)
+    args = ["tune", tmp_path / "idx", "--auto", "--auto-queries", 30, "--dims", "32,16", "--gammas", "0,1"]
+    result = ok(run(*args, "--results", tmp_path / "out", "--apply"))
+    assert "tuned on 30 pseudo-queries (seed 0): only their 30 documents were encoded again" in result.stderr
+    assert len(counter.texts) == 30 + 30  # the pseudo-queries and their documents without them; nothing else
+    report = json.loads((tmp_path / "out" / "tune.json").read_text())
+    assert report["dev_source"] == "30 pseudo-queries (seed 0)" and report["corpus_rows_encoded"] == 30
+    assert len(report["trials"]) == 1 + 2 * 2 and all(0 <= t["dev"]["nDCG@10"] <= 1 for t in report["trials"])
+    best = report["best"]
+    assert best["dev"]["nDCG@10"] == max(t["dev"]["nDCG@10"] for t in report["trials"])
+    assert "(dev: 30 pseudo-queries (seed 0))" in result.stdout
+    new = Manifest.load(tmp_path / "idx").transform
+    assert (new.k, new.spec.whiten) == (best["dim"], best["whiten"])  # --apply wrote the choice
+    # the same seed makes the same pseudo-queries: the sweep is repeatable
+    ok(run(*args, "--results", tmp_path / "again"))
+    trials = json.loads((tmp_path / "again" / "tune.json").read_text())["trials"]
+    assert [t["dev"] for t in trials] == [t["dev"] for t in report["trials"]]
+    # bad combinations and a corpus of single short sentences: one line each
+    one_error_line(run("tune", tmp_path / "idx", "--auto", "--queries", built["dev_q"]), "--auto tunes an INDEX_DIR")
+    one_error_line(run("tune", "--pairs", built["dev_q"], "--auto"), "--auto tunes an INDEX_DIR")
+    one_error_line(run("tune", tmp_path / "idx", "--auto", "--auto-queries", 0), "--auto-queries must be between")
+    one_error_line(run("tune", built["index"], "--auto"), "only 0 documents of 200 are long enough", "--queries")

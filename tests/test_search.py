@@ -212,7 +212,7 @@ def test_the_last_built_index_is_remembered(isolated_home: Path, index_dir: Path
 def test_rescore_returns_the_exact_raw_cosine_top_k_among_the_candidates(searcher: Searcher, index_dir: Path) -> None:
     raw = queries(4)
     k, depth = 5, 50
-    _, candidates = searcher.search_raw(raw, SearchParams(k=depth))
+    _, candidates = searcher.search_raw(raw, SearchParams(k=depth, rescore=0))
     scores, rows = searcher.search_raw(raw, SearchParams(k=k, rescore=depth))
     assert scores.shape == rows.shape == (4, k)
     stash = IndexDir(index_dir).stash()

@@ -4,20 +4,27 @@ synthetic vectors, and the tuning plot."""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import faiss
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import FakeEncoder, write_corpus
 
 from retrieval.build import build_index
 from retrieval.corpus import CorpusSpec
+from retrieval.encoder import EncoderInfo
+from retrieval.errors import ConfigError
 from retrieval.evaluate import Pairs, Queries, moments_of, pair_cosines, to_run
 from retrieval.indexdir import IndexDir
 from retrieval.metrics import Qrels, evaluate_run, sts_scores
+from retrieval.pseudo import make_pseudo_queries
 from retrieval.stash import VectorStash
-from retrieval.tune import Trial, TuneResult, candidates, pick, tune_ir, tune_sts
+from retrieval.tune import Trial, TuneResult, candidates, pick, tune_auto, tune_ir, tune_sts
 from retrieval.whitening import RawTransform, TransformSpec, Whitening, l2_normalize
 
 EPSILON = TransformSpec().epsilon
@@ -27,7 +34,7 @@ def Candidate(pooling: str, dim: int, gamma: float | None) -> TransformSpec:  # 
     """A tuning candidate: the raw baseline when ``gamma`` is None."""
     if gamma is None:
         return TransformSpec(dim=dim, whiten=False, pooling=pooling)
-    return TransformSpec(dim=dim, gamma=gamma, pooling=pooling)
+    return TransformSpec(dim=dim, gamma=gamma, whiten=True, pooling=pooling)
 
 
 # ----- the grid and the choice -----------------------------------------------------------------------------
@@ -245,3 +252,114 @@ def test_plot_tuning_writes_a_png(sts_setup, tmp_path: Path) -> None:
     assert path == tmp_path / "plots" / "tune.png"
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+# ----- label-free tuning: pseudo-queries -------------------------------------------------------------------
+TOPICS = [[f"t{t}w{w}" for w in range(8)] for t in range(12)]
+
+
+class BagOfWordsEncoder:
+    """Anisotropic bag of words: a large common mean, plus a large component along one direction whose size varies
+    from text to text at random (seeded by the text), plus the mean of the text's word vectors (seeded per word).
+    A sentence and the rest of its document share direction only through their words, so raw cosine suffers
+    from the mean and the noisy direction, centring (gamma 0) from the latter, and whitening from neither."""
+
+    def __init__(self, dim: int = 32):
+        self._dim = dim
+        rng = np.random.default_rng(7)
+        self.mean = rng.normal(size=dim) * 4 + 8
+        self.noisy = rng.normal(size=dim) * 2
+        self.rows = 0
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    def info(self) -> EncoderInfo:
+        return EncoderInfo(kind="fake", dim=self._dim, model="bow", weights_sha256="bow", pooling="mean", max_length=64)
+
+    def _word(self, word: str) -> np.ndarray:
+        seed = int.from_bytes(word.encode()[:8].ljust(8, b"\0"), "little") + len(word)
+        return np.random.default_rng(seed).normal(size=self._dim)
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        self.rows += len(texts)
+        out = []
+        for text in texts:
+            words = text.lower().replace(".", "").split()
+            size = np.random.default_rng(int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")).normal()
+            out.append(self.mean + size * self.noisy + np.mean([self._word(w) for w in words], axis=0))
+        return np.stack(out).astype(np.float32)
+
+    def encode_poolings(self, texts: Sequence[str], poolings: Sequence[str], on_batch=None) -> dict[str, np.ndarray]:
+        return {p: self.encode(texts) for p in poolings}
+
+
+def topic_corpus(path: Path, n: int = 240) -> Path:
+    """Documents of three sentences of five words: three of the document's own four words and two of its topic's
+    eight (one of 12 topics), seeded."""
+    rng = np.random.default_rng(11)
+
+    def sentence(own: list[str], topic: list[str]) -> str:
+        return " ".join([*rng.choice(own, size=3), *rng.choice(topic, size=2)]).capitalize() + "."
+
+    texts = []
+    for i in range(n):
+        own, topic = [f"d{i}x{w}" for w in range(4)], TOPICS[i % len(TOPICS)]
+        texts.append(" ".join(sentence(own, topic) for _ in range(3)))
+    pq.write_table(pa.table({"id": [f"doc{i}" for i in range(n)], "text": texts}), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def auto_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BagOfWordsEncoder]:
+    root = tmp_path_factory.mktemp("auto")
+    encoder = BagOfWordsEncoder()
+    build_index(CorpusSpec(topic_corpus(root / "corpus.parquet")), encoder, root / "idx", TransformSpec())
+    return root / "idx", encoder
+
+
+def test_tune_auto_chooses_on_pseudo_queries_encoding_only_their_documents(auto_index) -> None:
+    directory, encoder = auto_index
+    stash = IndexDir(directory).stash()
+    docs = IndexDir(directory).docs()
+    pseudo = make_pseudo_queries(len(stash), docs.texts, docs.id, n=40, seed=3)
+    test = Queries(["t0", "t1", "t2"], [" ".join(TOPICS[t][:4]) for t in range(3)])
+    test_qrels = {f"t{t}": {f"doc{i}": 1 for i in range(t, 240, 12)} for t in range(3)}
+    grid = candidates(["mean"], [32, 8], [0.0, 1.0], 32)
+
+    rows = encoder.rows
+    result = tune_auto(directory, 40, 3, (test, test_qrels), ["mean"], [32, 8], [0.0, 1.0], encoder=encoder)
+
+    # only the 40 sampled documents (without their query sentence), the 40 pseudo-queries and the 3 test queries
+    assert encoder.rows - rows == 40 + 40 + 3
+    assert result.corpus_rows_encoded == 40 and result.dev_source == "40 pseudo-queries (seed 3)"
+    assert [t.candidate for t in result.trials] == grid
+    # each dev score is an independent exact search of the corpus with the 40 positives swapped in; the fit and
+    # the test split see the corpus as indexed
+    x = stash_matrix(stash)
+    swapped = x.copy()
+    swapped[pseudo.rows] = encoder.encode(pseudo.positives)
+    for t in result.trials:
+        transform = reference_transform(t.candidate, x)
+        for split, qrels, corpus_vectors, got in (
+            (pseudo.queries, pseudo.qrels, swapped, t.dev),
+            (test, test_qrels, x, t.test),
+        ):
+            index = faiss.IndexFlatIP(transform.dim_out)
+            index.add(transform.transform(corpus_vectors))
+            scores, found = index.search(transform.transform(encoder.encode(split.texts)), 100)
+            expected = evaluate_run(to_run(split.ids, scores, found, stash.ids()), qrels).metrics
+            assert got == pytest.approx(expected, abs=1e-9), t.candidate.label
+    # on this anisotropic data centring, and far more whitening, find the held-out sentence's document more often
+    by = {t.candidate.label: t.dev["nDCG@10"] for t in result.trials}
+    expected = {"mean raw": 0.2140, "mean k=32 g=0": 0.3004, "mean k=32 g=1": 0.6202, "mean k=8 g=0": 0.2015}
+    assert {label: by[label] for label in expected} == pytest.approx(expected, abs=1e-4)  # rank-based: stable
+    assert result.best.candidate == Candidate("mean", 32, 1.0) and result.raw is not None
+    assert result.scorer is not None and result.scorer.dim == 32  # the best full-rank candidate re-scores
+
+
+def test_tune_auto_refuses_a_corpus_too_short_to_split(ir_index) -> None:
+    directory, encoder = ir_index  # "document number 1 about topic 1": one sentence of six words
+    with pytest.raises(ConfigError, match="only 0 documents of 300 are long enough"):
+        tune_auto(directory, encoder=encoder)

@@ -9,7 +9,7 @@ import pytest
 
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.moments import RunningMoments
-from retrieval.whitening import RawTransform, Whitening, l2_normalize, load_transform
+from retrieval.whitening import DEFAULT_GAMMA, RawTransform, TransformSpec, Whitening, l2_normalize, load_transform
 
 N, D = 2000, 16
 
@@ -231,3 +231,31 @@ def test_unknown_files_are_refused(tmp_path, arrays: dict, message: str) -> None
 def test_missing_file_is_refused(tmp_path) -> None:
     with pytest.raises(IndexDirError, match="cannot read"):
         load_transform(tmp_path / "absent.npz")
+
+
+# ----- the defaults: raw without a dim, whitening with DEFAULT_GAMMA below it -------------------------------
+def test_transform_spec_defaults_resolve_against_the_encoder_dimension() -> None:
+    raw = TransformSpec(dim=16, gamma=None, whiten=False)
+    assert TransformSpec().resolve(16) == raw  # no dim: the raw vectors
+    assert TransformSpec(dim=16).resolve(16) == raw  # a "reduction" to d reduces nothing
+    assert TransformSpec(dim=8).resolve(16) == TransformSpec(dim=8, gamma=DEFAULT_GAMMA, whiten=True)
+    assert TransformSpec(gamma=0.5).resolve(16) == TransformSpec(dim=16, gamma=0.5, whiten=True)  # asked for
+    assert TransformSpec(whiten=True).resolve(16) == TransformSpec(dim=16, gamma=DEFAULT_GAMMA, whiten=True)
+    assert TransformSpec(dim=8, gamma=1.0, whiten=False).whitens is False
+    assert (TransformSpec().whitens, TransformSpec(dim=8).whitens, TransformSpec(gamma=0.0).whitens) == (
+        False,
+        None,
+        True,
+    )
+    assert TransformSpec(dim=8).label == f"k=8 g={DEFAULT_GAMMA:g}" and TransformSpec().label == "raw"
+    with pytest.raises(ConfigError, match="raw transform keeps all 16 dimensions"):
+        TransformSpec(dim=8, whiten=False).check(16)
+    TransformSpec(dim=8).check(16)  # whiten None with a dim: fine
+
+
+def test_transform_spec_fit_follows_the_resolved_spec() -> None:
+    x = np.random.default_rng(0).normal(size=(200, 16)) * np.linspace(3, 0.1, 16) + 5
+    moments = RunningMoments.from_array(x)
+    assert isinstance(TransformSpec().fit(moments), RawTransform)
+    reduced = TransformSpec(dim=8).fit(moments)
+    assert isinstance(reduced, Whitening) and (reduced.dim_out, reduced.gamma) == (8, DEFAULT_GAMMA)

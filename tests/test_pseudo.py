@@ -1,0 +1,88 @@
+"""Pseudo-queries from an unlabelled corpus: sentence splitting, one text split into query and positive, and a
+seeded, bounded sample of a corpus."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from retrieval.pseudo import make_pseudo_queries, sentences, split_out
+
+
+def test_sentences_split_at_sentence_ends_only() -> None:
+    text = 'Vitamin D matters. It was measured in 2010! Does it help? yes, e.g. in bones. (A note.) "Quoted."'
+    assert sentences(text) == [
+        "Vitamin D matters.",
+        "It was measured in 2010!",
+        "Does it help? yes, e.g. in bones.",  # a lower-case word does not start a sentence
+        "(A note.)",
+        '"Quoted."',
+    ]
+    assert sentences("  one sentence without an end  ") == ["one sentence without an end"]
+    assert sentences("argparse.ArgumentParser parses. Arguments follow.") == [
+        "argparse.ArgumentParser parses.",  # a dotted name is not a sentence end
+        "Arguments follow.",
+    ]
+
+
+def test_split_out_takes_one_sentence_out_and_keeps_the_rest() -> None:
+    text = "The first sentence is here. A second one follows it. Tiny. The last sentence ends the text."
+    seen = set()
+    for seed in range(20):
+        query, rest, how = split_out(text, np.random.default_rng(seed))  # type: ignore[misc]
+        assert how == "sentence" and query in sentences(text) and query != "Tiny."  # too short to be a query
+        assert rest == " ".join(s for s in sentences(text) if s != query) and query not in rest
+        seen.add(query)
+    assert len(seen) == 3  # every eligible sentence gets its turn
+    assert split_out(text, np.random.default_rng(5)) == split_out(text, np.random.default_rng(5))  # seeded
+
+
+def test_split_out_cuts_a_single_sentence_in_two_or_gives_up() -> None:
+    words = "one two three four five six seven eight nine ten".split()
+    query, rest, how = split_out(" ".join(words), np.random.default_rng(0))  # type: ignore[misc]
+    assert how == "words" and f"{query} {rest}".split() == words
+    assert len(query.split()) >= 4 and len(rest.split()) >= 4
+    assert split_out("only seven words in this short text", np.random.default_rng(0)) is None
+    # two sentences, but without the only long one the rest is too short: the word cut is used instead
+    assert split_out("Short one. This one is much longer.", np.random.default_rng(0)) is None
+    assert split_out("A b. This sentence has some words. C d e f g.", np.random.default_rng(0))[2] == "sentence"  # type: ignore[index]
+
+
+def corpus(n: int) -> list[str]:
+    return [
+        f"Document {i} has a first sentence about topic {i % 5}. It also has a second sentence, number {i}."
+        if i % 3
+        else f"short text {i}"  # every third row is too short to split
+        for i in range(n)
+    ]
+
+
+def test_make_pseudo_queries_samples_a_seeded_bounded_set() -> None:
+    texts = corpus(1000)
+    requested: list[int] = []
+
+    def read(rows: Sequence[int]) -> list[str]:
+        requested.append(len(rows))
+        return [texts[r] for r in rows]
+
+    pseudo = make_pseudo_queries(len(texts), read, lambda r: f"doc{r}", n=30, seed=1)
+    assert len(pseudo) == 30 == len(set(pseudo.rows))
+    assert all(r % 3 for r in pseudo.rows)  # only rows that can be split
+    assert max(requested) == 64 and sum(requested) < len(texts)  # read a batch at a time, never all of it
+    assert pseudo.queries.ids == [f"pq{r}" for r in pseudo.rows]
+    assert pseudo.qrels == {f"pq{r}": {f"doc{r}": 1} for r in pseudo.rows}
+    for row, query, positive in zip(pseudo.rows, pseudo.queries.texts, pseudo.positives, strict=True):
+        assert query in texts[row] and query not in positive
+        assert sorted(f"{query} {positive}".split()) == sorted(texts[row].split())
+    assert set(pseudo.split_by) == {"sentence"}
+    again = make_pseudo_queries(len(texts), read, lambda r: f"doc{r}", n=30, seed=1)
+    assert (again.rows, again.queries, again.positives) == (pseudo.rows, pseudo.queries, pseudo.positives)
+    other = make_pseudo_queries(len(texts), read, lambda r: f"doc{r}", n=30, seed=2)
+    assert other.rows != pseudo.rows
+
+
+def test_make_pseudo_queries_returns_what_a_small_corpus_has() -> None:
+    texts = corpus(12)  # 8 rows can be split
+    pseudo = make_pseudo_queries(len(texts), lambda rows: [texts[r] for r in rows], str, n=300)
+    assert sorted(pseudo.rows) == [r for r in range(12) if r % 3]

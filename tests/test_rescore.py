@@ -1,0 +1,154 @@
+"""Re-scoring by default: recorded in the manifest; on when the index is reduced (k < d) and kept its stash; off
+with ``rescore=0``; never without a stash; a full-rank scorer saved by refit (what ``tune --apply`` chooses),
+used by search and kept by add; manifests written before the record get the same rule."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import FakeEncoder, write_corpus
+
+from retrieval import update
+from retrieval.build import BuildOptions, build_index
+from retrieval.corpus import CorpusSpec
+from retrieval.errors import ConfigError, IndexDirError
+from retrieval.indexdir import MANIFEST, RESCORE, RESCORE_DEPTH, IndexDir, Manifest, RescoreRecord
+from retrieval.moments import RunningMoments
+from retrieval.search import Searcher, SearchParams
+from retrieval.whitening import TransformSpec, Whitening, l2_normalize
+
+RAW16 = TransformSpec(dim=16, gamma=None, whiten=False, pooling="mean")  # the raw scorer, as recorded
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("rescore") / "corpus.parquet")
+
+
+def build(corpus: Path, out: Path, transform: TransformSpec, keep_vectors: bool = True) -> Manifest:
+    return build_index(CorpusSpec(corpus), FakeEncoder(), out, transform, options=BuildOptions(keep_vectors))
+
+
+@pytest.fixture(scope="module")
+def reduced(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """16 -> 4 dims with the stash kept: re-scoring is on by default."""
+    out = tmp_path_factory.mktemp("reduced") / "idx"
+    build(corpus, out, TransformSpec(dim=4))
+    return out
+
+
+def queries(n: int = 8) -> np.ndarray:
+    return FakeEncoder().encode([f"a question about topic {i}" for i in range(n)])
+
+
+def test_the_manifest_records_the_default(corpus: Path, reduced: Path, tmp_path: Path) -> None:
+    manifest = Manifest.load(reduced)
+    assert manifest.rescore == RescoreRecord(RESCORE_DEPTH, RAW16)
+    on_disk = json.loads((reduced / MANIFEST).read_text())["rescore"]
+    assert on_disk == {"depth": RESCORE_DEPTH, "scorer": RAW16.to_dict()}
+    assert not (reduced / RESCORE).exists()  # raw cosine needs no file
+    # off where it cannot pay or cannot run: full dimension (raw or whitened), or no stash to read
+    for name, spec, keep in (
+        ("raw", TransformSpec(), True),
+        ("full-rank", TransformSpec(whiten=True), True),
+        ("no-stash", TransformSpec(dim=4), False),
+    ):
+        assert build(corpus, tmp_path / name, spec, keep).rescore == RescoreRecord(0, RAW16), name
+
+
+def test_search_rescores_by_default_and_rescore_0_turns_it_off(reduced: Path) -> None:
+    searcher = Searcher.load(reduced, encoder=FakeEncoder())
+    raw = queries()
+    assert searcher.rescore_depth(SearchParams()) == RESCORE_DEPTH
+    default = searcher.search_raw(raw, SearchParams(k=5))
+    explicit = searcher.search_raw(raw, SearchParams(k=5, rescore=RESCORE_DEPTH))
+    off = searcher.search_raw(raw, SearchParams(k=5, rescore=0))
+    np.testing.assert_array_equal(default[1], explicit[1])
+    np.testing.assert_array_equal(default[0], explicit[0])
+    plain = searcher.search_transformed(searcher.transform.transform(raw), 5)  # the reduced index alone
+    np.testing.assert_array_equal(off[1], plain[1])
+    assert not np.array_equal(default[1], off[1])  # the 4-dim order is not the 16-dim raw one
+    # the default's hits: the reduced index's top RESCORE_DEPTH, ordered by raw cosine of the stashed vectors
+    _, candidates = searcher.search_raw(raw, SearchParams(k=RESCORE_DEPTH, rescore=0))
+    stash = IndexDir(reduced).stash()
+    for q in range(len(raw)):
+        cosines = l2_normalize(stash.read_rows(candidates[q])) @ l2_normalize(raw[q])
+        assert default[1][q].tolist() == candidates[q][np.argsort(-cosines, kind="stable")[:5]].tolist()
+    # asked for more hits than the default depth: every hit re-scored
+    _, deep = searcher.search_raw(raw[:1], SearchParams(k=80))
+    _, deep_off = searcher.search_raw(raw[:1], SearchParams(k=80, rescore=0))
+    assert sorted(deep[0].tolist()) == sorted(deep_off[0].tolist()) and deep[0].tolist() != deep_off[0].tolist()
+
+
+def test_no_stash_no_rescoring(corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    build(corpus, tmp_path / "idx", TransformSpec(dim=4), keep_vectors=False)
+    searcher = Searcher.load(tmp_path / "idx", encoder=FakeEncoder())
+
+    def no_stash() -> None:
+        raise AssertionError("the stash was read")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(searcher, "stash", no_stash)
+        scores, rows = searcher.search_raw(queries(), SearchParams(k=5))  # the default: nothing to re-score
+    assert rows.shape == (8, 5) and (rows >= 0).all()
+    with pytest.raises(IndexDirError, match="kept no raw-vector stash"):  # asked for explicitly: a clear error
+        searcher.search_raw(queries(), SearchParams(k=5, rescore=10))
+
+
+def test_a_manifest_without_the_record_gets_the_default_rule(reduced: Path, tmp_path: Path) -> None:
+    old = Path(shutil.copytree(reduced, tmp_path / "old"))
+    data = json.loads((old / MANIFEST).read_text())
+    del data["rescore"]  # as written before re-scoring had a default
+    (old / MANIFEST).write_text(json.dumps(data))
+    manifest = Manifest.load(old)
+    assert manifest.rescore is None and manifest.rescoring == RescoreRecord(RESCORE_DEPTH, RAW16)
+    assert Manifest.from_dict(manifest.to_dict()).rescore == RescoreRecord(RESCORE_DEPTH, RAW16)
+    assert Searcher.load(old, encoder=FakeEncoder()).rescore_depth(SearchParams()) == RESCORE_DEPTH
+
+
+def test_a_full_rank_scorer_is_saved_used_and_kept(reduced: Path, tmp_path: Path) -> None:
+    index = Path(shutil.copytree(reduced, tmp_path / "idx"))
+    manifest = update.refit(index, TransformSpec(dim=4, gamma=0.5), scorer=TransformSpec(gamma=1.0, whiten=True))
+    full = TransformSpec(dim=16, gamma=1.0, whiten=True, pooling="mean")
+    assert manifest.rescore == RescoreRecord(RESCORE_DEPTH, full) and RESCORE in manifest.files
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    scorer = searcher.loaded.rescorer
+    assert isinstance(scorer, Whitening) and (scorer.dim_in, scorer.dim_out, scorer.gamma) == (16, 16, 1.0)
+    fresh = Whitening.fit(RunningMoments.load(index / "moments.npz"), dim=16, gamma=1.0)
+    np.testing.assert_array_equal(scorer.kernel, fresh.kernel)  # saved bit for bit, not refitted at load
+    raw = queries()
+    _, candidates = searcher.search_raw(raw, SearchParams(k=RESCORE_DEPTH, rescore=0))
+    scores, rows = searcher.search_raw(raw, SearchParams(k=5))
+    stash = IndexDir(index).stash()
+    for q in range(len(raw)):
+        cosines = fresh.transform(stash.read_rows(candidates[q])) @ fresh.transform(raw[q])[0]
+        best = np.argsort(-cosines, kind="stable")[:5]
+        assert rows[q].tolist() == candidates[q][best].tolist()
+        np.testing.assert_allclose(scores[q], cosines[best], atol=1e-5)  # float32 products in another order
+
+    # add keeps the scorer (linked, as the kernel is); a refit without one keeps it; a full-dimension refit
+    # turns re-scoring off
+    before = (index / RESCORE).read_bytes()
+    more = tmp_path / "more.parquet"
+    pq.write_table(pa.table({"id": ["new1", "new2"], "text": ["one more document", "and another"]}), more)
+    update.add(index, CorpusSpec(more), FakeEncoder())
+    assert (index / RESCORE).read_bytes() == before and Manifest.load(index).rescore == manifest.rescore
+    assert update.refit(index, TransformSpec(dim=6)).rescore == RescoreRecord(RESCORE_DEPTH, full)
+    assert update.refit(index, TransformSpec.raw()).rescore == RescoreRecord(0, full)
+    with pytest.raises(ConfigError, match="must keep all 16 dimensions"):
+        update.refit(index, TransformSpec(dim=4), scorer=TransformSpec(dim=8, whiten=True))
+
+
+def test_refit_back_to_raw_scoring_removes_the_file(reduced: Path, tmp_path: Path) -> None:
+    index = Path(shutil.copytree(reduced, tmp_path / "idx"))
+    update.refit(index, TransformSpec(dim=4), scorer=TransformSpec(whiten=True))
+    assert (index / RESCORE).is_file()
+    manifest = update.refit(index, TransformSpec(dim=4), scorer=TransformSpec.raw())
+    assert manifest.rescore == RescoreRecord(RESCORE_DEPTH, RAW16) and not (index / RESCORE).exists()
+    Searcher.load(index, encoder=FakeEncoder()).search_raw(queries(2), SearchParams(k=3))
