@@ -2,9 +2,10 @@
 
 A sampled document gives up one of its sentences: that sentence is the query, and the document without it (to be
 re-encoded, so the query's own words are not in the vector it must find) is the one relevant document (the
-inverse cloze task of Lee et al. 2019). A document of a single sentence is cut in two at a word boundary
-instead: the first part is the query, the rest the positive. Everything is seeded: the same corpus and seed give
-the same task.
+inverse cloze task of Lee et al. 2019). Documents whose rest keeps at least MIN_REST words come first; only when
+there are too few of them are shorter ones cut in two at a word boundary (the first part the query, the rest
+the positive), as a corpus of single sentences must be. Everything is seeded: the same corpus and seed give the
+same task.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from retrieval.evaluate import Queries
 from retrieval.metrics import Qrels
 
 MIN_WORDS = 4  # a query of fewer words says too little to find anything
+MIN_REST = 10  # a positive of fewer words has too little context left to be findable: a last resort
 SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][)\]\"']))\s+(?=[\"'(\[A-Z0-9])")
 
 
@@ -44,15 +46,14 @@ class PseudoQueries:
 
 
 def split_out(text: str, rng: np.random.Generator, min_words: int = MIN_WORDS) -> tuple[str, str, str] | None:
-    """(query, rest, how) for one text, or None when it is too short to give both a query and a positive."""
+    """(query, rest, how) for one text, or None when it is too short to give both a query and a positive. ``how``
+    is "sentence" when a sentence came out and left at least MIN_REST words, else "words" (a cut in two)."""
     parts = sentences(text)
-    if len(parts) >= 2:
-        eligible = [i for i, s in enumerate(parts) if len(s.split()) >= min_words]
-        if eligible:
-            i = int(rng.choice(eligible))
-            rest = " ".join(parts[:i] + parts[i + 1 :])
-            if len(rest.split()) >= min_words:
-                return parts[i], rest, "sentence"
+    total = len(text.split())
+    eligible = [i for i, s in enumerate(parts) if min_words <= len(s.split()) <= total - MIN_REST]
+    if len(parts) >= 2 and eligible:
+        i = int(rng.choice(eligible))
+        return parts[i], " ".join(parts[:i] + parts[i + 1 :]), "sentence"
     words = text.split()
     if len(words) >= 2 * min_words:
         cut = int(rng.integers(min_words, len(words) - min_words + 1))
@@ -70,29 +71,29 @@ def make_pseudo_queries(
 ) -> PseudoQueries:
     """Up to ``n`` pseudo-queries from a corpus of ``n_docs`` rows, read through ``texts(rows)`` and ``ids(row)``.
 
-    Rows are visited in a seeded random order, a batch at a time, so a large corpus is never read whole; rows too
-    short to split are passed over."""
+    Rows are visited in a seeded random order, a batch at a time, until ``n`` documents gave a sentence (so a
+    large corpus is never read whole); cuts in two fill up what is missing; rows too short to split are passed
+    over."""
     rng = np.random.default_rng(seed)
     order = rng.permutation(n_docs)
-    rows: list[int] = []
-    queries: list[str] = []
-    positives: list[str] = []
-    how: list[str] = []
+    found: list[tuple[int, tuple[str, str, str]]] = []
+    cuts: list[tuple[int, tuple[str, str, str]]] = []
     batch = max(2 * n, 64)
     for start in range(0, n_docs, batch):
         chunk = [int(r) for r in order[start : start + batch]]
         for row, text in zip(chunk, texts(chunk), strict=True):
             split = split_out(text, rng, min_words)
-            if split is None:
-                continue
-            rows.append(row)
-            queries.append(split[0])
-            positives.append(split[1])
-            how.append(split[2])
-            if len(rows) == n:
+            if split is not None and split[2] == "sentence":
+                found.append((row, split))
+            elif split is not None and len(cuts) < n:
+                cuts.append((row, split))
+            if len(found) == n:
                 break
-        if len(rows) == n:
+        if len(found) == n:
             break
+    chosen = found + cuts[: n - len(found)]
+    rows = [row for row, _ in chosen]
+    queries, positives, how = ([split[i] for _, split in chosen] for i in range(3))
     query_ids = [f"pq{row}" for row in rows]
     qrels = {q: {ids(row): 1} for q, row in zip(query_ids, rows, strict=True)}
     return PseudoQueries(Queries(query_ids, queries), qrels, rows, positives, how)

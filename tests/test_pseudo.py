@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from retrieval.pseudo import make_pseudo_queries, sentences, split_out
+from retrieval.pseudo import MIN_REST, make_pseudo_queries, sentences, split_out
 
 
 def test_sentences_split_at_sentence_ends_only() -> None:
@@ -33,6 +33,7 @@ def test_split_out_takes_one_sentence_out_and_keeps_the_rest() -> None:
         query, rest, how = split_out(text, np.random.default_rng(seed))  # type: ignore[misc]
         assert how == "sentence" and query in sentences(text) and query != "Tiny."  # too short to be a query
         assert rest == " ".join(s for s in sentences(text) if s != query) and query not in rest
+        assert len(rest.split()) >= MIN_REST
         seen.add(query)
     assert len(seen) == 3  # every eligible sentence gets its turn
     assert split_out(text, np.random.default_rng(5)) == split_out(text, np.random.default_rng(5))  # seeded
@@ -44,14 +45,15 @@ def test_split_out_cuts_a_single_sentence_in_two_or_gives_up() -> None:
     assert how == "words" and f"{query} {rest}".split() == words
     assert len(query.split()) >= 4 and len(rest.split()) >= 4
     assert split_out("only seven words in this short text", np.random.default_rng(0)) is None
-    # two sentences, but without the only long one the rest is too short: the word cut is used instead
-    assert split_out("Short one. This one is much longer.", np.random.default_rng(0)) is None
-    assert split_out("A b. This sentence has some words. C d e f g.", np.random.default_rng(0))[2] == "sentence"  # type: ignore[index]
+    assert split_out("Short one. This one is much longer.", np.random.default_rng(0)) is None  # 7 words
+    # three sentences, but taking one out would leave fewer than MIN_REST words: cut in two instead
+    query, rest, how = split_out("A b. This sentence has some words. C d e f g.", np.random.default_rng(0))  # type: ignore[misc]
+    assert how == "words" and len(f"{query} {rest}".split()) == 12
 
 
 def corpus(n: int) -> list[str]:
     return [
-        f"Document {i} has a first sentence about topic {i % 5}. It also has a second sentence, number {i}."
+        f"Document {i} has a first sentence about topic {i % 5} and more. It also has a second sentence, number {i}."
         if i % 3
         else f"short text {i}"  # every third row is too short to split
         for i in range(n)
@@ -86,3 +88,13 @@ def test_make_pseudo_queries_returns_what_a_small_corpus_has() -> None:
     texts = corpus(12)  # 8 rows can be split
     pseudo = make_pseudo_queries(len(texts), lambda rows: [texts[r] for r in rows], str, n=300)
     assert sorted(pseudo.rows) == [r for r in range(12) if r % 3]
+
+
+def test_sentences_come_first_and_cuts_in_two_fill_up() -> None:
+    one = "a single sentence of exactly nine words in it"  # can only be cut in two
+    texts = [one] * 50 + corpus(12)  # 8 documents of two sentences, after 50 that can only be cut
+    read = lambda rows: [texts[r] for r in rows]  # noqa: E731
+    few = make_pseudo_queries(len(texts), read, str, n=5, seed=0)
+    assert few.split_by == ["sentence"] * 5 and all(r >= 50 for r in few.rows)
+    more = make_pseudo_queries(len(texts), read, str, n=20, seed=0)
+    assert more.split_by == ["sentence"] * 8 + ["words"] * 12 and len(set(more.rows)) == 20
