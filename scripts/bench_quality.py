@@ -1,12 +1,26 @@
-"""Quality of the transform, per encoder: raw vs PCA (gamma 0) vs full whitening (gamma 1) vs the tuned choice vs
-FAISS's own PCAW{k},L2norm,Flat, on SciFact (nDCG@10, Recall@100) and STS-B / STS12-16 (Spearman x100).
+"""Quality on every shared set, per model: raw, the defaults, tuned with labels, tuned without labels.
 
-Choices are made on dev splits only (SciFact train queries; STS-B dev) and reported on test. The corpus is
-encoded once per model (all three poolings in one pass) into an index directory's stash; every transform is
-then fitted from those vectors. Writes results/quality/quality.json and quality.md.
+Sets: SciFact test (nDCG@10; Recall@100 in the JSON), STS-B test, STS12-16 (Spearman x100, "all"; "wmean" in the
+JSON). Columns:
+
+* raw: mean pooling, L2-normalised, no transform;
+* default: what ``retrieval index`` builds with no option;
+* --dim d/3: the default transform at a third of the dimensions (``DEFAULT_GAMMA``); for SciFact also with the
+  default re-scoring (the top ``RESCORE_DEPTH`` by raw cosine from the stash);
+* tuned with labels: the ``tune`` grid (3 poolings x dims x gammas, raw included) chosen on SciFact train qrels,
+  as ``--apply`` would leave the index (re-scored by the chosen full-dimension scorer when reduced); STS-B: chosen
+  on STS-B dev; STS12-16 have no dev split: the STS-B dev choice, fitted on each year's sentences;
+* tuned without labels: the same grid chosen on pseudo-queries (``tune --auto``: AUTO_QUERIES sentences taken out
+  of sampled documents, seed 0, as applied); STS: pseudo-queries made from the task's own sentences (no gold
+  score).
+
+Also: the label-free choice over many draws of pseudo-queries (how often it lands within 0.5% of the labelled
+choice on SciFact test), SciFact by k for PCA / full whitening / the default gamma, and FAISS's PCAW against ours.
+Every choice is made on dev or pseudo data, never on test. Data is encoded once per model and cached
+(scripts/basket.py). Writes results/quality/quality.json and quality.md.
 
     python scripts/bench_quality.py                       # both models (mpnet: scripts/install_mpnet.sh)
-    python scripts/bench_quality.py --models all-MiniLM-L6-v2 --quick
+    python scripts/bench_quality.py --models all-MiniLM-L6-v2
 """
 
 from __future__ import annotations
@@ -15,6 +29,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -22,369 +37,326 @@ import faiss
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import basket  # noqa: E402
 import benchlib  # noqa: E402
 
-from retrieval.build import BuildOptions, build_index
-from retrieval.corpus import CorpusSpec
-from retrieval.encoder import POOLINGS, TransformerEncoder, resolve_model
-from retrieval.evaluate import read_pairs, read_qrels, read_queries, to_run
-from retrieval.indexdir import IndexDir
-from retrieval.metrics import evaluate_run
+from retrieval.encoder import POOLINGS, resolve_model
+from retrieval.indexdir import RESCORE_DEPTH
 from retrieval.moments import RunningMoments
-from retrieval.tune import tune_ir, tune_sts
-from retrieval.whitening import TransformSpec, l2_normalize
+from retrieval.tune import AUTO_QUERIES, DEFAULT_GAMMAS, Trial, TuneResult, candidates, choose, default_dims
+from retrieval.whitening import DEFAULT_GAMMA, TransformSpec, Whitening, l2_normalize
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-GAMMAS = (0.0, 0.25, 0.5, 0.75, 1.0)
-STS_FILES = ("sts12", "sts13", "sts14", "sts15", "sts16")
+DRAWS = 40  # random draws of pseudo-queries from the pool, per size
+POOL = 2000  # pseudo-queries encoded once per model for the draws
+DRAW_SIZES = (300, 1000)  # a few hundred, and AUTO_QUERIES
+TARGET = 0.995  # label-free within 0.5% of the labelled choice
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="all-MiniLM-L6-v2,all-mpnet-base-v2")
-    ap.add_argument("--work", type=Path, default=ROOT / "indexes" / "bench", help="index dirs + vector caches")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "quality")
-    ap.add_argument("--quick", action="store_true", help="SciFact only, first 1000 docs; no STS12-16")
+    ap.add_argument("--models", default=",".join(basket.MODELS))
+    ap.add_argument("--out", type=Path, default=benchlib.RESULTS / "quality")
+    ap.add_argument("--pool", type=int, default=POOL, help="pseudo-queries for the draws (0: skip the draws)")
     args = ap.parse_args()
-    if not DATA.is_dir():
-        sys.exit(f"evaluation data not found at {DATA}")
-    report: dict[str, Any] = {"machine": benchlib.machine(torch_too=True), "models": {}}
+    report: dict[str, Any] = {"machine": benchlib.machine(torch_too=True), "command": benchlib.command_line()}
+    report["defaults"] = {"gamma": DEFAULT_GAMMA, "rescore_depth": RESCORE_DEPTH, "auto_queries": AUTO_QUERIES}
+    report["models"] = {}
     for model in args.models.split(","):
         if resolve_model(model) is None:
             print(f"skipping {model}: not installed (see DEVELOPERS.md)", file=sys.stderr)
             continue
         start = time.perf_counter()
-        report["models"][model] = {
-            "scifact": scifact(model, args.work, args.quick),
-            "sts": {} if args.quick else sts(model, args.work),
-            "seconds": round(time.perf_counter() - start, 1),
-        }
+        report["models"][model] = {"scifact": scifact(model, args.pool), "sts": sts(model)}
+        report["models"][model]["seconds"] = round(time.perf_counter() - start, 1)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quality.json").write_text(json.dumps(report, indent=1))
+    (args.out / "quality.json").write_text(json.dumps(basket.jsonable(report), indent=1))
     (args.out / "quality.md").write_text(markdown(report))
     print(markdown(report))
 
 
-def Candidate(pooling: str, dim: int, gamma: float | None) -> TransformSpec:  # noqa: N802 - reads like the type
-    """A tuning candidate: the raw baseline when ``gamma`` is None."""
-    if gamma is None:
-        return TransformSpec(dim=dim, whiten=False, pooling=pooling)
-    return TransformSpec(dim=dim, gamma=gamma, pooling=pooling)
+def grid(d: int) -> list[TransformSpec]:
+    """What ``retrieval tune`` sweeps by default: every pooling, raw and k x gamma."""
+    return candidates(POOLINGS, default_dims(d), DEFAULT_GAMMAS, d)
 
 
-def _gamma(spec: TransformSpec) -> float | None:
-    return spec.gamma if spec.whiten else None
+def applied(task: basket.IrTask, result: TuneResult, dev: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The choice as ``tune --apply`` leaves the index: re-scored by its scorer at the default depth when reduced."""
+    best = result.best.candidate
+    d = task.dim
+    depth = RESCORE_DEPTH if result.best.dim < d else 0
+    scorer = result.scorer.candidate if result.scorer else None
+    metrics = task.evaluate(best, (depth,), scorer)[depth]
+    return {
+        "choice": best.label,
+        "scorer": scorer.label if scorer and depth else None,
+        "rescore": depth,
+        "dev": dev[best.label],
+        "nDCG@10": metrics["nDCG@10"],
+        "Recall@100": metrics["Recall@100"],
+        "nDCG@10 unrescored": task.evaluate(best)[0]["nDCG@10"],
+    }
 
 
 # ----- SciFact ----------------------------------------------------------------------------------------------
-def scifact(model: str, work: Path, quick: bool) -> dict[str, Any]:
-    corpus = DATA / "scifact" / "corpus.parquet"
-    name = f"scifact-{model.lower()}" + ("-quick" if quick else "")
-    directory = work / name
-    if not (directory / "manifest.json").is_file():
-        if quick:
-            import pyarrow.parquet as pq
-
-            corpus_slice = work / "scifact-1000.parquet"
-            work.mkdir(parents=True, exist_ok=True)
-            pq.write_table(pq.read_table(corpus).slice(0, 1000), corpus_slice)
-            corpus = corpus_slice
-        encoder = TransformerEncoder(model, "mean")
-        print(f"encoding SciFact with {model} (3 poolings, one pass)...", file=sys.stderr)
-        build_index(
-            CorpusSpec(corpus, id_column="doc_id", title_column="title"),
-            encoder,
-            directory,
-            TransformSpec(),
-            options=BuildOptions(extra_poolings=("cls", "first-last-avg"), overwrite=True),
-        )
-    stash = IndexDir(directory).stash()
-    ids = stash.ids()
-    encoder = TransformerEncoder(model, "mean")
-    dev = (
-        read_queries(DATA / "scifact" / "queries-train.parquet"),
-        read_qrels(DATA / "scifact" / "qrels-train.parquet"),
-    )
-    test = (
-        read_queries(DATA / "scifact" / "queries-test.parquet"),
-        read_qrels(DATA / "scifact" / "qrels-test.parquet"),
-    )
-    queries = {
-        "dev": encoder.encode_poolings(dev[0].texts, POOLINGS),
-        "test": encoder.encode_poolings(test[0].texts, POOLINGS),
-    }
-    split_of = {id(dev[0]): "dev", id(test[0]): "test"}
-
-    def vectors(pooling: str, q: Any) -> np.ndarray:
-        return queries[split_of[id(q)]][pooling]
-
-    d = stash.dim
-    dims = [k for k in (d, 256, 128, 64) if k <= d]
-    third = d // 3
-    grid = [Candidate(p, d, None) for p in POOLINGS]
-    grid += [Candidate(p, k, g) for p in POOLINGS for k in sorted(set(dims + [third]), reverse=True) for g in GAMMAS]
-    sweep = tune_ir(stash, ids, vectors, dev, test, grid, "nDCG@10")
-    by = {(t.candidate.pooling, t.candidate.dim, _gamma(t.candidate)): t for t in sweep.trials}
-    rows = []
-    for pooling in POOLINGS:
-        raw = by[(pooling, d, None)]
-        rows.append(_ir_row(pooling, "raw", d, None, raw.test, raw.test))
-        for k in sorted(set(dims + [third]), reverse=True):
-            for label, gamma in (("PCA (gamma 0)", 0.0), ("whitening (gamma 1)", 1.0)):
-                rows.append(_ir_row(pooling, label, k, gamma, by[(pooling, k, gamma)].test, raw.test))
-            tuned = max((by[(pooling, k, g)] for g in GAMMAS), key=lambda t: t.dev["nDCG@10"])
-            rows.append(_ir_row(pooling, "tuned gamma (dev)", k, tuned.candidate.gamma, tuned.test, raw.test))
-            if pooling == "mean":
-                metrics, finite = _faiss_pcaw(stash, ids, queries["test"]["mean"], test, k, pooling)
-                label = "FAISS PCAW,L2norm" + ("" if finite else " (NaN vectors: a zero eigenvalue, no epsilon)")
-                rows.append(_ir_row(pooling, label, k, 1.0, metrics, raw.test))
-    best = sweep.best
-    raw_mean = by[("mean", d, None)]
-    third_choice = max((by[("mean", third, g)] for g in GAMMAS), key=lambda t: t.dev["nDCG@10"])
-    result = {
-        "docs": len(stash),
+def scifact(model: str, pool: int) -> dict[str, Any]:
+    train, test = basket.scifact_task(model, "train"), basket.scifact_task(model, "test")
+    d = test.dim
+    specs = grid(d)
+    print(f"{model}: SciFact, {len(specs)} candidates...", file=sys.stderr)
+    on_test = {s.label: test.evaluate(s)[0] for s in specs}
+    on_train = {s.label: train.evaluate(s)[0]["nDCG@10"] for s in specs}
+    labelled = choose([Trial(s, dev={"nDCG@10": on_train[s.label]}) for s in specs], "nDCG@10")
+    pseudo = basket.pseudo_task("scifact", model, AUTO_QUERIES, 0)  # the pseudo-queries `tune --auto` makes
+    on_pseudo = {s.label: pseudo.evaluate(s)[0]["nDCG@10"] for s in specs}
+    auto = choose([Trial(s, dev={"nDCG@10": on_pseudo[s.label]}) for s in specs], "nDCG@10")
+    raw = on_test["mean raw"]
+    third = TransformSpec(dim=d // 3, pooling="mean")
+    third_metrics = test.evaluate(third, (0, RESCORE_DEPTH))
+    out: dict[str, Any] = {
+        "docs": len(test.doc_ids),
         "d": d,
-        "rows": rows,
-        "best_on_dev": best.to_dict(),
-        "agreement_gamma1_vs_faiss": _faiss_agreement(stash, queries["test"]["mean"], min(256, d)),
-        "target_third": {
-            "k": third,
-            "gamma": third_choice.candidate.gamma,
-            "test_nDCG@10": third_choice.test["nDCG@10"],
-            "raw_test_nDCG@10": raw_mean.test["nDCG@10"],
-            "ratio": third_choice.test["nDCG@10"] / raw_mean.test["nDCG@10"],
-            "rescore": _rescore(stash, ids, queries["test"]["mean"], test, third, third_choice.candidate.gamma),
+        "raw": raw,
+        "default": test.evaluate(TransformSpec(pooling="mean"))[0],
+        "third": {"k": d // 3, "gamma": DEFAULT_GAMMA, **third_metrics[0]},
+        "third_rescored": {"k": d // 3, "depth": RESCORE_DEPTH, **third_metrics[RESCORE_DEPTH]},
+        "labelled": applied(test, labelled, {k: {"train": v} for k, v in on_train.items()}),
+        "auto": applied(test, auto, {k: {"pseudo": v} for k, v in on_pseudo.items()}),
+        "by_k": by_k(test, d),
+        "faiss_agreement": faiss_agreement(test, min(256, d)),
+        "sweep": {
+            s.label: {"train": on_train[s.label], "pseudo": on_pseudo[s.label], "test": on_test[s.label]} for s in specs
         },
     }
-    return result
+    out["auto_vs_labelled"] = out["auto"]["nDCG@10 unrescored"] / out["labelled"]["nDCG@10 unrescored"]
+    if pool:
+        out["draws"] = draws(model, specs, on_train, on_test, labelled, pool)
+    return out
 
 
-def _ir_row(pooling: str, method: str, k: int, gamma: float | None, test: dict, raw: dict) -> dict[str, Any]:
-    return {
-        "pooling": pooling,
-        "method": method,
-        "k": k,
-        "gamma": gamma,
-        "nDCG@10": test["nDCG@10"],
-        "Recall@100": test["Recall@100"],
-        "vs_raw": test["nDCG@10"] / raw["nDCG@10"],
-    }
+def draws(
+    model: str,
+    specs: list[TransformSpec],
+    on_train: dict[str, float],
+    on_test: dict[str, dict[str, float]],
+    labelled: TuneResult,
+    pool: int,
+) -> dict[str, Any]:
+    """The label-free choice made on many random draws of pseudo-queries from one encoded pool: how often does it
+    land within 0.5% of the labelled choice (on train, the dev side, and on test)?"""
+    task = basket.pseudo_task("scifact", model, pool, 7)
+    print(f"{model}: {len(task.queries)} pseudo-queries for the draws...", file=sys.stderr)
+    per_query = np.stack([task.per_query(s) for s in specs])  # candidates x queries
+    rng = np.random.default_rng(0)
+    label = labelled.best.candidate.label
+    out: dict[str, Any] = {"pool": len(task.queries), "draws": DRAWS, "labelled_choice": label, "sizes": {}}
+    for rule in ("best", "one-SE gentlest"):
+        out["sizes"][rule] = {}
+        for size in DRAW_SIZES:
+            choices = []
+            for _ in range(DRAWS):
+                rows = rng.choice(per_query.shape[1], size=min(size, per_query.shape[1]), replace=False)
+                sample = per_query[:, rows]
+                scores = sample.mean(axis=1)
+                trials = [Trial(s, dev={"nDCG@10": float(v)}) for s, v in zip(specs, scores, strict=True)]
+                best = choose(trials, "nDCG@10").best.candidate
+                if rule != "best":
+                    best = one_se_gentlest(specs, sample, specs.index(best))
+                choices.append(best.label)
+            test_ratio = np.array([on_test[c]["nDCG@10"] / on_test[label]["nDCG@10"] for c in choices])
+            train_ratio = np.array([on_train[c] / on_train[label] for c in choices])
+            out["sizes"][rule][size] = {
+                "choices": dict(Counter(choices).most_common()),
+                "test_ratio_median": float(np.median(test_ratio)),
+                "test_ratio_min": float(test_ratio.min()),
+                "test_within_target": float((test_ratio >= TARGET).mean()),
+                "train_ratio_median": float(np.median(train_ratio)),
+                "train_within_target": float((train_ratio >= TARGET).mean()),
+            }
+    return out
 
 
-def _all(stash: Any, pooling: str = "mean") -> np.ndarray:
-    return np.concatenate(list(stash.iter_blocks(pooling=pooling)))
+def one_se_gentlest(specs: list[TransformSpec], per_query: np.ndarray, best: int) -> TransformSpec:
+    """The one-standard-error rule (Breiman et al. 1984): of the best's pooling, the gentlest candidate (raw, then
+    more dimensions, then a smaller gamma) whose paired mean loss to the best is within one standard error."""
+    n = per_query.shape[1]
+    diff = per_query[best][None, :] - per_query
+    within = diff.mean(axis=1) <= diff.std(axis=1, ddof=1) / np.sqrt(n) + 1e-12
+    pooling = specs[best].pooling
+    eligible = [s for s, ok in zip(specs, within, strict=True) if ok and s.pooling == pooling]
+    return min(eligible, key=lambda s: (bool(s.whiten), -(s.dim or 0), s.gamma or 0.0))
 
 
-def _faiss_pcaw(stash: Any, ids: list[str], q: np.ndarray, test: tuple, k: int, pooling: str) -> tuple[dict, bool]:
-    """FAISS's library baseline: PCAMatrix with eigen_power -0.5 (whitening), L2 norm, exact inner product.
-    Returns the metrics and whether the transformed vectors were all finite."""
-    index = faiss.index_factory(stash.dim, f"PCAW{k},L2norm,Flat", faiss.METRIC_INNER_PRODUCT)
-    docs = _all(stash, pooling)
-    index.train(docs)
-    index.add(docs)
-    pca = faiss.downcast_VectorTransform(faiss.downcast_index(index).chain.at(0))
-    finite = bool(np.isfinite(pca.apply(docs)).all())
-    scores, rows = index.search(np.ascontiguousarray(q), 100)
-    return evaluate_run(to_run(test[0].ids, scores, rows, ids), test[1]).metrics, finite
+def by_k(test: basket.IrTask, d: int) -> list[dict[str, Any]]:
+    """SciFact test by k, mean pooling: PCA (gamma 0), full whitening (gamma 1), the default gamma, re-scored."""
+    raw = test.evaluate(TransformSpec.raw("mean"))[0]
+    rows = [{"k": d, "method": "raw", **raw}]
+    for k in sorted({d, 256, 128, 64, d // 3} - {x for x in (256,) if x > d}, reverse=True):
+        for method, gamma in (("PCA (gamma 0)", 0.0), ("whitening (gamma 1)", 1.0), ("default gamma", DEFAULT_GAMMA)):
+            m = test.evaluate(TransformSpec(dim=k, gamma=gamma, whiten=True, pooling="mean"), (0, RESCORE_DEPTH))
+            rows.append({"k": k, "method": method, "gamma": gamma, **m[0], "rescored": m[RESCORE_DEPTH]["nDCG@10"]})
+    for row in rows:
+        row["vs_raw"] = row["nDCG@10"] / raw["nDCG@10"]
+    return rows
 
 
-def _faiss_agreement(stash: Any, q: np.ndarray, k: int) -> dict[str, float]:
-    """How far FAISS's float32 PCAW is from our float64 gamma = 1 fit (epsilon 0): query-doc cosines compared."""
-    from retrieval.whitening import Whitening
-
-    docs = _all(stash)
-    pca = faiss.PCAMatrix(stash.dim, k, -0.5, False)
-    pca.max_points_per_d = max(1000, docs.shape[0] // stash.dim + 1)
+def faiss_agreement(test: basket.IrTask, k: int) -> dict[str, Any]:
+    """FAISS's PCAW{k} (eigen power -0.5, float32) against our gamma = 1 fit (float64, epsilon 0): query-doc cosines,
+    top-10 overlap; and whether FAISS's PCAW at k = d gives finite vectors (it has no epsilon)."""
+    docs, q = test.docs["mean"], test.query_vectors["mean"]
+    pca = faiss.PCAMatrix(docs.shape[1], k, -0.5, False)
+    pca.max_points_per_d = max(1000, docs.shape[0] // docs.shape[1] + 1)
     pca.train(docs)
     ours = Whitening.fit(RunningMoments.from_array(docs), dim=k, gamma=1.0, epsilon=0.0)
     s_faiss = l2_normalize(pca.apply(q)) @ l2_normalize(pca.apply(docs)).T
     s_ours = ours.transform(q) @ ours.transform(docs).T
     top_f = np.argsort(-s_faiss, axis=1)[:, :10]
     top_o = np.argsort(-s_ours, axis=1)[:, :10]
-    overlap = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(top_f, top_o, strict=True)])
+    full = faiss.PCAMatrix(docs.shape[1], docs.shape[1], -0.5, False)
+    full.train(docs)
     return {
         "k": k,
         "max_abs_cosine_diff": float(np.abs(s_faiss - s_ours).max()),
-        "mean_abs_cosine_diff": float(np.abs(s_faiss - s_ours).mean()),
-        "top10_overlap": float(overlap),
+        "top10_overlap": float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(top_f, top_o, strict=True)])),
+        "faiss_full_rank_finite": bool(np.isfinite(full.apply(docs)).all()),
     }
 
 
-def _rescore(stash: Any, ids: list[str], q: np.ndarray, test: tuple, k: int, gamma: float | None) -> list[dict]:
-    """Re-rank the reduced index's top N with the full raw vectors: quality and added milliseconds per query."""
-    from retrieval.whitening import Whitening
-
-    docs_raw = _all(stash)
-    w = Whitening.fit(RunningMoments.from_array(docs_raw), dim=k, gamma=gamma or 0.0)
-    index = faiss.IndexFlatIP(k)
-    index.add(w.transform(docs_raw))
-    full = l2_normalize(docs_raw)
-    qn = l2_normalize(q)
-    out = []
-    for n in (0, 20, 50, 100, 200):
-        scores, rows = index.search(w.transform(q), max(n, 100))
-        start = time.perf_counter()
-        if n:
-            for i in range(len(q)):
-                cand = rows[i, :n]
-                s = full[cand] @ qn[i]
-                order = np.argsort(-s)
-                scores[i, :n], rows[i, :n] = s[order], cand[order]
-        ms = (time.perf_counter() - start) * 1000 / len(q)
-        metrics = evaluate_run(to_run(test[0].ids, scores, rows, ids), test[1]).metrics
-        out.append(
-            {
-                "rescore": n,
-                "nDCG@10": metrics["nDCG@10"],
-                "Recall@100": metrics["Recall@100"],
-                "rescore_ms_per_query": ms,
-            }
-        )
-    return out
-
-
 # ----- STS --------------------------------------------------------------------------------------------------
-def sts(model: str, work: Path) -> dict[str, Any]:
-    stsb = {s: read_pairs(DATA / "sts" / f"stsb-{s}.parquet") for s in ("train", "dev", "test")}
-    years = {n: read_pairs(DATA / "sts" / f"{n}.parquet") for n in STS_FILES}
-    sentences = list(dict.fromkeys(s for p in [*stsb.values(), *years.values()] for s in p.sentences()))
-    vectors = _sts_vectors(model, sentences, work)
-    d = next(iter(vectors["mean"].values())).shape[0]
-    dims = sorted({k for k in (d, 256, 128, 64, d // 3) if k <= d}, reverse=True)
-    grid = [Candidate(p, d, None) for p in POOLINGS] + [
-        Candidate(p, k, g) for p in POOLINGS for k in dims for g in GAMMAS
-    ]
-    target_b = list(dict.fromkeys(s for p in stsb.values() for s in p.sentences()))
-    sweep_b = tune_sts(vectors, target_b, stsb["dev"], stsb["test"], grid, "all")
-    out: dict[str, Any] = {"fit": "target: all sentences of the task (STS-B: train+dev+test; STSnn: that year)"}
-    out["stsb"] = [t.to_dict() for t in sweep_b.trials]
-    out["stsb_best_on_dev"] = sweep_b.best.to_dict()
-    per_pooling_choice = {}
-    for pooling in POOLINGS:
-        mine = [t for t in sweep_b.trials if t.candidate.pooling == pooling and t.candidate.whiten]
-        per_pooling_choice[pooling] = max(mine, key=lambda t: t.dev["all"]).candidate
-    out["stsb_choice_per_pooling"] = {p: c.label for p, c in per_pooling_choice.items()}
-    targets = {}
-    for pooling in POOLINGS:
-        raw = next(t for t in sweep_b.trials if t.candidate == Candidate(pooling, d, None))
-        third = [t for t in sweep_b.trials if t.candidate.pooling == pooling and t.candidate.dim == d // 3]
-        chosen = max((t for t in third if t.candidate.whiten), key=lambda t: t.dev["all"])
-        best = next(t for t in sweep_b.trials if t.candidate == per_pooling_choice[pooling])
-        targets[pooling] = {
-            "raw_test": raw.test["all"],
-            "third": {"k": d // 3, "gamma": _gamma(chosen.candidate), "test": chosen.test["all"]},
-            "dev_choice": {"label": best.candidate.label, "test": best.test["all"]},
+def sts(model: str) -> dict[str, Any]:
+    dev_task, *_ = basket.sts_tasks(model, "dev")
+    test_tasks = basket.sts_tasks(model, "test")  # STS-B test (fit on all STS-B sentences), then STS12-16
+    d = test_tasks[0].dim
+    specs = grid(d)
+    print(f"{model}: STS, {len(specs)} candidates...", file=sys.stderr)
+    on_dev = {s.label: dev_task.evaluate(s)["all"] for s in specs}
+    labelled = choose([Trial(s, dev={"all": on_dev[s.label]}) for s in specs], "all").best.candidate
+    out: dict[str, Any] = {"labelled_choice": labelled.label, "sets": {}}
+    for task in test_tasks:
+        pseudo = basket.sts_pseudo_task(task, AUTO_QUERIES, 0)
+        on_pseudo = {s.label: pseudo.evaluate(s)[0]["nDCG@10"] for s in specs}
+        auto = choose([Trial(s, dev={"nDCG@10": on_pseudo[s.label]}) for s in specs], "nDCG@10").best.candidate
+        scores = {
+            "raw": task.evaluate(TransformSpec.raw("mean")),
+            "default": task.evaluate(TransformSpec(pooling="mean")),
+            "third": task.evaluate(TransformSpec(dim=d // 3, pooling="mean")),
+            "labelled": task.evaluate(labelled),
+            "auto": task.evaluate(auto),
         }
-    out["stsb_targets"] = targets
-    # STS12-16: no dev split; apply fixed settings and the STS-B dev choice, fitted on each year's sentences.
-    years_out = {}
-    for name, pairs in years.items():
-        fixed = [Candidate(p, d, None) for p in POOLINGS]
-        fixed += [Candidate(p, k, g) for p in POOLINGS for k in dims for g in (0.0, 1.0)]
-        fixed += [c for c in per_pooling_choice.values() if c not in fixed]
-        sweep = tune_sts(vectors, pairs.sentences(), pairs, None, fixed, "all")
-        years_out[name] = [t.to_dict() for t in sweep.trials]
-    out["years"] = years_out
+        out["sets"][task.name] = {
+            "pairs": len(task.pairs.gold),
+            "fit_sentences": len(task.fit_sentences),
+            "auto_choice": auto.label,
+            **{name: {"all": r["all"], "wmean": r["wmean"]} for name, r in scores.items()},
+            "auto_sweep": on_pseudo,
+        }
     return out
-
-
-def _sts_vectors(model: str, sentences: list[str], work: Path) -> dict[str, dict[str, np.ndarray]]:
-    cache = work / f"sts-{model.lower()}.npz"
-    if cache.is_file():
-        data = np.load(cache, allow_pickle=False)
-        if list(data["sentences"]) == sentences:
-            return {p: dict(zip(sentences, data[p], strict=True)) for p in POOLINGS}
-    print(f"encoding {len(sentences):,} STS sentences with {model}...", file=sys.stderr)
-    encoder = TransformerEncoder(model, "mean")
-    raw = encoder.encode_poolings(sentences, POOLINGS)
-    work.mkdir(parents=True, exist_ok=True)
-    np.savez(cache, sentences=np.array(sentences), **{p: raw[p] for p in POOLINGS})
-    return {p: dict(zip(sentences, raw[p], strict=True)) for p in POOLINGS}
 
 
 # ----- report -----------------------------------------------------------------------------------------------
+def short(model: str) -> str:
+    return {"all-MiniLM-L6-v2": "MiniLM", "all-mpnet-base-v2": "mpnet"}.get(model, model)
+
+
+def cell(value: float, raw: float, scale: float = 1.0, digits: int = 4) -> str:
+    return f"{value * scale:.{digits}f} ({value / raw:.1%})"
+
+
 def markdown(report: dict[str, Any]) -> str:
-    m = report["machine"]
-    lines = [f"Machine: {m['cpu']}, {m['cores']} cores; torch {m['torch']}, faiss {m['faiss']}.", ""]
+    dfl = report["defaults"]
+    lines = [
+        benchlib.machine_md(report["machine"]),
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Defaults: no --dim -> raw; --dim -> gamma {dfl['gamma']:g}; re-scoring depth {dfl['rescore_depth']}; "
+        f"`tune --auto` on {dfl['auto_queries']} pseudo-queries.",
+        "",
+        "SciFact test nDCG@10; STS Spearman x100 (all). In brackets: relative to raw. Choices are made on dev "
+        "splits (SciFact train, STS-B dev) or pseudo-queries, never on test.",
+        "",
+        "| model | set | raw | default (no --dim) | --dim d/3 | --dim d/3, re-scored | tuned with labels | "
+        "tuned without labels |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for model, res in report["models"].items():
         sf = res["scifact"]
-        lines += [
-            f"### {model}: SciFact test ({sf['docs']} docs, d = {sf['d']}; choices on train queries)",
-            "",
-            "| pooling | method | k | gamma | nDCG@10 | Recall@100 | vs raw |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in sf["rows"]:
-            g = "-" if r["gamma"] is None else r["gamma"]
+        raw = sf["raw"]["nDCG@10"]
+        lab, auto = sf["labelled"], sf["auto"]
+        lines.append(
+            f"| {short(model)} | SciFact | {raw:.4f} | {cell(sf['default']['nDCG@10'], raw)} | "
+            f"{cell(sf['third']['nDCG@10'], raw)} | {cell(sf['third_rescored']['nDCG@10'], raw)} | "
+            f"{cell(lab['nDCG@10'], raw)} {lab['choice']} | {cell(auto['nDCG@10'], raw)} {auto['choice']} |"
+        )
+        for name, s in res["sts"]["sets"].items():
+            r = s["raw"]["all"]
             lines.append(
-                f"| {r['pooling']} | {r['method']} | {r['k']} | {g} | {r['nDCG@10']:.4f} | "
-                f"{r['Recall@100']:.4f} | {r['vs_raw']:.1%} |"
+                f"| {short(model)} | {name} | {r:.2f} | {cell(s['default']['all'], r, 1, 2)} | "
+                f"{cell(s['third']['all'], r, 1, 2)} | - | {cell(s['labelled']['all'], r, 1, 2)} "
+                f"{res['sts']['labelled_choice']} | {cell(s['auto']['all'], r, 1, 2)} {s['auto_choice']} |"
             )
-        t = sf["target_third"]
-        a = sf["agreement_gamma1_vs_faiss"]
-        lines += [
-            "",
-            f"At one third of the dimensions (k = {t['k']}, gamma {t['gamma']} chosen on dev): nDCG@10 "
-            f"{t['test_nDCG@10']:.4f} vs raw {t['raw_test_nDCG@10']:.4f} = {t['ratio']:.2%} of raw.",
-            "",
-            "| re-score top N with full vectors | nDCG@10 | Recall@100 | added ms/query |",
-            "|---|---|---|---|",
-        ]
-        for r in t["rescore"]:
-            lines.append(
-                f"| {r['rescore'] or 'none'} | {r['nDCG@10']:.4f} | {r['Recall@100']:.4f} | "
-                f"{r['rescore_ms_per_query']:.3f} |"
-            )
-        lines += [
-            "",
-            f"FAISS PCAW{a['k']} vs ours (gamma 1, epsilon 0), query-doc cosines: max |diff| "
-            f"{a['max_abs_cosine_diff']:.2e}, mean {a['mean_abs_cosine_diff']:.2e}, top-10 overlap "
-            f"{a['top10_overlap']:.1%}.",
-            "",
-        ]
-        if res["sts"]:
-            lines += _sts_markdown(res["sts"])
+    lines += ["", "Tuned choices as applied: a reduced choice re-scores its top candidates by the best full-rank", ""]
+    lines += ["candidate of its pooling (the scorer); unrescored figures are in quality.json.", ""]
+    for model, res in report["models"].items():
+        sf = res["scifact"]
+        lines += label_free(model, sf)
+        lines += by_k_table(model, sf)
     return "\n".join(lines) + "\n"
 
 
-def _sts_markdown(s: dict[str, Any]) -> list[str]:
+def label_free(model: str, sf: dict[str, Any]) -> list[str]:
+    lab, auto = sf["labelled"], sf["auto"]
     lines = [
-        f"STS, Spearman x100 (fit: {s['fit']}). STS-B: dev chooses, test reports.",
+        f"### {model}: label-free tuning on SciFact",
         "",
-        "| pooling | method | k | gamma | STS-B dev | STS-B test |",
-        "|---|---|---|---|---|---|",
+        f"With train qrels: {lab['choice']} (test nDCG@10 {lab['nDCG@10 unrescored']:.4f} as indexed, "
+        f"{lab['nDCG@10']:.4f} as applied). Without ({AUTO_QUERIES} pseudo-queries, seed 0): {auto['choice']} "
+        f"({auto['nDCG@10 unrescored']:.4f} as indexed, {auto['nDCG@10']:.4f} as applied): "
+        f"{sf['auto_vs_labelled']:.2%} of the labelled choice (target >= 99.5%).",
+        "",
     ]
-    for t in s["stsb"]:
-        if t["gamma"] in (None, 0.0, 1.0) or t["label"] in s["stsb_choice_per_pooling"].values():
-            method = "raw" if t["gamma"] is None else {0.0: "PCA", 1.0: "whitening"}.get(t["gamma"], "tuned")
-            if t["label"] in s["stsb_choice_per_pooling"].values():
-                method += " (dev choice)"
-            g = "-" if t["gamma"] is None else t["gamma"]
-            lines.append(
-                f"| {t['pooling']} | {method} | {t['dim']} | {g} | {t['dev']['all']:.2f} | {t['test']['all']:.2f} |"
-            )
-    lines += ["", "STS-B test, Spearman x100 (all): raw, the dev choice at k = d/3, the dev choice at any k:", ""]
-    lines += ["| pooling | raw | k = d/3, gamma on dev | dev choice | gain over raw |", "|---|---|---|---|---|"]
-    for pooling, t in s["stsb_targets"].items():
-        third, choice = t["third"], t["dev_choice"]
+    if "draws" in sf:
+        dr = sf["draws"]
+        lines += [
+            f"Over {dr['draws']} random draws from {dr['pool']} pseudo-queries (labelled choice: "
+            f"{dr['labelled_choice']}):",
+            "",
+            "| pseudo-queries, rule | choices (count) | train: median % of labelled, share >= 99.5% | "
+            "test: median, min, share >= 99.5% |",
+            "|---|---|---|---|",
+        ]
+        for rule, sizes in dr["sizes"].items():
+            for size, s in sizes.items():
+                choices = ", ".join(f"{c} ({n})" for c, n in s["choices"].items())
+                lines.append(
+                    f"| {size}, {rule} | {choices} | {s['train_ratio_median']:.2%}, {s['train_within_target']:.0%} | "
+                    f"{s['test_ratio_median']:.2%}, {s['test_ratio_min']:.2%}, {s['test_within_target']:.0%} |"
+                )
+        lines.append("")
+    return lines
+
+
+def by_k_table(model: str, sf: dict[str, Any]) -> list[str]:
+    a = sf["faiss_agreement"]
+    lines = [
+        f"### {model}: SciFact test by k (mean pooling; re-scored: top {RESCORE_DEPTH} by raw cosine)",
+        "",
+        "| k | method | gamma | nDCG@10 | Recall@100 | vs raw | re-scored nDCG@10 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sf["by_k"]:
+        gamma = "-" if r.get("gamma") is None else f"{r['gamma']:g}"
+        rescored = f"{r['rescored']:.4f}" if "rescored" in r else "-"
         lines.append(
-            f"| {pooling} | {t['raw_test']:.2f} | {third['test']:.2f} (k {third['k']}, gamma {third['gamma']}) | "
-            f"{choice['test']:.2f} ({choice['label']}) | {choice['test'] - t['raw_test']:+.2f} |"
+            f"| {r['k']} | {r['method']} | {gamma} | {r['nDCG@10']:.4f} | {r['Recall@100']:.4f} | "
+            f"{r['vs_raw']:.1%} | {rescored} |"
         )
     lines += [
         "",
-        "STS12-16 (each fitted on its own sentences), wmean / all:",
+        f"FAISS PCAW{a['k']} vs ours (gamma 1, epsilon 0): max |cosine diff| {a['max_abs_cosine_diff']:.1e}, top-10 "
+        f"overlap {a['top10_overlap']:.1%}; FAISS PCAW at k = d gives finite vectors: {a['faiss_full_rank_finite']}.",
         "",
-        "| pooling | k | gamma | " + " | ".join(s["years"]) + " |",
-        "|---|---|---|" + "---|" * len(s["years"]),
     ]
-    first = next(iter(s["years"].values()))
-    for i, t in enumerate(first):
-        cells = [f"{s['years'][y][i]['dev']['wmean']:.1f} / {s['years'][y][i]['dev']['all']:.1f}" for y in s["years"]]
-        g = "-" if t["gamma"] is None else t["gamma"]
-        lines.append(f"| {t['pooling']} | {t['dim']} | {g} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    return lines
 
 
 if __name__ == "__main__":
