@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-import click
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
@@ -25,8 +24,8 @@ from rich.table import Table
 from rich.text import Text
 
 from retrieval import home
-from retrieval.build import BuildOptions, build_index
-from retrieval.corpus import CorpusSpec
+from retrieval.build import BuildOptions, build_index, check_target
+from retrieval.corpus import Corpus, CorpusSpec
 from retrieval.encoder import POOLINGS, PRECISIONS, EncoderSpec
 from retrieval.errors import ConfigError, RetrievalError, render
 from retrieval.index import IndexSpec
@@ -44,12 +43,13 @@ class _OneLineErrors(typer.core.TyperGroup):
     ) -> Any:
         try:
             code = super().main(args, prog_name, standalone_mode=False, **kw)
-        except click.ClickException as exc:
-            print(f"error: {exc.format_message()} (see --help)", file=sys.stderr)
-            code = exc.exit_code
-        except click.exceptions.Abort:
+        except typer.Abort:
             print("error: aborted", file=sys.stderr)
             code = 1
+        except typer.TyperException as exc:  # typer's own click: usage errors, bad values, missing arguments
+            message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+            print(f"error: {' '.join(message.split())} (see --help)", file=sys.stderr)
+            code = getattr(exc, "exit_code", 2)
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
@@ -144,7 +144,7 @@ IdOption = Annotated[
 ]
 TitleOption = Annotated[str | None, typer.Option(help="Column prepended to the text, as BEIR does.")]
 SkipEmptyOption = Annotated[bool, typer.Option(help="Leave out rows with null or empty text instead of failing.")]
-Corpus = Annotated[
+CorpusArg = Annotated[
     Path, typer.Argument(help="Parquet file with one document per row, or a .npy array of vectors.", dir_okay=False)
 ]
 DefaultTransform, DefaultIndex, DefaultEncoder, DefaultBuild = (
@@ -159,7 +159,7 @@ DefaultSearch = SearchParams()
 @app.command()
 @user_errors
 def index(
-    corpus: Corpus,
+    corpus: CorpusArg,
     dim: Annotated[int | None, typer.Option(help="Output dimension k (default: the encoder's own).")] = None,
     gamma: Annotated[
         float, typer.Option(help="Eigenvalue power: W = U_k diag(lambda^(-gamma/2)); 1 whitens, 0 only rotates.")
@@ -218,8 +218,10 @@ def index(
     transform.check()  # every value checked before a model is loaded; dim against d once it is known
     index_spec.check()
     options.check()
+    check_target(target, overwrite)
+    source = Corpus(spec)  # the file and its columns, before seconds go into loading a model
     encoder = None
-    if vectors_column is None and corpus.suffix != ".npy":
+    if not source.precomputed:
         encoder = EncoderSpec(model, pooling, max_length, batch_size, precision).load()
     with progress_bars() as update:
         manifest = build_index(spec, encoder, target, transform, index_spec, options, progress=update)
@@ -322,7 +324,7 @@ IndexDirArg = Annotated[Path, typer.Argument(help="Index directory to change in 
 @user_errors
 def add(
     index_dir: IndexDirArg,
-    corpus: Corpus,
+    corpus: CorpusArg,
     text_column: TextOption = "text",
     id_column: IdOption = None,
     title_column: TitleOption = None,

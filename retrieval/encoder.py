@@ -248,9 +248,15 @@ class TransformerEncoder:
         precision: str = "auto",
     ):
         EncoderSpec(model, pooling, max_length, batch_size, precision).check()
-        import torch
-        import transformers
-        from transformers import AutoModel, AutoTokenizer
+        try:
+            import torch
+            import transformers
+            from transformers import AutoModel, AutoTokenizer
+        except ImportError as err:
+            raise ModelError(
+                f"encoding text needs torch and transformers ({err}); install them: `pip install torch==2.13.0` "
+                "first (the CPU wheel), then `pip install transformers`"
+            ) from err
 
         transformers.utils.logging.disable_progress_bar()
 
