@@ -15,11 +15,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from retrieval import files
 from retrieval.corpus import Corpus, CorpusSpec
 from retrieval.encoder import Encoder, EncoderInfo
-from retrieval.errors import ConfigError, RetrievalError
-from retrieval.index import IndexSpec, create_index, default_search_params, describe, set_search_params, train
+from retrieval.errors import ConfigError, IndexDirError, RetrievalError
+from retrieval.index import (
+    IndexSpec,
+    check_buildable,
+    create_index,
+    default_search_params,
+    describe,
+    set_search_params,
+    train,
+)
 from retrieval.index import train_size as training_rows
 from retrieval.indexdir import (
     OWN_NAMES,
@@ -81,24 +91,25 @@ def build_index(
     ``encoder`` may be None only when the corpus supplies precomputed vectors. Nothing is written at ``out``
     unless the whole build succeeds; one process at a time builds at ``out``.
     """
-    out = Path(out)
+    out = files.resolved(out)
     check_target(out, options.overwrite)
     options.check()
     index.check()
-    with files.writing(out):
+    with files.write_errors(out), files.writing(out):
         return _build(corpus, encoder, out, transform, index, options, progress)
 
 
 def check_target(out: Path, overwrite: bool) -> None:
     """Refuse a target that exists, unless ``overwrite`` and it is an index this tool built (never a user's
     folder or file: refused, untouched). An empty folder has nothing to lose and is built into."""
-    empty_dir = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    out = files.resolved(out)  # a link to an index: the index it names is what gets replaced
+    empty_dir = out.is_dir() and not any(out.iterdir())
     if not out.exists() or empty_dir:
         return
     if not overwrite:
         raise ConfigError(f"{out} already exists; pass `overwrite` to replace it, or choose another `out`", "overwrite")
     if not is_index_dir(out):
-        what = "a symbolic link" if out.is_symlink() else "a file" if not out.is_dir() else "a directory"
+        what = "a file" if not out.is_dir() else "a directory"
         raise ConfigError(
             f"{out} is {what}, not a retrieval index; `overwrite` only replaces an index built by retrieval: "
             "choose another `out`",
@@ -127,6 +138,7 @@ def _build(
             raise ConfigError(
                 f"cannot fit on pooling {fit_pooling!r}: this build stashes {', '.join(poolings)}", "pooling"
             )
+        check_buildable(index, transform.dim or d, report.usable)
     work = files.work_dir(out)
     stash, skip = _open_stash(work, source, encoder, d, poolings, options)  # a refused resume keeps its work
     try:
@@ -139,8 +151,11 @@ def _build(
                 ingest(batch)
         spec = replace(transform, pooling=fit_pooling)
         transform_record, index_record = write_version(work, stash, ingest.moments, spec, index, timer, progress)
-    except RetrievalError:  # a user's error cannot be resumed: nothing is left behind
+    except (RetrievalError, OSError):  # a user's error or a full disk: nothing to resume, nothing left behind
         shutil.rmtree(work, ignore_errors=True)
+        raise
+    except KeyboardInterrupt:
+        log.warning("interrupted: the encoded parts are kept in %s; rerun with --resume to continue", work)
         raise
     info = encoder.info() if encoder else EncoderInfo(kind="vectors", dim=d, column=corpus.vectors_column)
     manifest = Manifest(
@@ -193,6 +208,7 @@ def _open_stash(
     }
     stash_dir = work / STASH
     if options.resume and (stash_dir / "stash.json").is_file():
+        _check_no_links(work)
         stash = VectorStash.open(stash_dir)
         found = _flat(stash.meta) | {"poolings": stash.poolings, "stash_dtype": stash.dtype}
         wanted = _flat(json.loads(json.dumps(meta))) | {"poolings": poolings, "stash_dtype": options.stash_dtype}
@@ -222,6 +238,17 @@ def _open_stash(
         shutil.rmtree(work)
     work.mkdir(parents=True)
     return VectorStash.create(stash_dir, d, poolings, options.stash_dtype, meta), 0
+
+
+def _check_no_links(work: Path) -> None:
+    """A work directory holding a symbolic link (planted, or copied in) could make a resume delete or write
+    files outside the index: refuse it rather than follow it."""
+    for path in [work, *work.rglob("*")]:
+        if path.is_symlink():
+            raise IndexDirError(
+                f"the unfinished build in {work} contains a symbolic link ({path.name}); remove {work} and "
+                "build again without `resume`"
+            )
 
 
 def _identity(info: dict[str, Any] | None) -> Any:
@@ -301,7 +328,13 @@ def fill_index(
             train(index, transform.transform(stash.sample(sample_rows, pooling=pooling)))
     for block in stash.iter_blocks(BLOCK_ROWS, pooling=pooling):
         with timer.stage("add"):
-            index.add(transform.transform(block))
+            vectors = transform.transform(block)
+            if not np.isfinite(vectors).all():  # never publish an index of NaN or inf vectors
+                raise ConfigError(
+                    "the transform gives non-finite vectors on this data; use a larger `epsilon` or a smaller `gamma`",
+                    "epsilon",
+                )
+            index.add(vectors)
         progress("index", block.shape[0], n)
     set_search_params(index, **default_search_params(index, spec))
     return index

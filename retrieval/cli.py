@@ -23,11 +23,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from retrieval import home
+from retrieval import files, home
 from retrieval.build import BuildOptions, build_index, check_target
 from retrieval.corpus import Corpus, CorpusSpec
 from retrieval.encoder import POOLINGS, PRECISIONS, EncoderSpec
-from retrieval.errors import ConfigError, RetrievalError, render
+from retrieval.errors import ConfigError, Interrupted, RetrievalError, render
 from retrieval.index import IndexSpec
 from retrieval.indexdir import Manifest
 from retrieval.search import SearchParams
@@ -66,7 +66,7 @@ err = Console(stderr=True, soft_wrap=True, highlight=False)  # status lines carr
 out = Console(highlight=False)
 F = TypeVar("F", bound=Callable[..., Any])
 
-FLAGS = {"k": "-k", "whiten": "--no-whiten", "extra_pooling": "--extra-pooling", "keep_vectors": "--no-keep-vectors"}
+FLAGS = {"k": "-k", "whiten": "--no-whiten", "keep_vectors": "--no-keep-vectors", "query": "the query"}
 
 
 def flag(name: str) -> str:
@@ -81,9 +81,12 @@ def user_errors(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except RetrievalError as exc:
-            err.print(Text.assemble(("error: ", "bold red"), safe(render(exc, flag))))
-            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            exc: RetrievalError = Interrupted("interrupted")
+        except RetrievalError as caught:
+            exc = caught
+        err.print(Text.assemble(("error: ", "bold red"), safe(render(exc, flag))))
+        raise typer.Exit(getattr(exc, "exit_code", 1))
 
     return wrapper  # type: ignore[return-value]
 
@@ -223,8 +226,15 @@ def index(
     encoder = None
     if not source.precomputed:
         encoder = EncoderSpec(model, pooling, max_length, batch_size, precision).load()
-    with progress_bars() as update:
-        manifest = build_index(spec, encoder, target, transform, index_spec, options, progress=update)
+    try:
+        with progress_bars() as update:
+            manifest = build_index(spec, encoder, target, transform, index_spec, options, progress=update)
+    except KeyboardInterrupt:
+        raise Interrupted(
+            "interrupted: the parts encoded so far are kept; rerun the same command with --resume to continue"
+            if files.work_dir(files.resolved(target)).exists()
+            else "interrupted; nothing was written"
+        ) from None
     home.remember(target)
     err.print(summary_line(target, manifest, "built"), markup=False)
 

@@ -92,25 +92,40 @@ class Corpus:
         self.id_column = spec.id_column
         if self.id_column is None and DEFAULT_ID_COLUMN in names:
             self.id_column = DEFAULT_ID_COLUMN
-        wanted = {"--text-column": spec.text_column, "--id-column": self.id_column}
-        wanted |= {"--title-column": spec.title_column, "--vectors-column": spec.vectors_column}
+        wanted = {"text_column": spec.text_column, "id_column": self.id_column}
+        wanted |= {"title_column": spec.title_column, "vectors_column": spec.vectors_column}
         for option, column in wanted.items():
             if column is not None and column not in names:
-                if option == "--text-column" and spec.vectors_column:
+                if option == "text_column" and spec.vectors_column:
                     continue
                 raise CorpusError(
-                    f"{path} has no column {column!r} (columns: {', '.join(names)}); choose one with {option}"
+                    f"{path} has no column {column!r} (columns: {', '.join(names)}); choose one with `{option}`"
                 )
-        self.has_text = spec.text_column in names
+        self.has_text = spec.text_column in names and not spec.vectors_column
+        schema = self._file.schema_arrow
+        for option, column, check in (
+            ("text_column", spec.text_column if self.has_text else None, _is_text),
+            ("title_column", spec.title_column, _is_text),
+            ("id_column", self.id_column, _is_id),
+        ):
+            if column is not None and not check(schema.field(column).type):
+                kind = "strings or integers" if option == "id_column" else "text (one string per row)"
+                raise CorpusError(
+                    f"column {column!r} of {path} holds {schema.field(column).type}, not {kind}; "
+                    f"convert it, or choose another column with `{option}`"
+                )
         self.vector_dim: int | None = None
         if spec.vectors_column:
-            vtype = self._file.schema_arrow.field(spec.vectors_column).type
-            if not (pa.types.is_fixed_size_list(vtype) or pa.types.is_list(vtype)):
+            vtype = schema.field(spec.vectors_column).type
+            value = vtype.value_type if _is_list(vtype) else None
+            if value is None or not (pa.types.is_floating(value) or pa.types.is_integer(value)):
                 raise CorpusError(
-                    f"column {spec.vectors_column!r} holds {vtype}, not a list of floats; store one vector per row"
+                    f"column {spec.vectors_column!r} holds {vtype}, not a list of numbers; store one vector per row"
                 )
             if pa.types.is_fixed_size_list(vtype):
                 self.vector_dim = vtype.list_size
+                if self.vector_dim == 0:
+                    raise CorpusError(f"column {spec.vectors_column!r} holds empty vectors (width 0)")
 
     def _open_npy(self, path: Path) -> None:
         try:
@@ -147,12 +162,30 @@ class Corpus:
             cols.append(self.spec.vectors_column)
         return cols
 
-    def _texts(self, rb: pa.RecordBatch) -> list[str | None]:
+    def _strings(self, rb: pa.RecordBatch, column: str, first_row: int) -> list[str | None]:
+        """A text-like column as Python strings; binary is decoded as UTF-8, and refused where it is not."""
+        values = rb.column(column)
+        if pa.types.is_dictionary(values.type):
+            values = values.dictionary_decode()
+        try:
+            return values.cast(pa.string()).to_pylist()
+        except pa.ArrowInvalid:  # binary that is not UTF-8: find the row, name it
+            for i, value in enumerate(values.to_pylist()):
+                try:
+                    value is None or bytes(value).decode("utf-8")
+                except UnicodeDecodeError:
+                    raise CorpusError(
+                        f"column {column!r} of {self.path} holds bytes that are not UTF-8 text (row {first_row + i}); "
+                        "store the texts as UTF-8 strings"
+                    ) from None
+            raise
+
+    def _texts(self, rb: pa.RecordBatch, first_row: int = 0) -> list[str | None]:
         if not self.has_text:
             return [""] * rb.num_rows
-        texts = rb.column(self.spec.text_column).cast(pa.string()).to_pylist()
+        texts = self._strings(rb, self.spec.text_column, first_row)
         if self.spec.title_column:
-            titles = rb.column(self.spec.title_column).cast(pa.string()).to_pylist()
+            titles = self._strings(rb, self.spec.title_column, first_row)
             texts = [None if t is None else f"{h or ''} {t}".strip() for h, t in zip(titles, texts, strict=True)]
         return texts
 
@@ -163,15 +196,33 @@ class Corpus:
                 yield [str(i) for i in range(start, start + len(window))], [""] * len(window), window  # type: ignore[misc]
             return
         start = 0
-        for rb in self._file.iter_batches(batch_size=rows, columns=self._columns()):
+        for rb in self._record_batches(rows):
             if self.id_column:
-                ids = [str(v) if v is not None else None for v in rb.column(self.id_column).to_pylist()]
+                ids = self._strings(rb, self.id_column, start)
                 if any(v is None for v in ids):
                     raise CorpusError(f"column {self.id_column!r} has null ids; every row needs an id")
             else:
                 ids = [str(i) for i in range(start, start + rb.num_rows)]
+            texts = self._texts(rb, start)
             start += rb.num_rows
-            yield ids, self._texts(rb), rb  # type: ignore[misc]
+            yield ids, texts, rb  # type: ignore[misc]
+
+    def _record_batches(self, rows: int) -> Iterator[pa.RecordBatch]:
+        """The file's record batches; a file that breaks part-way (corrupt pages, truncated) is one clear error."""
+        batches = self._file.iter_batches(batch_size=rows, columns=self._columns())
+        done = 0
+        while True:
+            try:
+                rb = next(batches)
+            except StopIteration:
+                return
+            except (OSError, pa.ArrowException) as err:
+                raise CorpusError(
+                    f"{self.path} cannot be read after row {done:,} ({err}); the file is corrupt or truncated: "
+                    "write it again"
+                ) from err
+            done += rb.num_rows
+            yield rb
 
     def _usable(self, texts: list[str | None], rb: pa.RecordBatch) -> np.ndarray:
         if self._array is not None:
@@ -248,11 +299,35 @@ class Corpus:
         return _vectors(rb.column(self.spec.vectors_column).filter(pa.array(ok)), self.spec.vectors_column)
 
 
+def _is_text(kind: pa.DataType) -> bool:
+    if pa.types.is_dictionary(kind):
+        return _is_text(kind.value_type)
+    return (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+        or pa.types.is_null(kind)
+        or str(kind) in ("string_view", "binary_view")
+    )
+
+
+def _is_id(kind: pa.DataType) -> bool:
+    """Ids are strings (or bytes that are UTF-8) or integers; a float id (1.0 vs "1") is refused as ambiguous."""
+    return (_is_text(kind) and not pa.types.is_null(kind)) or pa.types.is_integer(kind)
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind)
+
+
 def _vectors(column: pa.Array, name: str) -> np.ndarray:
     """A list column as a float32 matrix; ragged lists are refused."""
     if len(column) == 0:
         return np.zeros((0, 0), dtype=np.float32)
     lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    if lengths.max() == 0:
+        raise CorpusError(f"column {name!r} holds empty vectors (lists of length 0); store one vector per row")
     if lengths.min() != lengths.max():
         raise CorpusError(f"column {name!r} holds vectors of different lengths ({lengths.min()}..{lengths.max()})")
     flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)

@@ -23,7 +23,7 @@ from retrieval.build import WINDOW_ROWS, index_record, input_dim, write_version
 from retrieval.corpus import Corpus, CorpusSpec
 from retrieval.encoder import Encoder, from_info
 from retrieval.errors import ConfigError, CorpusError
-from retrieval.index import IndexSpec
+from retrieval.index import IndexSpec, check_buildable
 from retrieval.indexdir import (
     OWN_NAMES,
     STASH,
@@ -77,10 +77,10 @@ def refit(
     ``index=None`` keeps the current index kind and knobs. The moments come from ``moments.npz`` when the
     pooling is unchanged, else from one pass over the stash for the new pooling.
     """
-    directory = Path(directory)
+    directory = files.resolved(directory)
     if index is not None:
         index.check()
-    with files.writing(directory):
+    with files.write_errors(directory), files.writing(directory):
         return _refit(IndexDir(directory), transform, index, progress)
 
 
@@ -93,6 +93,7 @@ def _refit(old: IndexDir, transform: TransformSpec, index: IndexSpec | None, pro
     stash.check_pooling(pooling)
     spec = dataclasses.replace(transform, pooling=pooling)
     index = index or manifest.index.spec
+    check_buildable(index, transform.dim or stash.dim, len(stash))
     timer = Timer()
     with files.replacing(old.path, "refitting", OWN_NAMES) as work:
         linked = link_stash(stash, work / STASH)
@@ -124,8 +125,8 @@ def add(
     only). Ids must be new; row-number ids (no id column, or a .npy) continue from the index's row count.
     The directory is replaced atomically: on any failure the previous index stays as it was.
     """
-    directory = Path(directory)
-    with files.writing(directory):
+    directory = files.resolved(directory)
+    with files.write_errors(directory), files.writing(directory):
         return _add(IndexDir(directory), corpus, encoder, progress, window_rows)
 
 

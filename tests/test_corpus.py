@@ -58,10 +58,10 @@ def test_explicit_missing_column_names_the_existing_ones(corpus: Path) -> None:
     with pytest.raises(CorpusError) as info:
         Corpus(CorpusSpec(corpus, id_column="doc_id"))
     message = str(info.value)
-    assert "'doc_id'" in message and "id, text" in message and "--id-column" in message
-    with pytest.raises(CorpusError, match=r"no column 'body' \(columns: id, text\).*--text-column"):
+    assert "'doc_id'" in message and "id, text" in message and "`id_column`" in message
+    with pytest.raises(CorpusError, match=r"no column 'body' \(columns: id, text\).*`text_column`"):
         Corpus(CorpusSpec(corpus, text_column="body"))
-    with pytest.raises(CorpusError, match=r"no column 'heading'.*--title-column"):
+    with pytest.raises(CorpusError, match=r"no column 'heading'.*`title_column`"):
         Corpus(CorpusSpec(corpus, title_column="heading"))
 
 
@@ -195,7 +195,7 @@ def test_ragged_vectors_are_refused(tmp_path: Path) -> None:
 
 def test_vectors_column_of_strings_is_refused(tmp_path: Path) -> None:
     path = write_table(tmp_path / "v.parquet", id=["a", "b"], emb=["x", "y"])
-    with pytest.raises(CorpusError, match="not a list of floats"):
+    with pytest.raises(CorpusError, match="not a list of numbers"):
         Corpus(CorpusSpec(path, vectors_column="emb"))
 
 
