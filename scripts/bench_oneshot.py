@@ -14,6 +14,7 @@ at (default: this checkout), so an older commit's worktree can be timed the same
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -33,8 +34,8 @@ QUERY = "vitamin D deficiency increases the risk of fractures"
 
 def cli(code: Path, *args: str, timeout: float = 7200) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(code), "HF_HUB_OFFLINE": "1", "RETRIEVAL_INDEX_ROOT": "/tmp/oneshot-root"}
-    return subprocess.run(
-        [sys.executable, "-m", "retrieval", *args], capture_output=True, text=True, env=env, timeout=timeout
+    return subprocess.run(  # cwd: `python -m` puts the current directory first on sys.path
+        [sys.executable, "-m", "retrieval", *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=code
     )
 
 
@@ -75,6 +76,11 @@ def build(code: Path, work: Path, n: int) -> Path:
         raise SystemExit(f"building the tiny MiniLM index failed: {done.stderr.strip()}")
     manifest = json.loads((index / "manifest.json").read_text())
     manifest["encoder"] = json.loads((tiny / "manifest.json").read_text())["encoder"]
+    if "checksum" in manifest:  # manifests carry their own checksum (schema 2): seal the graft as the library does
+        content = {key: value for key, value in manifest.items() if key != "checksum"}
+        manifest["checksum"] = hashlib.sha256(
+            json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+        ).hexdigest()
     (index / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return index
 
