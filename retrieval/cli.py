@@ -31,6 +31,7 @@ from retrieval.errors import ConfigError, Interrupted, RetrievalError, render
 from retrieval.index import IndexSpec
 from retrieval.indexdir import Manifest
 from retrieval.search import SearchParams
+from retrieval.service import ServeOptions
 from retrieval.stash import DTYPES
 from retrieval.whitening import TransformSpec
 
@@ -615,6 +616,71 @@ def _report_tuning(result: Any, folder: Path | None) -> None:
         split = "test" if best.test else "dev"
         png = plot_tuning(result, folder / "tune.png", split=split, title=f"{metric} ({split})")
         err.print(f"wrote {folder / 'tune.json'}" + (f" and {png}" if png else ""), markup=False)
+
+
+# ----- serve -----------------------------------------------------------------------------------------------
+DefaultServe = ServeOptions()
+
+
+@app.command()
+@user_errors
+def serve(
+    index_dir: Annotated[Path | None, typer.Argument(help="Index directory \\[default: the last built].")] = None,
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="RETRIEVAL_API_KEY",
+            show_default=False,
+            help="Require `Authorization: Bearer KEY` on every route but /health (or set RETRIEVAL_API_KEY).",
+        ),
+    ] = None,
+    max_batch: Annotated[int, typer.Option(help="Micro-batching: queries per engine batch.")] = DefaultServe.max_batch,
+    max_wait_ms: Annotated[
+        float, typer.Option(help="Micro-batching: wait this long for more queries after the first.")
+    ] = DefaultServe.max_wait_ms,
+    torch_threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = DefaultServe.torch_threads,
+    faiss_threads: Annotated[
+        int, typer.Option(help="FAISS OpenMP threads in the engine.")
+    ] = DefaultServe.faiss_threads,
+    max_queries: Annotated[int, typer.Option(help="Queries in one request.")] = DefaultServe.max_queries,
+    max_query_chars: Annotated[int, typer.Option(help="Characters in one query.")] = DefaultServe.max_query_chars,
+    max_k: Annotated[int, typer.Option(help="Hits per query.")] = DefaultServe.max_k,
+    max_body_bytes: Annotated[int, typer.Option(help="Request body size (413 above).")] = DefaultServe.max_body_bytes,
+    max_queue: Annotated[int, typer.Option(help="Queries waiting before 429.")] = DefaultServe.max_queue,
+    watch_interval: Annotated[
+        float, typer.Option(help="Seconds between looks at the index directory for a new version (0: off).")
+    ] = DefaultServe.watch_interval,
+    shutdown_timeout: Annotated[int, typer.Option(help="On SIGTERM, seconds to let requests in flight finish.")] = 30,
+) -> None:
+    """Serve an index over HTTP (FastAPI): /search, /embed, /info, /health, /ready, /metrics, a page at /."""
+    from retrieval.errors import RetrievalError
+    from retrieval.indexdir import IndexDir as Directory
+
+    try:
+        from retrieval import server
+    except ImportError as exc:
+        raise RetrievalError(f"the server needs its extra ({exc.name} is missing): pip install -e '.[server]'") from exc
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"`port` must be between 0 and 65535 (got {port})", "port")
+    options = ServeOptions(
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
+        torch_threads=torch_threads,
+        faiss_threads=faiss_threads,
+        max_queries=max_queries,
+        max_query_chars=max_query_chars,
+        max_k=max_k,
+        max_body_bytes=max_body_bytes,
+        max_queue=max_queue,
+        watch_interval=watch_interval,
+    )
+    options.check()
+    directory = index_dir or home.default_index()
+    Directory(directory).manifest()  # a missing or foreign directory fails here, in one line, not in the server
+    err.print(f"serving {safe(str(directory))} on http://{host}:{port}/ (docs at /docs)", markup=False)
+    server.run(directory, options, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout)
 
 
 def run() -> None:
