@@ -13,10 +13,10 @@ import logging
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from retrieval import files
-from retrieval.corpus import Corpus, CorpusSpec
+from retrieval.corpus import Corpus, CorpusReport, CorpusSpec
 from retrieval.encoder import Encoder, EncoderInfo
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.index import IndexSpec, create_index, default_search_params, describe, set_search_params, train
@@ -67,6 +67,18 @@ class BuildOptions:
             raise ConfigError(f"`window_rows` must be at least 1 (got {self.window_rows})", "window_rows")
 
 
+class Engine(Protocol):
+    """Where pass 1 runs when not in this process (``retrieval.distributed.RayEngine``).
+
+    ``validate`` checks the whole corpus as ``Corpus.validate`` does. ``ingest`` encodes windows ``skip`` onwards
+    of ``window_rows`` rows elsewhere and hands each window's part to ``ingest.adopt`` in window order, so the
+    stash and the moments end as the local loop leaves them."""
+
+    def validate(self, source: Corpus) -> CorpusReport: ...
+
+    def ingest(self, source: Corpus, ingest: Ingest, skip: int, window_rows: int) -> None: ...
+
+
 def build_index(
     corpus: CorpusSpec,
     encoder: Encoder | None,
@@ -75,18 +87,20 @@ def build_index(
     index: IndexSpec = IndexSpec(),
     options: BuildOptions = BuildOptions(),
     progress: Progress = no_progress,
+    engine: Engine | None = None,
 ) -> Manifest:
     """Build a complete index directory at ``out`` and return its manifest.
 
     ``encoder`` may be None only when the corpus supplies precomputed vectors. Nothing is written at ``out``
-    unless the whole build succeeds; one process at a time builds at ``out``.
+    unless the whole build succeeds; one process at a time builds at ``out``. ``engine`` runs pass 1 elsewhere
+    (on a Ray cluster); everything else (validation's verdict, fit, index, manifest, publish) is the same.
     """
     out = Path(out)
     check_target(out, options.overwrite)
     options.check()
     index.check()
     with files.writing(out):
-        return _build(corpus, encoder, out, transform, index, options, progress)
+        return _build(corpus, encoder, out, transform, index, options, progress, engine)
 
 
 def check_target(out: Path, overwrite: bool) -> None:
@@ -114,11 +128,12 @@ def _build(
     index: IndexSpec,
     options: BuildOptions,
     progress: Progress,
+    engine: Engine | None = None,
 ) -> Manifest:
     timer = Timer()
     with timer.stage("validate"):
         source = Corpus(corpus)
-        report = source.validate()
+        report = engine.validate(source) if engine else source.validate()
         d = input_dim(source, encoder)
         transform.check(d)
         poolings = poolings_for(encoder if not source.precomputed else None, options.extra_poolings)
@@ -135,8 +150,11 @@ def _build(
             for block in stash.iter_blocks(pooling=fit_pooling):  # rows a resumed build already has
                 ingest.moments.update(block)
             progress("encode", len(stash), report.usable)
-            for batch in source.batches(options.window_rows, skip_batches=skip):
-                ingest(batch)
+            if engine is None:
+                for batch in source.batches(options.window_rows, skip_batches=skip):
+                    ingest(batch)
+            else:  # the same windows, encoded by the engine's workers and adopted here in window order
+                engine.ingest(source, ingest, skip, options.window_rows)
         spec = replace(transform, pooling=fit_pooling)
         transform_record, index_record = write_version(work, stash, ingest.moments, spec, index, timer, progress)
     except RetrievalError:  # a user's error cannot be resumed: nothing is left behind
