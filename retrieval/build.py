@@ -78,6 +78,11 @@ class Engine(Protocol):
 
     def ingest(self, source: Corpus, ingest: Ingest, skip: int, window_rows: int) -> None: ...
 
+    def fill(self, index: Any, stash: VectorStash, transform: Whitening | RawTransform, pooling: str | None) -> Any:
+        """Pass 2's adds, in parallel where that pays: the trained ``index`` filled with every stash row in
+        row order, or None to leave it to the local loop."""
+        ...
+
 
 def build_index(
     corpus: CorpusSpec,
@@ -92,8 +97,8 @@ def build_index(
     """Build a complete index directory at ``out`` and return its manifest.
 
     ``encoder`` may be None only when the corpus supplies precomputed vectors. Nothing is written at ``out``
-    unless the whole build succeeds; one process at a time builds at ``out``. ``engine`` runs pass 1 elsewhere
-    (on a Ray cluster); everything else (validation's verdict, fit, index, manifest, publish) is the same.
+    unless the whole build succeeds; one process at a time builds at ``out``. ``engine`` runs the corpus passes
+    (and a large IVF index's adds) on a Ray cluster; the verdicts, fit, index, manifest and publish are the same.
     """
     out = Path(out)
     check_target(out, options.overwrite)
@@ -156,7 +161,9 @@ def _build(
             else:  # the same windows, encoded by the engine's workers and adopted here in window order
                 engine.ingest(source, ingest, skip, options.window_rows)
         spec = replace(transform, pooling=fit_pooling)
-        transform_record, index_record = write_version(work, stash, ingest.moments, spec, index, timer, progress)
+        transform_record, index_record = write_version(
+            work, stash, ingest.moments, spec, index, timer, progress, engine
+        )
     except RetrievalError:  # a user's error cannot be resumed: nothing is left behind
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -274,13 +281,14 @@ def write_version(
     index_spec: IndexSpec,
     timer: Timer,
     progress: Progress,
+    engine: Engine | None = None,
 ) -> tuple[TransformRecord, IndexRecord]:
     """Fit, fill the index from the stash, and write everything but the manifest into ``work``."""
     assert spec.pooling is not None
     with timer.stage("fit"):
         transform = spec.fit(moments)
     with timer.stage("index"):
-        faiss_index = fill_index(stash, transform, index_spec, spec.pooling, progress)
+        faiss_index = fill_index(stash, transform, index_spec, spec.pooling, progress, engine=engine)
     with timer.stage("write"):
         save_transform(work, transform)
         save_moments(work, moments)
@@ -306,8 +314,10 @@ def fill_index(
     pooling: str | None = None,
     progress: Progress = no_progress,
     timer: Timer | None = None,
+    engine: Engine | None = None,
 ) -> Any:
-    """Pass 2: train on a transformed sample where the index needs it, then add the stash block by block.
+    """Pass 2: train on a transformed sample where the index needs it, then add the stash block by block
+    (or let ``engine`` fill shards of a large IVF index in parallel and merge them).
 
     ``timer`` (optional) gets the stages "train" (sample, transform, train) and "add" (read, transform, add)."""
     n = len(stash)
@@ -317,9 +327,14 @@ def fill_index(
     if sample_rows:
         with timer.stage("train"):
             train(index, transform.transform(stash.sample(sample_rows, pooling=pooling)))
-    for block in stash.iter_blocks(BLOCK_ROWS, pooling=pooling):
-        with timer.stage("add"):
-            index.add(transform.transform(block))
-        progress("index", block.shape[0], n)
+    filled = engine.fill(index, stash, transform, pooling) if engine else None
+    if filled is not None:  # shards filled in parallel and merged
+        index = filled
+        progress("index", n, n)
+    else:
+        for block in stash.iter_blocks(BLOCK_ROWS, pooling=pooling):
+            with timer.stage("add"):
+                index.add(transform.transform(block))
+            progress("index", block.shape[0], n)
     set_search_params(index, **default_search_params(index, spec))
     return index

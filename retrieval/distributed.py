@@ -49,7 +49,8 @@ from retrieval.encoder import Encoder, EncoderInfo, EncoderSpec, TransformerEnco
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.ingest import Ingest
 from retrieval.moments import RunningMoments
-from retrieval.stash import Part, VectorStash
+from retrieval.stash import BLOCK_ROWS, Part, VectorStash
+from retrieval.whitening import RawTransform, Whitening
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ TASKS_PER_WORKER = 4  # windows are grouped into about this many tasks per worke
 MAX_TASK_WINDOWS = 16  # ... and at most this many windows per task (what a retry repeats)
 CHECK_TASK_ROWS = 65536  # rows per window when validating (as Corpus.validate reads) ...
 CHECK_TASK_WINDOWS = 64  # ... and windows per validation task (reading ids and texts is cheap)
+FILL_ROWS = 20_000_000  # IVF indexes of at least this many rows are filled in shards on Ray, then merged. Adding
+# costs ~N x nlist x k multiply-adds (assignment to the nearest list): at 20M rows, nlist 4 sqrt(N) = 18k lists and
+# k = 128 that is 4.6e13, about a minute on one 32-core node; below, task start-up and shard I/O eat the gain, and
+# on one machine FAISS's own threads already use every core (docs/scale.md).
 OBJECT_STORE_BYTES = 512 << 20  # a local cluster's object store: only metadata passes through it
 WARM_UP_TEXTS = ["a short warm-up text", "a somewhat longer warm-up text, to time a padded batch"]
 
@@ -72,12 +77,14 @@ class RayOptions:
     ``address`` None starts a local Ray for the build (or uses the one this process already started);
     ``"auto"``, ``"host:port"`` or ``"ray://host:port"`` joins a running cluster, whose nodes must have retrieval
     and the model installed and see the output folder (the workers write the stash parts there).
-    ``workers`` None means one per CPU of the cluster.
+    ``workers`` None means one per CPU of the cluster. An IVF index of ``fill_rows`` rows or more is filled in
+    one shard per worker, in parallel, and the shards merged (FAISS ``merge_from``).
     """
 
     address: str | None = None
     workers: int | None = None
     cpus_per_worker: float = CPUS_PER_WORKER
+    fill_rows: int = FILL_ROWS
 
     def check(self) -> None:
         if self.workers is not None and self.workers < 1:
@@ -124,6 +131,7 @@ class RayEngine:
         self._saved_context: dict[str, Any] = {}
         self._saved_level = logging.NOTSET
         self.stats = PassStats()
+        self.filled_shards = 0  # shards the last fill merged (0: the local loop filled the index)
 
     def __enter__(self) -> RayEngine:
         return self
@@ -300,6 +308,46 @@ class RayEngine:
             100 * (stats.read_s + stats.encode_s) / max(stats.wall_s * workers, 1e-9),
         )
 
+    # ----- pass 2 -------------------------------------------------------------------------------------------
+    def fill(self, index: Any, stash: VectorStash, transform: Whitening | RawTransform, pooling: str | None) -> Any:
+        """A trained, empty IVF index of ``fill_rows`` rows or more filled on Ray: one shard of consecutive rows
+        per worker, each added to a copy of the trained index by a task and written beside the stash, then merged
+        here in row order with FAISS's ``merge_from`` (ids offset by the rows before: the one-shot build's ids).
+        None (the local loop fills it) for smaller indexes, one worker, or kinds that cannot merge (HNSW, Flat
+        without ids, Refine)."""
+        import faiss
+
+        n = len(stash)
+        if n < self.options.fill_rows or not isinstance(faiss.downcast_index(index), faiss.IndexIVF):
+            return None
+        ray, shards = self._ray(), min(self.workers(), n)
+        if shards < 2:
+            return None
+        folder = stash.root.parent / ".shards"  # inside the build's work directory; removed below
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        try:
+            bounds = [n * k // shards for k in range(shards + 1)]
+            items = [{"shard": k, "start": bounds[k], "stop": bounds[k + 1]} for k in range(shards)]
+            dataset = ray.data.from_items(items, override_num_blocks=shards).map_batches(
+                _fill_shard,
+                fn_args=(str(stash.root), transform, pooling, faiss.serialize_index(index), str(folder)),
+                batch_size=1,
+                batch_format="numpy",
+            )
+            done = sorted(_rows(dataset), key=lambda row: int(row["shard"]))
+            merged = faiss.deserialize_index(faiss.serialize_index(index))  # an owned copy (a downcast is not)
+            for row in done:
+                shard = faiss.read_index(str(row["path"]))
+                merged.merge_from(shard, merged.ntotal)  # shard-local ids 0.. become rows start..
+            if merged.ntotal != n:
+                raise RuntimeError(f"the merged shards hold {merged.ntotal} rows, not {n}")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.filled_shards = shards
+        log.info("filled %d rows in %d shards on Ray and merged them", n, shards)
+        return merged
+
     def _worker_encoder(self, driver: Encoder) -> Callable[[], Encoder]:
         """What each worker calls to make its encoder; precision "auto" settled here, once for all workers."""
         if not isinstance(self.encoder, EncoderSpec):
@@ -429,6 +477,29 @@ def _check_units(units: dict[str, np.ndarray], source: Corpus, look_for: tuple[i
         out["ids"].append(json.dumps(ids))
         out["error"].append(error)
     return {key: np.array(value, dtype=object if key != "start" else np.int64) for key, value in out.items()}
+
+
+def _fill_shard(
+    items: dict[str, np.ndarray],
+    root: str,
+    transform: Whitening | RawTransform,
+    pooling: str | None,
+    empty: Any,
+    folder: str,
+) -> dict[str, np.ndarray]:
+    """A fill task: stash rows ``start`` to ``stop`` transformed and added to a copy of the trained index, saved."""
+    import faiss
+
+    stash = VectorStash.open(Path(root))
+    paths = []
+    for shard, start, stop in zip(items["shard"], items["start"], items["stop"], strict=True):
+        index = faiss.deserialize_index(empty)
+        for first in range(int(start), int(stop), BLOCK_ROWS):
+            rows = np.arange(first, min(first + BLOCK_ROWS, int(stop)))
+            index.add(transform.transform(stash.read_rows(rows, pooling)))
+        paths.append(str(Path(folder) / f"shard-{int(shard):05d}.faiss"))
+        faiss.write_index(index, paths[-1])
+    return {"shard": items["shard"], "path": np.array(paths, dtype=object)}
 
 
 def id_hash(id_: str) -> int:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import conftest
+import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -37,6 +38,7 @@ from retrieval.corpus import CorpusSpec
 from retrieval.distributed import RayEngine, RayOptions, plan
 from retrieval.encoder import EncoderSpec
 from retrieval.errors import ConfigError, CorpusError
+from retrieval.index import IndexSpec
 from retrieval.indexdir import STASH, IndexDir
 from retrieval.search import Searcher, SearchParams
 from retrieval.stash import VectorStash
@@ -191,6 +193,23 @@ def test_ray_build_of_a_folder_equals_the_local_build(cluster: str, folder: Path
     assert_same_index(tmp_path / "local", tmp_path / "ray", FakeEncoder())
     assert not files.work_dir(tmp_path / "ray").exists()
     assert ray.is_initialized()  # the engine left the caller's Ray running
+
+
+def test_a_large_ivf_index_is_filled_in_shards_and_merged(cluster: str, folder: Path, tmp_path: Path) -> None:
+    ivf = IndexSpec("ivf", nlist=8)
+    build_index(CorpusSpec(folder), FakeEncoder(), tmp_path / "local", SPEC, ivf, BuildOptions(window_rows=WINDOW))
+    with RayEngine(FakeEncoder, RayOptions(workers=2, fill_rows=0)) as engine:  # "large": any size
+        options = BuildOptions(window_rows=WINDOW)
+        build_index(CorpusSpec(folder), FakeEncoder(), tmp_path / "ray", SPEC, ivf, options, engine=engine)
+    assert engine.filled_shards == 2
+    assert_same_index(tmp_path / "local", tmp_path / "ray", FakeEncoder())
+    a, b = (IndexDir(tmp_path / d).faiss_index() for d in ("local", "ray"))
+    for number in range(8):  # every inverted list holds the same rows, in the same order
+        size = a.invlists.list_size(number)
+        assert size == b.invlists.list_size(number)
+        ids = [faiss.rev_swig_ptr(x.invlists.get_ids(number), size).copy() for x in (a, b)]
+        np.testing.assert_array_equal(*ids)
+    assert not (files.work_dir(tmp_path / "ray") / ".shards").exists() and not (tmp_path / "ray" / ".shards").exists()
 
 
 def test_a_killed_worker_is_replaced_and_its_task_retried(cluster: str, folder: Path, tmp_path: Path) -> None:
