@@ -235,7 +235,8 @@ def index(
     workers: Annotated[int | None, typer.Option(help="Ray: encoding workers \\[default: one per CPU].")] = None,
 ) -> None:
     """Build a whitened FAISS index from a parquet corpus (a file, a folder or a glob)."""
-    from retrieval.distributed import RAY_WINDOW_ROWS, RayEngine, RayOptions
+    from retrieval.corpus import Corpus as Source
+    from retrieval.distributed import RayEngine, RayOptions, window_rows
 
     choice("pooling", pooling, POOLINGS)
     choice("precision", precision, PRECISIONS)
@@ -247,7 +248,7 @@ def index(
     spec = CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty)
     transform = TransformSpec(dim=dim, gamma=gamma, epsilon=epsilon, whiten=not no_whiten)
     index_spec = IndexSpec(index_type, m, ef_construction, ef_search, nlist, nprobe, train_size)
-    window = RAY_WINDOW_ROWS if engine == "ray" else DefaultBuild.window_rows
+    window = window_rows(Source(spec).num_rows) if engine == "ray" else DefaultBuild.window_rows
     options = BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume, window)
     ray_options = RayOptions(address, workers)
     transform.check()  # every value checked before a model is loaded; dim against d once it is known

@@ -35,7 +35,7 @@ from retrieval import files
 from retrieval.build import BuildOptions, build_index
 from retrieval.cli import app
 from retrieval.corpus import CorpusSpec
-from retrieval.distributed import RayEngine, RayOptions, plan
+from retrieval.distributed import RayEngine, RayOptions, plan, window_rows
 from retrieval.encoder import EncoderSpec
 from retrieval.errors import ConfigError, CorpusError
 from retrieval.index import IndexSpec
@@ -179,6 +179,11 @@ def assert_same_index(a: Path, b: Path, encoder, vectors_atol: float = 0.0) -> N
 
 
 # ----- tests --------------------------------------------------------------------------------------------------
+def test_ray_windows_grow_with_the_corpus() -> None:
+    assert window_rows(0) == window_rows(5183) == window_rows(1_000_000) == 512
+    assert window_rows(10_000_000) == 8192 and window_rows(100_000_000) == window_rows(10**9) == 65536
+
+
 def test_plan_covers_every_window_once() -> None:
     assert plan(0, 0, 2, 16) == []
     assert plan(3, 14, 2, 16) == [(a, a + 1) for a in range(3, 14)]  # 11 windows for 2 workers: one each
