@@ -62,10 +62,12 @@ TASKS_PER_WORKER = 4  # windows are grouped into about this many tasks per worke
 MAX_TASK_WINDOWS = 16  # ... and at most this many windows per task (what a retry repeats)
 CHECK_TASK_ROWS = 65536  # rows per window when validating (as Corpus.validate reads) ...
 CHECK_TASK_WINDOWS = 64  # ... and windows per validation task (reading ids and texts is cheap)
-FILL_ROWS = 20_000_000  # IVF indexes of at least this many rows are filled in shards on Ray, then merged. Adding
-# costs ~N x nlist x k multiply-adds (assignment to the nearest list): at 20M rows, nlist 4 sqrt(N) = 18k lists and
-# k = 128 that is 4.6e13, about a minute on one 32-core node; below, task start-up and shard I/O eat the gain, and
-# on one machine FAISS's own threads already use every core (docs/scale.md).
+FILL_ROWS = 100_000_000  # IVF indexes of at least this many rows are filled in shards on Ray, then merged. Adding
+# assigns each row to its nearest list: N x nlist x k multiply-adds, at ~44 G/s per core here
+# (results/scale: 1M rows, 4,000 lists, k = 256 in 11.6 s on 2 cores). At 100M rows, nlist = 4 sqrt(N) = 40,000 and
+# k = 256 that is ~6 min on one 64-core node, and shards across nodes bring it to about a minute of compute plus
+# the shards' I/O; at 1B rows, ~3 h to minutes. Below 100M the gain is seconds, and on one machine FAISS's own
+# threads already use every core (docs/scale.md).
 OBJECT_STORE_BYTES = 512 << 20  # a local cluster's object store: only metadata passes through it
 WARM_UP_TEXTS = ["a short warm-up text", "a somewhat longer warm-up text, to time a padded batch"]
 
