@@ -224,9 +224,21 @@ class RayEngine:
         self._ray()
 
     def workers(self) -> int:
-        if self.options.workers is not None:
-            return self.options.workers
-        return max(1, int(self._ray().cluster_resources().get("CPU", 1)))
+        """``workers``, or one per CPU of the cluster; more than its CPUs can hold is refused on a Ray started
+        here (the pool would wait for actors that never start) and a warning on a cluster that may grow."""
+        cpus = float(self._ray().cluster_resources().get("CPU", 1))
+        if self.options.workers is None:
+            return max(1, int(cpus))
+        need = self.options.workers * self.options.cpus_per_worker
+        if need > cpus:
+            message = (
+                f"{self.options.workers} `workers` of {self.options.cpus_per_worker:g} CPU need {need:g} CPUs; "
+                f"this Ray has {cpus:g}"
+            )
+            if self._started is not None:
+                raise ConfigError(message + ": ask for fewer", "workers")
+            log.warning("%s: the pool waits until the cluster grows", message)
+        return self.options.workers
 
     # ----- validation ---------------------------------------------------------------------------------------
     def validate(self, source: Corpus) -> CorpusReport:
@@ -389,15 +401,21 @@ class EncodeWindows:
     ):
         started = time.perf_counter()
         self.source, self.pooling, self.window_rows = source, pooling, window_rows
-        self.encoder = make_encoder()
         self.stash = VectorStash(Path(stash_root), stash_state)
-        self.info = json.dumps(self.encoder.info().to_dict())
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.failed: RetrievalError | None = None
+        try:
+            self.encoder = make_encoder()
+            self.info = json.dumps(self.encoder.info().to_dict())
+        except RetrievalError as err:  # no model on this node, say: told to the driver with the first task
+            self.failed = err
         self.init_s = time.perf_counter() - started
 
     def __call__(self, units: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         rows: list[dict[str, Any]] = []
         try:
+            if self.failed is not None:
+                raise self.failed
             for start, stop in zip(units["start"], units["stop"], strict=True):
                 batches = iter(self.source.batches(self.window_rows, int(start), int(stop)))
                 for window in range(int(start), int(stop)):

@@ -11,6 +11,7 @@ Run as a script, this file is a build driver the resume test kills (``python tes
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import signal
@@ -37,7 +38,7 @@ from retrieval.cli import app
 from retrieval.corpus import CorpusSpec
 from retrieval.distributed import RayEngine, RayOptions, plan, window_rows
 from retrieval.encoder import EncoderSpec
-from retrieval.errors import ConfigError, CorpusError
+from retrieval.errors import ConfigError, CorpusError, ModelError
 from retrieval.index import IndexSpec
 from retrieval.indexdir import STASH, IndexDir
 from retrieval.search import Searcher, SearchParams
@@ -81,6 +82,13 @@ class DyingEncoder(LoggingEncoder):
             self.marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
         return super().encode(texts)
+
+
+class NoModelHere(FakeEncoder):
+    """An encoder that cannot load on the workers (a node without the model)."""
+
+    def __init__(self) -> None:
+        raise ModelError("cannot load model 'fake' offline or from the hub: install it on every node")
 
 
 class Make:
@@ -257,7 +265,9 @@ def test_a_killed_driver_resumes_from_its_registered_parts(cluster: str, folder:
     assert_same_index(tmp_path / "local", out, FakeEncoder())
 
 
-def test_workers_give_the_local_verdicts_on_bad_input(cluster: str, tmp_path: Path) -> None:
+def test_workers_give_the_local_verdicts_on_bad_input(
+    cluster: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     folder = split_corpus(tmp_path / "c", (40, 30))
     pq.write_table(pa.table({"id": ["doc5"], "text": ["again"]}), folder / "part-7.parquet")
     engine = RayEngine(FakeEncoder, RayOptions(workers=2))  # joins this module's Ray; ``close`` leaves it
@@ -271,6 +281,15 @@ def test_workers_give_the_local_verdicts_on_bad_input(cluster: str, tmp_path: Pa
     pq.write_table(pa.table({"id": ["x", None], "text": ["a", "b"]}), folder / "part-7.parquet")
     with pytest.raises(CorpusError, match=r"column 'id' of .*part-7\.parquet has null ids"):
         build_index(CorpusSpec(folder), FakeEncoder(), tmp_path / "out", SPEC, engine=engine)
+    split_corpus(folder, (40, 30))
+    (folder / "part-7.parquet").unlink()
+    with RayEngine(NoModelHere, RayOptions(workers=2)) as no_model:
+        with pytest.raises(ModelError, match="install it on every node"):
+            build_index(CorpusSpec(folder), FakeEncoder(), tmp_path / "out", SPEC, engine=no_model)
+    too_wide = RayEngine(FakeEncoder, RayOptions(workers=3, cpus_per_worker=1))
+    with caplog.at_level(logging.WARNING, logger="retrieval.distributed"):
+        assert too_wide.workers() == 3  # refused on a Ray the engine starts; on one it joins, the cluster may grow
+    assert "3 `workers` of 1 CPU need 3 CPUs; this Ray has 2" in caplog.text
     np.save(tmp_path / "v.npy", np.ones((4, 3), dtype=np.float32))
     with pytest.raises(ConfigError, match="precomputed vectors need no encoding"):
         build_index(CorpusSpec(tmp_path / "v.npy"), None, tmp_path / "out", SPEC, engine=engine)
