@@ -6,15 +6,15 @@ memory is its own: the parent samples the PSS of the child's whole process tree 
 agents and workers) every 0.25 s. Variants, interleaved round-robin so background load hits each alike:
 
     local-2048   the local engine, its default windows of 2,048 rows (one process, torch on every core)
-    local-512    the local engine with Ray's windows of 512 rows (isolates the window size)
     ray-512      the Ray engine: 2 actors x 0.5 CPU x 1 torch thread, windows of 512 rows
+    local-512    the local engine with Ray's windows of 512 rows (isolates the window size)
 
 Precision is fixed to bf16 (what "auto" picks on this CPU) so a timing decision under load cannot flip one run
 to fp32. Where Ray's extra time goes comes from the engine's own PassStats: cluster start, the validation pass
 as Ray tasks, actor start (import torch, load the model), the workers' busy time per window, the tail, adopt
 (registering parts and merging moments on the driver) and the metadata returned (mostly m2, 8 d^2 bytes/window).
 
-    flock /work/bench.lock python scripts/bench_distributed.py         # full run (~10 min on 2 cores)
+    flock /work/bench.lock python scripts/bench_distributed.py         # full run (~10 min on 2 idle cores)
     python scripts/bench_distributed.py --rows 600 --repeats 1         # smoke run
 """
 
@@ -42,7 +42,7 @@ import benchlib  # noqa: E402
 
 HERE = Path(__file__).resolve()
 SCIFACT = benchlib.REPO.parent / "shared" / "data" / "scifact" / "corpus.parquet"
-VARIANTS = {"local-2048": ("local", 2048), "local-512": ("local", 512), "ray-512": ("ray", 512)}
+VARIANTS = {"local-2048": ("local", 2048), "ray-512": ("ray", 512), "local-512": ("local", 512)}
 MODEL = "all-MiniLM-L6-v2"
 WORKERS = 2
 
@@ -240,6 +240,7 @@ def overheads(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def write_results(report: dict[str, Any], folder: Path) -> None:
     (folder / "bench_distributed.json").write_text(json.dumps(report, indent=1))
+    (folder / "bench_distributed.partial.json").unlink(missing_ok=True)
     rows = report["summary"]
     by = {r["variant"]: r for r in rows}
     lines = [
@@ -314,7 +315,7 @@ def main() -> None:
             corpus = work / "corpus.parquet"
             pq.write_table(pq.read_table(SCIFACT).slice(0, args.rows), corpus)
         rows = pq.read_metadata(corpus).num_rows
-        runs = []
+        runs: list[dict[str, Any]] = []
         for repeat in range(args.repeats):
             for variant in args.variants.split(","):
                 report = run_child(variant, corpus, work / variant)
@@ -324,12 +325,18 @@ def main() -> None:
                     flush=True,
                 )
                 runs.append(report)
+                save(args, info, rows, runs, final=False)  # a run cut short still leaves what it measured
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    save(args, info, rows, runs, final=True)
+
+
+def save(args: argparse.Namespace, info: dict[str, Any], rows: int, runs: list[dict[str, Any]], final: bool) -> None:
     summary = summarise(runs)
     command = " ".join(["flock /work/bench.lock python scripts/bench_distributed.py", *sys.argv[1:]])
     report = {
         "command": command,
+        "complete": final,
         "machine": info,
         "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         "corpus_rows": rows,
@@ -339,7 +346,11 @@ def main() -> None:
         "summary": summary,
         "overheads": overheads(summary),
     }
-    write_results(report, benchlib.out_dir(args.results.name, args.results.parent))
+    folder = benchlib.out_dir(args.results.name, args.results.parent)
+    if final:
+        write_results(report, folder)
+    else:
+        (folder / "bench_distributed.partial.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
