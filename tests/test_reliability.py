@@ -158,7 +158,7 @@ def test_parquet_corrupt_in_the_middle(tiny_bert: Path, tmp_path: Path) -> None:
     middle = len(data) // 2
     data[middle : middle + 4000] = bytes(4000)
     path.write_bytes(bytes(data))
-    one_line(build_from(tiny_bert, path, tmp_path / "out"), "c.parquet cannot be read after row", "corrupt")
+    one_line(build_from(tiny_bert, path, tmp_path / "out"), "c.parquet cannot be read from row", "corrupt")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path / "out") == []
 
 
