@@ -13,13 +13,23 @@ import logging
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from retrieval import files
-from retrieval.corpus import Corpus, CorpusSpec
+from retrieval.corpus import Corpus, CorpusReport, CorpusSpec
 from retrieval.encoder import Encoder, EncoderInfo
-from retrieval.errors import ConfigError, RetrievalError
-from retrieval.index import IndexSpec, create_index, default_search_params, describe, set_search_params, train
+from retrieval.errors import ConfigError, IndexDirError, RetrievalError
+from retrieval.index import (
+    IndexSpec,
+    check_buildable,
+    create_index,
+    default_search_params,
+    describe,
+    set_search_params,
+    train,
+)
 from retrieval.index import train_size as training_rows
 from retrieval.indexdir import (
     OWN_NAMES,
@@ -67,6 +77,23 @@ class BuildOptions:
             raise ConfigError(f"`window_rows` must be at least 1 (got {self.window_rows})", "window_rows")
 
 
+class Engine(Protocol):
+    """Where pass 1 runs when not in this process (``retrieval.distributed.RayEngine``).
+
+    ``validate`` checks the whole corpus as ``Corpus.validate`` does. ``ingest`` encodes windows ``skip`` onwards
+    of ``window_rows`` rows elsewhere and hands each window's part to ``ingest.adopt`` in window order, so the
+    stash and the moments end as the local loop leaves them."""
+
+    def validate(self, source: Corpus) -> CorpusReport: ...
+
+    def ingest(self, source: Corpus, ingest: Ingest, skip: int, window_rows: int) -> None: ...
+
+    def fill(self, index: Any, stash: VectorStash, transform: Whitening | RawTransform, pooling: str | None) -> Any:
+        """Pass 2's adds, in parallel where that pays: the trained ``index`` filled with every stash row in
+        row order, or None to leave it to the local loop."""
+        ...
+
+
 def build_index(
     corpus: CorpusSpec,
     encoder: Encoder | None,
@@ -75,30 +102,33 @@ def build_index(
     index: IndexSpec = IndexSpec(),
     options: BuildOptions = BuildOptions(),
     progress: Progress = no_progress,
+    engine: Engine | None = None,
 ) -> Manifest:
     """Build a complete index directory at ``out`` and return its manifest.
 
     ``encoder`` may be None only when the corpus supplies precomputed vectors. Nothing is written at ``out``
-    unless the whole build succeeds; one process at a time builds at ``out``.
+    unless the whole build succeeds; one process at a time builds at ``out``. ``engine`` runs the corpus passes
+    (and a large IVF index's adds) on a Ray cluster; the verdicts, fit, index, manifest and publish are the same.
     """
-    out = Path(out)
+    out = files.resolved(out)
     check_target(out, options.overwrite)
     options.check()
     index.check()
-    with files.writing(out):
-        return _build(corpus, encoder, out, transform, index, options, progress)
+    with files.write_errors(out), files.writing(out):
+        return _build(corpus, encoder, out, transform, index, options, progress, engine)
 
 
 def check_target(out: Path, overwrite: bool) -> None:
     """Refuse a target that exists, unless ``overwrite`` and it is an index this tool built (never a user's
     folder or file: refused, untouched). An empty folder has nothing to lose and is built into."""
-    empty_dir = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    out = files.resolved(out)  # a link to an index: the index it names is what gets replaced
+    empty_dir = out.is_dir() and not any(out.iterdir())
     if not out.exists() or empty_dir:
         return
     if not overwrite:
         raise ConfigError(f"{out} already exists; pass `overwrite` to replace it, or choose another `out`", "overwrite")
     if not is_index_dir(out):
-        what = "a symbolic link" if out.is_symlink() else "a file" if not out.is_dir() else "a directory"
+        what = "a file" if not out.is_dir() else "a directory"
         raise ConfigError(
             f"{out} is {what}, not a retrieval index; `overwrite` only replaces an index built by retrieval: "
             "choose another `out`",
@@ -114,11 +144,12 @@ def _build(
     index: IndexSpec,
     options: BuildOptions,
     progress: Progress,
+    engine: Engine | None = None,
 ) -> Manifest:
     timer = Timer()
     with timer.stage("validate"):
         source = Corpus(corpus)
-        report = source.validate()
+        report = engine.validate(source) if engine else source.validate()
         d = input_dim(source, encoder)
         transform.check(d)
         poolings = poolings_for(encoder if not source.precomputed else None, options.extra_poolings)
@@ -127,6 +158,7 @@ def _build(
             raise ConfigError(
                 f"cannot fit on pooling {fit_pooling!r}: this build stashes {', '.join(poolings)}", "pooling"
             )
+        check_buildable(index, transform.dim or d, report.usable)
     work = files.work_dir(out)
     stash, skip = _open_stash(work, source, encoder, d, poolings, options)  # a refused resume keeps its work
     try:
@@ -135,12 +167,20 @@ def _build(
             for block in stash.iter_blocks(pooling=fit_pooling):  # rows a resumed build already has
                 ingest.moments.update(block)
             progress("encode", len(stash), report.usable)
-            for batch in source.batches(options.window_rows, skip_batches=skip):
-                ingest(batch)
+            if engine is None:
+                for batch in source.batches(options.window_rows, skip_batches=skip):
+                    ingest(batch)
+            else:  # the same windows, encoded by the engine's workers and adopted here in window order
+                engine.ingest(source, ingest, skip, options.window_rows)
         spec = replace(transform, pooling=fit_pooling)
-        transform_record, index_record = write_version(work, stash, ingest.moments, spec, index, timer, progress)
-    except RetrievalError:  # a user's error cannot be resumed: nothing is left behind
+        transform_record, index_record = write_version(
+            work, stash, ingest.moments, spec, index, timer, progress, engine
+        )
+    except (RetrievalError, OSError):  # a user's error or a full disk: nothing to resume, nothing left behind
         shutil.rmtree(work, ignore_errors=True)
+        raise
+    except KeyboardInterrupt:
+        log.warning("interrupted: the encoded parts are kept in %s; rerun with --resume to continue", work)
         raise
     info = encoder.info() if encoder else EncoderInfo(kind="vectors", dim=d, column=corpus.vectors_column)
     manifest = Manifest(
@@ -193,6 +233,7 @@ def _open_stash(
     }
     stash_dir = work / STASH
     if options.resume and (stash_dir / "stash.json").is_file():
+        _check_no_links(work)
         stash = VectorStash.open(stash_dir)
         found = _flat(stash.meta) | {"poolings": stash.poolings, "stash_dtype": stash.dtype}
         wanted = _flat(json.loads(json.dumps(meta))) | {"poolings": poolings, "stash_dtype": options.stash_dtype}
@@ -222,6 +263,17 @@ def _open_stash(
         shutil.rmtree(work)
     work.mkdir(parents=True)
     return VectorStash.create(stash_dir, d, poolings, options.stash_dtype, meta), 0
+
+
+def _check_no_links(work: Path) -> None:
+    """A work directory holding a symbolic link (planted, or copied in) could make a resume delete or write
+    files outside the index: refuse it rather than follow it."""
+    for path in [work, *work.rglob("*")]:
+        if path.is_symlink():
+            raise IndexDirError(
+                f"the unfinished build in {work} contains a symbolic link ({path.name}); remove {work} and "
+                "build again without `resume`"
+            )
 
 
 def _identity(info: dict[str, Any] | None) -> Any:
@@ -256,13 +308,14 @@ def write_version(
     index_spec: IndexSpec,
     timer: Timer,
     progress: Progress,
+    engine: Engine | None = None,
 ) -> tuple[TransformRecord, IndexRecord]:
     """Fit, fill the index from the stash, and write everything but the manifest into ``work``."""
     assert spec.pooling is not None
     with timer.stage("fit"):
         transform = spec.fit(moments)
     with timer.stage("index"):
-        faiss_index = fill_index(stash, transform, index_spec, spec.pooling, progress)
+        faiss_index = fill_index(stash, transform, index_spec, spec.pooling, progress, engine=engine)
     with timer.stage("write"):
         save_transform(work, transform)
         save_moments(work, moments)
@@ -288,8 +341,10 @@ def fill_index(
     pooling: str | None = None,
     progress: Progress = no_progress,
     timer: Timer | None = None,
+    engine: Engine | None = None,
 ) -> Any:
-    """Pass 2: train on a transformed sample where the index needs it, then add the stash block by block.
+    """Pass 2: train on a transformed sample where the index needs it, then add the stash block by block
+    (or let ``engine`` fill shards of a large IVF index in parallel and merge them).
 
     ``timer`` (optional) gets the stages "train" (sample, transform, train) and "add" (read, transform, add)."""
     n = len(stash)
@@ -299,9 +354,21 @@ def fill_index(
     if sample_rows:
         with timer.stage("train"):
             train(index, transform.transform(stash.sample(sample_rows, pooling=pooling)))
-    for block in stash.iter_blocks(BLOCK_ROWS, pooling=pooling):
-        with timer.stage("add"):
-            index.add(transform.transform(block))
-        progress("index", block.shape[0], n)
+    filled = engine.fill(index, stash, transform, pooling) if engine else None
+    if filled is not None:  # shards filled in parallel and merged
+        index = filled
+        progress("index", n, n)
+    else:
+        for block in stash.iter_blocks(BLOCK_ROWS, pooling=pooling):
+            with timer.stage("add"):
+                vectors = transform.transform(block)
+                if not np.isfinite(vectors).all():  # never publish an index of NaN or inf vectors
+                    raise ConfigError(
+                        "the transform gives non-finite vectors on this data; use a larger `epsilon` or a smaller "
+                        "`gamma`",
+                        "epsilon",
+                    )
+                index.add(vectors)
+            progress("index", block.shape[0], n)
     set_search_params(index, **default_search_params(index, spec))
     return index

@@ -31,7 +31,7 @@ def docstring_paragraphs(stdlib: Path | None = None, min_words: int = 8) -> Iter
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
-        for name, node in _documented(tree, module):
+        for name, node in documented(tree, module):
             doc = ast.get_docstring(node, clean=True) or ""
             for number, paragraph in enumerate(p for p in doc.split("\n\n") if len(p.split()) >= min_words):
                 yield f"{name}#{number}", name, " ".join(paragraph.split())
@@ -40,7 +40,8 @@ def docstring_paragraphs(stdlib: Path | None = None, min_words: int = 8) -> Iter
 Documented = ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
 
 
-def _documented(tree: ast.Module, module: str) -> Iterator[tuple[str, Documented]]:
+def documented(tree: ast.Module, module: str) -> Iterator[tuple[str, Documented]]:
+    """(qualified name, node) of a module, its classes and functions, and the classes' methods."""
     yield module, tree
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):

@@ -9,8 +9,10 @@ import json
 import logging
 import os
 import platform
+import socket
 import threading
 import time
+import urllib.parse
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
@@ -184,6 +186,18 @@ def weights_sha256(folder: Path) -> str | None:
     return None
 
 
+def _hub_offline(timeout: float = 2.0) -> bool:
+    """True when the Hugging Face hub cannot be used: offline mode set, or its host not reachable now."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return True
+    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or ""
+    try:
+        socket.create_connection((host, 443), timeout).close()
+    except OSError:
+        return True
+    return False
+
+
 def cpu_model() -> str:
     """This CPU's model name (what a measured precision choice is valid for)."""
     try:
@@ -248,18 +262,27 @@ class TransformerEncoder:
         precision: str = "auto",
     ):
         EncoderSpec(model, pooling, max_length, batch_size, precision).check()
-        import torch
-        import transformers
-        from transformers import AutoModel, AutoTokenizer
+        try:
+            import torch
+            import transformers
+            from transformers import AutoModel, AutoTokenizer
+        except ImportError as err:
+            raise ModelError(
+                f"encoding text needs torch and transformers ({err}); install them: `pip install torch==2.13.0` "
+                "first (the CPU wheel), then `pip install transformers`"
+            ) from err
 
         transformers.utils.logging.disable_progress_bar()
 
         self.name = model
         self.folder = resolve_model(model)
         source = str(self.folder) if self.folder else model
+        # A hub name: the local cache first; the network only if the hub answers at all (with no network,
+        # huggingface_hub retries for ~50 s before giving up). trust_remote_code stays False: no model's code runs.
+        offline = self.folder is not None or _hub_offline()
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(source)
-            self.model = AutoModel.from_pretrained(source).eval()
+            self.tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
+            self.model = AutoModel.from_pretrained(source, local_files_only=offline).eval()
         except (OSError, ValueError) as err:
             hint = (
                 f"install the default with `{INSTALL_DEFAULT}`"

@@ -40,6 +40,12 @@ class BusyError(IndexDirError):
     """Another process is writing the index directory."""
 
 
+class Interrupted(RetrievalError):
+    """The user stopped the command (Ctrl-C); the message says what was kept and how to continue."""
+
+    exit_code = 130
+
+
 def render(err: BaseException, name: Callable[[str], str]) -> str:
     """The message with every `param` replaced by ``name(param)``, and nothing else changed."""
     return PARAM.sub(lambda match: name(match.group(1)), str(err))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.errors import BusyError
+from retrieval.errors import BusyError, IndexDirError
 
 QUICK_FULL_BELOW = 64 << 20  # files smaller than this are hashed whole even by the quick check
 QUICK_BLOCKS, QUICK_BLOCK_BYTES = 64, 1 << 16  # larger ones: 64 blocks of 64 KiB spread from first byte to last
@@ -42,6 +43,37 @@ def quick_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+@contextmanager
+def write_errors(target: Path) -> Iterator[None]:
+    """A full disk, a read-only tree or a permission refused while writing ``target``: one line, not a traceback.
+
+    Writers publish only complete versions, so whatever failed, the previous index is unchanged."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in WRITE_ERRNOS:
+            raise
+        where = err.filename or target
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise IndexDirError(
+                f"no space left on the device while writing {where}; free some space and run again "
+                f"(the previous index at {target}, if any, is unchanged)"
+            ) from err
+        raise IndexDirError(
+            f"cannot write {where} ({err.strerror}); index, add and refit need a writable directory "
+            "(search works on a read-only index)"
+        ) from err
+
+
+def resolved(target: Path) -> Path:
+    """``target`` with symbolic links resolved: writers replace the real directory (a link to it stays valid),
+    and one lock guards it whichever alias names it."""
+    return Path(target).expanduser().resolve()
+
+
 def inside(root: Path, name: str) -> bool:
     """True when ``name`` is a plain relative path that stays inside ``root``, symbolic links resolved."""
     path = Path(name)
@@ -53,8 +85,11 @@ def inside(root: Path, name: str) -> bool:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary name beside ``path``, flush to disk, then rename: readers see old or new, never half."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write to a temporary name beside ``path``, flush to disk, then rename: readers see old or new, never half.
+
+    The temporary name is the writing process's own, so two processes writing the same file (a retried Ray task
+    and a dying attempt of it) never interleave their bytes in one temporary file."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()

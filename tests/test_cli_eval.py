@@ -9,12 +9,11 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import click
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import write_corpus
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from retrieval.cli import app
 from retrieval.encoder import TransformerEncoder
@@ -25,16 +24,16 @@ runner = CliRunner()
 METRICS = ("nDCG@10", "Recall@10", "Recall@100", "MRR@10", "MAP@100")
 
 
-def run(*args: str | Path | int) -> click.testing.Result:
+def run(*args: str | Path | int) -> Result:
     return runner.invoke(app, [str(a) for a in args])
 
 
-def ok(result: click.testing.Result) -> click.testing.Result:
+def ok(result: Result) -> Result:
     assert result.exit_code == 0, (result.output, result.exception)
     return result
 
 
-def one_error_line(result: click.testing.Result, *fragments: str) -> str:
+def one_error_line(result: Result, *fragments: str) -> str:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.exit_code == 1, (result.exit_code, result.output)
     assert len(lines) == 1 and lines[0].startswith("error: "), lines

@@ -18,7 +18,7 @@ from retrieval import update
 from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, IndexDirError
-from retrieval.indexdir import MANIFEST, RESCORE, RESCORE_DEPTH, IndexDir, Manifest, RescoreRecord
+from retrieval.indexdir import MANIFEST, RESCORE, RESCORE_DEPTH, IndexDir, Manifest, RescoreRecord, checksum
 from retrieval.moments import RunningMoments
 from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import TransformSpec, Whitening, l2_normalize
@@ -104,7 +104,8 @@ def test_no_stash_no_rescoring(corpus: Path, tmp_path: Path, monkeypatch: pytest
 def test_a_manifest_without_the_record_gets_the_default_rule(reduced: Path, tmp_path: Path) -> None:
     old = Path(shutil.copytree(reduced, tmp_path / "old"))
     data = json.loads((old / MANIFEST).read_text())
-    del data["rescore"]  # as written before re-scoring had a default
+    del data["rescore"]  # as written before re-scoring had a default (self-consistent: its own checksum redone)
+    data["checksum"] = checksum(data)
     (old / MANIFEST).write_text(json.dumps(data))
     manifest = Manifest.load(old)
     assert manifest.rescore is None and manifest.rescoring == RescoreRecord(RESCORE_DEPTH, RAW16)

@@ -1,0 +1,908 @@
+"""The reliability campaign: every fault and bad input a hostile user or a real deployment throws, one test each.
+
+Each test is registered with ``@case(area, what is tried, what happens)``; the README's reliability table is
+generated from that registry (``python tests/test_reliability.py --table``) and a test keeps the two equal.
+
+Run as a script with ``writer ...``, this file is also the writer process that the fault tests kill: ``add`` or
+``refit`` of an index with a slow fake encoder, optionally paused at a named point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import ROOT, FakeEncoder, write_corpus
+from typer.testing import CliRunner, Result
+
+from retrieval import files, update
+from retrieval.build import BuildOptions, build_index
+from retrieval.cli import app
+from retrieval.corpus import CorpusSpec
+from retrieval.errors import ConfigError, IndexDirError
+from retrieval.evaluate import Queries
+from retrieval.indexdir import INDEX, MANIFEST, STASH, IndexDir, Manifest
+from retrieval.search import Searcher, SearchParams
+from retrieval.tune import tune_index
+from retrieval.whitening import TransformSpec
+
+HERE = Path(__file__).resolve()
+CASES: list[tuple[str, str, str]] = []
+runner = CliRunner()
+
+
+def case(area: str, tried: str, happens: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a test as one row of the README's reliability table."""
+
+    def register(test: Callable[..., Any]) -> Callable[..., Any]:
+        CASES.append((area, tried, happens))
+        return test
+
+    return register
+
+
+def table() -> str:
+    rows = ["| area | what is tried | what happens |", "|---|---|---|"]
+    rows += [f"| {area} | {tried} | {happens} |" for area, tried, happens in CASES]
+    return "\n".join(rows) + "\n"
+
+
+# ----- helpers -----------------------------------------------------------------------------------------------
+def run(*args: str | Path | int) -> Result:
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def one_line(result: Result, *fragments: str, code: int = 1) -> str:
+    """The command failed with ``code``, exactly one line on stderr (starting "error: "), no traceback."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == code, (result.exit_code, result.output, result.exception)
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def ok(result: Result) -> Result:
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Hidden work or lock entries beside an index (none after a finished, failed or interrupted write)."""
+    return sorted(p.name for p in directory.parent.iterdir() if p.name.startswith(f".{directory.name}."))
+
+
+def table_file(path: Path, **columns: Any) -> Path:
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def texts(n: int, prefix: str = "document number") -> list[str]:
+    return [f"{prefix} {i} about topic {i % 7}" for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cli_index(tiny_bert: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One index built through the CLI with the tiny BERT, shared read-only (tests that change it copy it)."""
+    root = tmp_path_factory.mktemp("reliability")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RETRIEVAL_INDEX_ROOT", str(root / "indexes"))
+        corpus = write_corpus(root / "corpus.parquet", n=120)
+        ok(run("index", corpus, "--model", tiny_bert, "--dim", 8, "--out", root / "idx"))
+    return root / "idx"
+
+
+@pytest.fixture
+def copy(cli_index: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(cli_index, tmp_path / "idx"))
+
+
+@pytest.fixture
+def fake_index(tmp_path: Path) -> Path:
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=300)
+    build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "fidx", TransformSpec(dim=8))
+    return tmp_path / "fidx"
+
+
+def new_docs(path: Path, n: int = 20, prefix: str = "new") -> Path:
+    return table_file(path, id=[f"{prefix}{i}" for i in range(n)], text=texts(n, "a brand new passage"))
+
+
+def build_from(tiny_bert: Path, corpus: Path, out: Path, *options: str | int) -> Result:
+    return run("index", corpus, "--model", tiny_bert, "--dim", 4, "--out", out, *options)
+
+
+# ----- inputs ------------------------------------------------------------------------------------------------
+@case("input", "zero-byte parquet", "one line (not a readable parquet file); nothing written")
+def test_zero_byte_parquet(tiny_bert: Path, tmp_path: Path) -> None:
+    (tmp_path / "c.parquet").write_bytes(b"")
+    one_line(build_from(tiny_bert, tmp_path / "c.parquet", tmp_path / "out"), "not a readable parquet file")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path / "out") == []
+
+
+@case("input", "truncated parquet (footer cut)", "one line (not a readable parquet file); nothing written")
+def test_truncated_parquet(tiny_bert: Path, tmp_path: Path) -> None:
+    good = write_corpus(tmp_path / "good.parquet", n=200)
+    (tmp_path / "c.parquet").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    one_line(build_from(tiny_bert, tmp_path / "c.parquet", tmp_path / "out"), "not a readable parquet file")
+    assert not (tmp_path / "out").exists()
+
+
+@case(
+    "input", "parquet corrupted in the middle (a data page zeroed)", "one line naming the file and row; nothing written"
+)
+def test_parquet_corrupt_in_the_middle(tiny_bert: Path, tmp_path: Path) -> None:
+    rows = [" ".join(f"word{(i * 7 + j) % 997}" for j in range(40)) for i in range(3000)]
+    path = table_file(tmp_path / "c.parquet", id=[f"d{i}" for i in range(3000)], text=rows)
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4000] = bytes(4000)
+    path.write_bytes(bytes(data))
+    one_line(build_from(tiny_bert, path, tmp_path / "out"), "c.parquet cannot be read from row", "corrupt")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize(
+    ("column", "shown"),
+    [
+        (pa.array([["x", "y"], ["z"], ["w"]]), "list<"),
+        (pa.array([{"a": 1}, {"a": 2}, {"a": 3}]), "struct<"),
+        (pa.array([1, 2, 3]), "int64"),
+    ],
+    ids=["list", "struct", "int"],
+)
+@case("input", "text column of list, struct or integer type", "one line naming the column and its type")
+def test_text_column_of_the_wrong_type(tiny_bert: Path, tmp_path: Path, column: pa.Array, shown: str) -> None:
+    path = table_file(tmp_path / "c.parquet", id=["a", "b", "c"], text=column)
+    one_line(build_from(tiny_bert, path, tmp_path / "out"), "column 'text'", shown, "not text")
+
+
+@case("input", "binary text column with invalid UTF-8", "one line naming the column and the row")
+def test_binary_text_with_invalid_utf8(tiny_bert: Path, tmp_path: Path) -> None:
+    column = pa.array([b"fine text", b"\xff\xfe not utf-8", b"more"], pa.binary())
+    path = table_file(tmp_path / "c.parquet", id=["a", "b", "c"], text=column)
+    one_line(build_from(tiny_bert, path, tmp_path / "out"), "column 'text'", "not UTF-8 text (row 1)")
+
+
+@case("input", "binary (valid UTF-8), dictionary-encoded and large_string text columns", "built like plain strings")
+def test_text_column_encodings_that_work(tmp_path: Path) -> None:
+    words = texts(30)
+    columns = {
+        "binary": pa.array([w.encode() for w in words], pa.binary()),
+        "dictionary": pa.array(words).dictionary_encode(),
+        "large_string": pa.array(words, pa.large_string()),
+    }
+    for name, column in columns.items():
+        path = table_file(tmp_path / f"{name}.parquet", id=[f"d{i}" for i in range(30)], text=column)
+        build_index(CorpusSpec(path), FakeEncoder(), tmp_path / name, TransformSpec(dim=4))
+        docs = IndexDir(tmp_path / name).docs()
+        assert docs.texts(range(30)) == words, name
+
+
+@case("input", "null ids", "one line: every row needs an id")
+def test_null_ids(tiny_bert: Path, tmp_path: Path) -> None:
+    path = table_file(tmp_path / "c.parquet", id=["a", None, "c"], text=texts(3))
+    one_line(build_from(tiny_bert, path, tmp_path / "out"), "null ids")
+
+
+@case("input", "integer ids; float ids", "integers become their decimal strings; floats are refused in one line")
+def test_integer_and_float_ids(tiny_bert: Path, tmp_path: Path) -> None:
+    path = table_file(tmp_path / "i.parquet", id=pa.array([10, 20, 30, 40], pa.int64()), text=texts(4))
+    build_index(CorpusSpec(path), FakeEncoder(), tmp_path / "ints", TransformSpec(dim=2))
+    assert IndexDir(tmp_path / "ints").docs().ids == ["10", "20", "30", "40"]
+    path = table_file(tmp_path / "f.parquet", id=[1.0, 2.0, 3.5], text=texts(3))
+    one_line(build_from(tiny_bert, path, tmp_path / "out"), "column 'id'", "double", "not strings or integers")
+
+
+@case("input", "a 1 MB text in one row", "encoded truncated to the model's max length; the full text is kept")
+def test_a_megabyte_text(tiny_bert: Path, tmp_path: Path) -> None:
+    big = "whitening vectors search " * 42_000  # ~1 MB
+    path = table_file(tmp_path / "c.parquet", id=["big", *[f"d{i}" for i in range(20)]], text=[big, *texts(20)])
+    ok(build_from(tiny_bert, path, tmp_path / "out"))
+    searcher = Searcher.load(tmp_path / "out")
+    assert searcher.docs.texts([0]) == [big]
+    assert searcher.search("whitening vectors search", SearchParams(k=21))
+
+
+@case(
+    "input",
+    "NUL, control characters and emoji in texts and ids",
+    "stored intact; JSON output exact; tables escape them",
+)
+def test_control_characters_and_emoji(tiny_bert: Path, tmp_path: Path) -> None:
+    weird = ["nul\x00inside", "bell\x07and \x1b[31mred\x1b[0m", "emoji 😀 document", "tab\tand\nnewline"]
+    ids = ["id\x00nul", "id\x1b[2J", "id😀", "id\n2"]
+    path = table_file(tmp_path / "c.parquet", id=ids + [f"d{i}" for i in range(20)], text=weird + texts(20))
+    ok(build_from(tiny_bert, path, tmp_path / "out"))
+    found = ok(run("search", "emoji 😀 document", "--index", tmp_path / "out", "--json", "-k", 24)).stdout
+    hits = [json.loads(line) for line in found.splitlines()]
+    assert {h["id"]: h["text"] for h in hits if h["id"] in ids} == dict(zip(ids, weird, strict=True))
+    shown = ok(run("search", "emoji", "--index", tmp_path / "out", "-k", 24)).stdout
+    assert "\x1b" not in shown and "\x07" not in shown and "\x00" not in shown
+    assert "\\x1b[31mred" in shown and "😀" in shown
+
+
+@case("input", "a 100,000-character id", "stored and returned intact")
+def test_a_very_long_id(tmp_path: Path) -> None:
+    long_id = "x" * 100_000
+    path = table_file(tmp_path / "c.parquet", id=[long_id, *[f"d{i}" for i in range(20)]], text=texts(21))
+    build_index(CorpusSpec(path), FakeEncoder(), tmp_path / "out", TransformSpec(dim=4))
+    searcher = Searcher.load(tmp_path / "out", encoder=FakeEncoder())
+    assert searcher.search(texts(21)[0], SearchParams(k=1))[0].id == long_id
+
+
+@case("input", "whitespace-only texts", "counted as empty: one line naming them, or left out with --skip-empty")
+def test_whitespace_only_texts(tiny_bert: Path, tmp_path: Path) -> None:
+    rows = texts(10)
+    rows[3], rows[7] = "   ", "\t\n"
+    path = table_file(tmp_path / "c.parquet", id=[f"d{i}" for i in range(10)], text=rows)
+    one_line(build_from(tiny_bert, path, tmp_path / "out"), "2 of 10 rows have null or empty text", "d3, d7")
+    ok(build_from(tiny_bert, path, tmp_path / "out", "--skip-empty"))
+    assert IndexDir(tmp_path / "out").manifest().n == 8
+
+
+@case(
+    "input",
+    "the text column named like the internal id column (--text-column id)",
+    "texts and ids from the columns named",
+)
+def test_text_column_named_id(tmp_path: Path) -> None:
+    path = table_file(tmp_path / "c.parquet", id=texts(12), doc=[f"k{i}" for i in range(12)])
+    build_index(
+        CorpusSpec(path, text_column="id", id_column="doc"), FakeEncoder(), tmp_path / "o", TransformSpec(dim=3)
+    )
+    docs = IndexDir(tmp_path / "o").docs()
+    assert docs.ids == [f"k{i}" for i in range(12)] and docs.texts([5]) == [texts(12)[5]]
+
+
+@case("input", "a vectors column of strings, or of empty lists", "one line naming the column")
+def test_bad_vectors_columns(tmp_path: Path) -> None:
+    path = table_file(tmp_path / "s.parquet", emb=["1,2,3", "4,5,6"])
+    one_line(
+        run("index", path, "--vectors-column", "emb", "--out", tmp_path / "o"), "column 'emb'", "not a list of numbers"
+    )
+    path = table_file(tmp_path / "e.parquet", emb=pa.array([[], []], pa.list_(pa.float32())))
+    one_line(run("index", path, "--vectors-column", "emb", "--out", tmp_path / "o"), "empty vectors")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("bad", ["zero-byte", "no text column", "binary not UTF-8"])
+@case(
+    "input",
+    "a folder or glob of parquet files with one bad file among good ones",
+    "one line naming the bad file; nothing written",
+)
+def test_one_bad_file_in_a_folder(tiny_bert: Path, tmp_path: Path, bad: str) -> None:
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    for i in range(3):
+        table_file(folder / f"part-{i}.parquet", id=[f"p{i}-{j}" for j in range(30)], text=texts(30))
+    broken = folder / "part-1.parquet"
+    if bad == "zero-byte":
+        broken.write_bytes(b"")
+    elif bad == "no text column":
+        table_file(broken, id=["a", "b"], body=["x", "y"])
+    else:
+        table_file(broken, id=["a", "b"], text=pa.array([b"ok", b"\xff bad"], pa.binary()))
+    for corpus in (folder, f"{folder}/part-*.parquet"):
+        one_line(build_from(tiny_bert, corpus, tmp_path / "out"), "part-1.parquet")
+        assert not (tmp_path / "out").exists() and leftovers(tmp_path / "out") == []
+
+
+# ----- options -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        (["--dim", "0"], "--dim must be at least 1"),
+        (["--dim", "-3"], "--dim must be at least 1"),
+        (["--dim", "100000"], "--dim must be between 1 and the encoder's dimension 32"),
+        (["--gamma", "nan"], "--gamma must be between 0 and 2"),
+        (["--gamma", "inf"], "--gamma must be between 0 and 2"),
+        (["--gamma", "-1"], "--gamma must be between 0 and 2"),
+        (["--gamma", "1e6"], "--gamma must be between 0 and 2"),
+        (["--epsilon", "nan"], "--epsilon must be between 0 and 1"),
+        (["--epsilon", "inf"], "--epsilon must be between 0 and 1"),
+        (["--epsilon", "-1"], "--epsilon must be between 0 and 1"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--max-length", "0"], "--max-length must be at least 1"),
+        (["--max-length", "100000"], "--max-length must be between 1 and the model's 64 positions"),
+        (["--m", "0"], "--m (HNSW neighbours per node) must be between 2 and 512"),
+        (["--nlist", "0"], "--nlist must be between 1"),
+        (["--nprobe", "-3"], "--nprobe must be between 1"),
+        (["--ef-construction", "0"], "--ef-construction must be between 1"),
+        (["--ef-search", "0"], "--ef-search must be between 1"),
+        (["--train-size", "0"], "--train-size must be between 1"),
+        (["--pooling", "max"], "unknown --pooling 'max'"),
+        (["--precision", "fp8"], "unknown --precision 'fp8'"),
+        (["--stash-dtype", "int8"], "unknown --stash-dtype 'int8'"),
+        (["--index-type", "NotAnIndex"], "FAISS cannot build index type 'NotAnIndex'"),
+        (["--index-type", "IVF4096,Flat"], "IVF with 4096 lists needs at least that many training rows"),
+        (["--index-type", "PQ7x8"], "FAISS cannot build index type 'PQ7x8'"),
+    ],
+)
+@case(
+    "options",
+    "every numeric option of `index` at 0, negative, NaN, inf, huge; unknown pooling, precision, dtype, "
+    "index type, factory strings, IVF too large for N",
+    "one line naming the flag; nothing written; never a FAISS abort",
+)
+def test_bad_index_options(tiny_bert: Path, tmp_path: Path, options: list[str], fragment: str) -> None:
+    corpus = write_corpus(tmp_path / "c.parquet", n=200)
+    result = run("index", corpus, "--model", tiny_bert, "--out", tmp_path / "out", *options)
+    one_line(result, fragment)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        (["-k", "0"], "-k must be an integer between 1 and 10,000"),
+        (["-k", "99999999"], "-k must be an integer between 1 and 10,000"),
+        (["--rescore", "-5"], "--rescore must be an integer between 0 and 10,000"),
+        (["--ef", "0"], "--ef-search must be an integer between 1"),
+        (["--nprobe", "-3"], "--nprobe must be an integer between 1"),
+    ],
+)
+@case("options", "`search` with -k 0 or huge, --rescore -5, --ef 0, --nprobe -3", "one line naming the flag")
+def test_bad_search_options(cli_index: Path, options: list[str], fragment: str) -> None:
+    one_line(run("search", "anything", "--index", cli_index, *options), fragment)
+
+
+@case("options", "-k larger than N", "all N documents, ranked")
+def test_k_larger_than_n(cli_index: Path) -> None:
+    hits = ok(run("search", "document", "--index", cli_index, "--json", "-k", 5000)).stdout.splitlines()
+    assert [json.loads(h)["rank"] for h in hits] == list(range(1, 121))
+
+
+@pytest.mark.parametrize("query", ["", "   ", "\t\n"])
+@case("options", "empty or whitespace-only query", "one line: the query is empty")
+def test_empty_query(cli_index: Path, query: str) -> None:
+    one_line(run("search", query, "--index", cli_index), "the query is empty")
+
+
+@case("options", "a 100,000-character query", "hits (the query is truncated to the model's max length)")
+def test_a_huge_query(cli_index: Path) -> None:
+    hits = ok(run("search", "whitening " * 10_000, "--index", cli_index, "--json", "-k", 3)).stdout.splitlines()
+    assert len(hits) == 3
+
+
+@case("options", "`eval ir --depth 0`, `tune --dims abc`", "one line naming --depth / --dims (not -k, not a traceback)")
+def test_bad_eval_and_tune_options(cli_index: Path, tmp_path: Path) -> None:
+    queries = table_file(tmp_path / "q.parquet", query_id=["q"], text=["document"])
+    qrels = table_file(tmp_path / "r.parquet", query_id=["q"], doc_id=["doc1"], score=[1])
+    one_line(run("eval", "ir", cli_index, "--queries", queries, "--qrels", qrels, "--depth", 0), "--depth")
+    one_line(run("tune", cli_index, "--queries", queries, "--qrels", qrels, "--dims", "abc"), "--dims")
+
+
+@case("options", "`demo --dim 0`", "refused before the demo corpus is written")
+def test_demo_refuses_before_writing(isolated_home: Path) -> None:
+    one_line(run("demo", "--dim", 0), "--dim must be at least 1")
+    assert not isolated_home.exists() or not list(isolated_home.iterdir())
+
+
+@case("options", "`refit --gamma nan` on a good index", "one line; the index is unchanged")
+def test_refit_with_nan_gamma(copy: Path) -> None:
+    before = snapshot(copy)
+    one_line(run("refit", copy, "--gamma", "nan"), "--gamma must be between 0 and 2")
+    assert snapshot(copy) == before and leftovers(copy) == []
+
+
+# ----- index directories -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        (lambda m: m["transform"].__setitem__("k", 4), "does not match its own checksum"),
+        (lambda m: m["transform"]["spec"].__setitem__("gamma", 1.0), "does not match its own checksum"),
+        (lambda m: m["encoder"].__setitem__("model", "some/other-model"), "does not match its own checksum"),
+        (lambda m: m["transform"].__setitem__("d", 64), "does not match its own checksum"),
+        (lambda m: m.__setitem__("schema_version", 1), "schema version 1; this retrieval reads version 2"),
+    ],
+    ids=["k", "gamma", "model", "d", "schema"],
+)
+@case(
+    "index dir",
+    "manifest edited by hand (k, d, gamma, model, schema version)",
+    "one line: the manifest does not match its checksum (or its schema); rebuild",
+)
+def test_tampered_manifest(copy: Path, edit: Callable[[dict], None], fragment: str) -> None:
+    data = json.loads((copy / MANIFEST).read_text())
+    edit(data)
+    (copy / MANIFEST).write_text(json.dumps(data, indent=2))
+    one_line(run("search", "anything", "--index", copy), fragment)
+    one_line(run("info", copy), fragment)
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "fragment"),
+    [
+        ("index.faiss", "zero", "checksum mismatch"),
+        ("docs.arrow", "truncate", "checksum mismatch"),
+        ("transform.npz", "delete", "is missing"),
+        ("manifest.json", "delete", "not a complete index"),
+        ("manifest.json", "truncate", "not valid JSON"),
+    ],
+)
+@case(
+    "index dir",
+    "a file zeroed, truncated or deleted (index, docs, transform, manifest)",
+    "one line naming the file; `info --verify` too",
+)
+def test_damaged_files(copy: Path, name: str, damage: str, fragment: str) -> None:
+    path = copy / name
+    if damage == "zero":
+        path.write_bytes(bytes(path.stat().st_size))
+    elif damage == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        path.unlink()
+    one_line(run("search", "anything", "--index", copy), fragment)
+    one_line(run("info", copy, "--verify"), fragment)
+
+
+@case(
+    "index dir",
+    "extra files a user put inside an index",
+    "searches ignore them; add, refit and --overwrite carry them over",
+)
+def test_extra_files_inside_an_index(copy: Path, tmp_path: Path) -> None:
+    (copy / "NOTES.md").write_text("mine")
+    (copy / "results").mkdir()
+    (copy / "results" / "r.json").write_text("{}")
+    ok(run("search", "document", "--index", copy))
+    ok(run("refit", copy, "--dim", 4))
+    ok(run("add", copy, new_docs(tmp_path / "more.parquet")))
+    assert (copy / "NOTES.md").read_text() == "mine" and (copy / "results" / "r.json").read_text() == "{}"
+
+
+@contextmanager
+def read_only(directory: Path) -> Iterator[str]:
+    """``directory`` read-only: a read-only bind mount where this machine allows mounts (as root, where write
+    permissions are not enforced, a chmod would prove nothing), else write calls failing with EROFS."""
+    if os.geteuid() == 0 and shutil.which("mount"):
+        bind = subprocess.run(["mount", "--bind", str(directory), str(directory)], capture_output=True)
+        if bind.returncode == 0:
+            remount = subprocess.run(["mount", "-o", "remount,ro,bind", str(directory)], capture_output=True)
+            try:
+                if remount.returncode == 0:
+                    yield "mount"
+                    return
+            finally:
+                subprocess.run(["umount", str(directory)], capture_output=True)
+    with pytest.MonkeyPatch.context() as mp:
+        real_open = os.open
+
+        def refuse(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+            if str(path).startswith(str(directory)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+                raise OSError(30, "Read-only file system", str(path))
+            return real_open(path, flags, *args, **kwargs)
+
+        mp.setattr(os, "open", refuse)
+        yield "simulated"
+
+
+@case("index dir", "the index on a read-only file system", "search works; add and refit refuse in one line")
+def test_read_only_index(copy: Path, tmp_path: Path) -> None:
+    more = new_docs(tmp_path / "more.parquet")
+    expected = ok(run("search", "document number 3", "--index", copy, "--json")).stdout
+    with read_only(copy.parent):
+        assert ok(run("search", "document number 3", "--index", copy, "--json")).stdout == expected
+        one_line(run("add", copy, more), "cannot write", "writable directory")
+        one_line(run("refit", copy, "--dim", 4), "cannot write", "writable directory")
+    assert leftovers(copy) == []
+
+
+@case(
+    "index dir",
+    "the index reached through a symbolic link",
+    "search works; add works again and again and the link keeps pointing at the index",
+)
+def test_symlinked_index(copy: Path, tmp_path: Path) -> None:
+    link = tmp_path / "link"
+    link.symlink_to(copy)
+    ok(run("search", "document", "--index", link))
+    ok(run("add", link, new_docs(tmp_path / "a.parquet", prefix="a")))
+    ok(run("add", link, new_docs(tmp_path / "b.parquet", prefix="b")))
+    assert link.is_symlink() and Manifest.load(link).n == 160 == Manifest.load(copy).n
+
+
+@case(
+    "index dir",
+    "a second writer through a symbolic link to the same index",
+    "refused: the lock is on the real directory",
+)
+def test_lock_is_on_the_resolved_directory(copy: Path, tmp_path: Path) -> None:
+    link = tmp_path / "alias"
+    link.symlink_to(copy)
+    with files.writing(files.resolved(copy)):
+        one_line(run("refit", link, "--dim", 4), "another retrieval process is writing")
+
+
+@case("index dir", "`add` with an encoder of another model", "refused: the index was built with another model")
+def test_add_with_another_model(fake_index: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="built with model 'fake'.* query encoder uses 'other'"):
+        update.add(fake_index, CorpusSpec(new_docs(tmp_path / "m.parquet")), FakeEncoder(name="other"))
+
+
+@case(
+    "index dir",
+    "stash.json naming a part outside the index (../../secret.npy)",
+    "refused before anything is read or linked",
+)
+def test_stash_paths_outside_the_index(fake_index: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.npy"
+    np.save(secret, np.zeros((3, 16), dtype=np.float32))
+    state_path = fake_index / STASH / "stash.json"
+    state = json.loads(state_path.read_text())
+    state["parts"][0]["vectors"]["mean"] = "../../secret.npy"
+    state_path.write_text(json.dumps(state))
+    with pytest.raises(IndexDirError, match="outside the stash"):
+        IndexDir(fake_index).stash()
+    with pytest.raises(IndexDirError):  # refit verifies stash.json against the manifest first
+        update.refit(fake_index, TransformSpec(dim=4))
+    assert not list(fake_index.rglob("secret.npy"))
+
+
+@case(
+    "index dir",
+    "a stash part overwritten with garbage, then refit / tune / re-score",
+    "refused (checksum mismatch); the index is not rebuilt from garbage",
+)
+def test_garbage_in_the_stash(fake_index: Path) -> None:
+    stash = IndexDir(fake_index).stash()
+    part = stash.root / stash.parts[0].vectors["mean"]
+    part.write_bytes(part.read_bytes()[:128] + os.urandom(part.stat().st_size - 128))  # same size, garbage
+    before = snapshot(fake_index)
+    with pytest.raises(IndexDirError, match="corrupt"):
+        update.refit(fake_index, TransformSpec(dim=4))
+    assert snapshot(fake_index) == before and leftovers(fake_index) == []
+    dev = (Queries(["q"], ["document number 1"]), {"q": {"doc1": 1}})
+    with pytest.raises(IndexDirError, match="corrupt"):
+        tune_index(fake_index, dev, dims=[4], gammas=[0.5])
+    with pytest.raises(IndexDirError, match="corrupt"):  # a searcher that re-scores loads with full checks
+        Searcher.load(fake_index, encoder=FakeEncoder())
+
+
+@case(
+    "index dir", "`add` on an index whose index.faiss is corrupt", "refused; nothing republished with fresh checksums"
+)
+def test_add_on_a_corrupt_index(fake_index: Path, tmp_path: Path) -> None:
+    path = fake_index / INDEX
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    before = snapshot(fake_index)
+    with pytest.raises(IndexDirError, match="checksum mismatch"):
+        update.add(fake_index, CorpusSpec(new_docs(tmp_path / "m.parquet")), FakeEncoder())
+    assert snapshot(fake_index) == before
+
+
+@case(
+    "index dir",
+    "a symbolic link planted inside an unfinished build, then --resume",
+    "refused; nothing outside the index deleted or written",
+)
+def test_planted_symlink_in_a_work_dir(tmp_path: Path) -> None:
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    out = tmp_path / "idx"
+    work = files.work_dir(out)
+    (work / STASH).mkdir(parents=True)
+    (work / STASH / "stash.json").write_text("{}")
+    (work / STASH / "planted").symlink_to(outside)
+    corpus = write_corpus(tmp_path / "c.parquet", n=50)
+    with pytest.raises(IndexDirError, match="symbolic link"):
+        build_index(CorpusSpec(corpus), FakeEncoder(), out, TransformSpec(dim=4), options=BuildOptions(resume=True))
+    assert (outside / "keep.txt").read_text() == "mine"
+
+
+# ----- faults ------------------------------------------------------------------------------------------------
+def writer(argv: list[str]) -> int:
+    """The process the fault tests kill: ``writer add|refit INDEX [CORPUS] --pause POINT --marker FILE``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("action", choices=["add", "refit"])
+    parser.add_argument("index", type=Path)
+    parser.add_argument("corpus", type=Path, nargs="?")
+    parser.add_argument("--pause", choices=["encode", "write", "publish"], required=True)
+    parser.add_argument("--marker", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    def hold() -> None:
+        args.marker.touch()
+        time.sleep(600)
+
+    if args.pause == "encode":
+        real_encode = FakeEncoder.encode
+        FakeEncoder.encode = lambda self, t: (hold() if self.calls else None) or real_encode(self, t)  # type: ignore[method-assign]
+    elif args.pause == "write":
+        from retrieval import docs
+
+        real_write = docs.write_docs
+        docs.write_docs = lambda *a: hold() or real_write(*a)  # type: ignore[assignment]
+    else:
+        real_rename = os.rename
+        files.os.rename = lambda src, dst: (
+            (hold() if str(src).endswith((".adding", ".refitting")) else None) or real_rename(src, dst)
+        )  # type: ignore[assignment]
+    try:
+        if args.action == "add":
+            update.add(args.index, CorpusSpec(args.corpus), FakeEncoder(), window_rows=5)
+        else:
+            update.refit(args.index, TransformSpec(dim=4))
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def start_writer(tmp_path: Path, action: str, index: Path, pause: str) -> tuple[subprocess.Popen, Path]:
+    marker = tmp_path / f"paused-{action}-{pause}"
+    marker.unlink(missing_ok=True)
+    corpus = [str(new_docs(tmp_path / "w.parquet", 30))] if action == "add" else []
+    command = [
+        sys.executable,
+        str(HERE),
+        "writer",
+        action,
+        str(index),
+        *corpus,
+        "--pause",
+        pause,
+        "--marker",
+        str(marker),
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE.parent}"}
+    return subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env), marker
+
+
+def wait_for(marker: Path, process: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        assert time.monotonic() < deadline, "the writer never reached its pause"
+        time.sleep(0.02)
+
+
+def results(index: Path) -> list[list[str]]:
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    return [[h.id for h in hits] for hits in searcher.search_batch(texts(5), SearchParams(k=5))]
+
+
+@pytest.mark.parametrize(
+    ("action", "pause"),
+    [("add", "encode"), ("add", "write"), ("add", "publish"), ("refit", "write"), ("refit", "publish")],
+)
+@case(
+    "faults",
+    "SIGKILL of `add` or `refit` while encoding, writing, or between publish's two renames",
+    "the old index searches with identical results; the next writer clears the stale work; a rerun works",
+)
+def test_sigkill_of_a_writer(fake_index: Path, tmp_path: Path, action: str, pause: str) -> None:
+    before, expected = snapshot(fake_index), results(fake_index)
+    process, marker = start_writer(tmp_path, action, fake_index, pause)
+    wait_for(marker, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert results(fake_index) == expected  # a reader restores an index left aside by a killed publish
+    assert snapshot(fake_index) == before
+    if action == "add":
+        update.add(fake_index, CorpusSpec(new_docs(tmp_path / "again.parquet", 30)), FakeEncoder())
+    else:
+        update.refit(fake_index, TransformSpec(dim=4))
+    assert leftovers(fake_index) == []
+
+
+@pytest.mark.parametrize("action", ["add", "refit"])
+@case(
+    "faults", "Ctrl-C (SIGINT) of `add` or `refit`", "exit 130; the old index unchanged; no work directory or lock left"
+)
+def test_sigint_of_a_writer(fake_index: Path, tmp_path: Path, action: str) -> None:
+    before = snapshot(fake_index)
+    process, marker = start_writer(tmp_path, action, fake_index, "write")
+    wait_for(marker, process)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=30) == 130
+    assert snapshot(fake_index) == before and leftovers(fake_index) == []
+
+
+@case(
+    "faults",
+    "Ctrl-C of `retrieval index`",
+    "one line saying the encoded parts are kept and --resume continues; a resumed build completes",
+)
+def test_sigint_of_a_build(tiny_bert: Path, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.parquet", n=3000)
+    out = tmp_path / "idx"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RETRIEVAL_INDEX_ROOT": str(tmp_path / "root")}
+    command = [sys.executable, "-m", "retrieval", "index", str(corpus), "--model", str(tiny_bert), "--out", str(out)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not (files.work_dir(out) / STASH / "part-00000.parquet").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read() if process.stderr else ""
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    lines = [line for line in stderr.splitlines() if line.strip() and "interrupted" in line]
+    assert lines and "--resume" in lines[-1] and "Traceback" not in stderr
+    done = subprocess.run([*command, "--resume"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert Manifest.load(out).n == 3000 and leftovers(out) == []
+
+
+@contextmanager
+def small_disk(directory: Path, size: str) -> Iterator[str]:
+    """A ``size`` tmpfs mounted at ``directory`` where mounts are allowed; else writes of more than ~1 MB under
+    it fail with ENOSPC."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0 and shutil.which("mount"):
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True
+        )
+        if mounted.returncode == 0:
+            try:
+                yield "tmpfs"
+            finally:
+                subprocess.run(["umount", "-l", str(directory)], capture_output=True)
+            return
+    with pytest.MonkeyPatch.context() as mp:
+        real = files.write_atomic
+
+        def full(path: Path, data: bytes) -> None:
+            if str(path).startswith(str(directory)) and len(data) > 200_000:
+                raise OSError(28, "No space left on device", str(path))
+            real(path, data)
+
+        mp.setattr(files, "write_atomic", full)
+        mp.setattr("retrieval.stash.write_atomic", full)
+        yield "simulated"
+
+
+@case(
+    "faults",
+    "the disk fills up during a build over an existing index",
+    "one line (no space left); the old index intact; no work directory left",
+)
+def test_disk_full_during_a_build(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    with small_disk(disk, "1m"):
+        out = disk / "idx"
+        build_index(
+            CorpusSpec(write_corpus(tmp_path / "small.parquet", n=40)), FakeEncoder(), out, TransformSpec(dim=4)
+        )
+        before = snapshot(out)
+        big = write_corpus(tmp_path / "big.parquet", n=20_000)
+        with pytest.raises(IndexDirError, match="no space left on the device"):
+            build_index(CorpusSpec(big), FakeEncoder(), out, TransformSpec(dim=4), options=BuildOptions(overwrite=True))
+        assert snapshot(out) == before and leftovers(out) == []
+        assert Searcher.load(out, encoder=FakeEncoder()).manifest.n == 40
+
+
+@case(
+    "faults",
+    "two writers at once (`add` while `refit` runs)",
+    "the second is refused at once in one line; the first completes",
+)
+def test_two_writers(fake_index: Path, tmp_path: Path) -> None:
+    process, marker = start_writer(tmp_path, "refit", fake_index, "write")
+    try:
+        wait_for(marker, process)
+        with pytest.raises(IndexDirError, match="another retrieval process is writing"):
+            update.add(fake_index, CorpusSpec(new_docs(tmp_path / "m.parquet")), FakeEncoder())
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=30)
+    update.add(fake_index, CorpusSpec(new_docs(tmp_path / "m.parquet")), FakeEncoder())  # free again afterwards
+
+
+@case("faults", "`retrieval search` processes in a loop while `add` publishes three times", "zero failed searches")
+def test_searches_while_add_publishes(copy: Path, tmp_path: Path, tiny_bert: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RETRIEVAL_INDEX_ROOT": str(tmp_path / "root")}
+    loop = (
+        "import sys, time\nfrom retrieval.search import Searcher, SearchParams\nfails = runs = 0\n"
+        "end = time.monotonic() + float(sys.argv[2])\nwhile time.monotonic() < end:\n"
+        "    try:\n        Searcher.load(sys.argv[1], verify='quick').search('document', SearchParams(k=3))\n"
+        "        runs += 1\n"
+        "    except Exception as err:\n        fails += 1; print(repr(err), file=sys.stderr)\nprint(runs, fails)"
+    )
+    searcher = subprocess.Popen(
+        [sys.executable, "-c", loop, str(copy), "25"], stdout=subprocess.PIPE, text=True, env=env
+    )
+    for i in range(3):
+        update.add(copy, CorpusSpec(new_docs(tmp_path / f"n{i}.parquet", prefix=f"n{i}-")))
+    out, _ = searcher.communicate(timeout=120)
+    runs, fails = map(int, out.split())
+    assert fails == 0 and runs > 3
+
+
+# ----- safety ------------------------------------------------------------------------------------------------
+@case(
+    "safety",
+    "`--out .`, `--out /` or a home-like folder of files, with --overwrite",
+    "refused in one line; nothing touched",
+)
+def test_overwrite_never_takes_a_folder_that_is_not_an_index(tiny_bert: Path, tmp_path: Path, monkeypatch) -> None:
+    corpus = write_corpus(tmp_path / "c.parquet", n=20)
+    home = tmp_path / "home"
+    (home / ".config").mkdir(parents=True)
+    (home / "thesis.tex").write_text("years")
+    monkeypatch.chdir(home)
+    for target in (".", "/", str(home)):
+        one_line(run("index", corpus, "--model", tiny_bert, "--out", target, "--overwrite"), "not a retrieval index")
+    assert (home / "thesis.tex").read_text() == "years" and sorted(p.name for p in home.iterdir()) == [
+        ".config",
+        "thesis.tex",
+    ]
+
+
+@case(
+    "safety", "`--out` naming an existing file, with or without --overwrite", "refused in one line; the file untouched"
+)
+def test_out_is_a_file(tiny_bert: Path, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.parquet", n=20)
+    (tmp_path / "f").write_text("keep")
+    one_line(run("index", corpus, "--model", tiny_bert, "--out", tmp_path / "f"), "already exists")
+    one_line(run("index", corpus, "--model", tiny_bert, "--out", tmp_path / "f", "--overwrite"), "is a file")
+    assert (tmp_path / "f").read_text() == "keep" and leftovers(tmp_path / "f") == []
+
+
+@case(
+    "safety",
+    "pickle, allow_pickle=True, trust_remote_code anywhere in the package",
+    "none: .npz/.npy/Arrow/FAISS files only; model code never runs",
+)
+def test_no_pickle_and_no_remote_code() -> None:
+    source = "\n".join(p.read_text() for p in (ROOT / "retrieval").glob("*.py"))
+    assert not re.search(
+        r"^\s*import pickle|^\s*from pickle|allow_pickle\s*=\s*True|trust_remote_code\s*=\s*True", source, re.M
+    )
+    assert len(re.findall(r"allow_pickle=False", source)) >= 4
+
+
+@case(
+    "safety",
+    "rich markup ([/], [/bold]) in a query, a document or an index path",
+    "shown literally; never a MarkupError",
+)
+def test_markup_is_never_interpreted(tiny_bert: Path, tmp_path: Path) -> None:
+    rows = ["closing tag [/] here", "[/bold] and [red]x[/red]", *texts(20)]
+    corpus = table_file(tmp_path / "c.parquet", id=[f"d{i}" for i in range(22)], text=rows)
+    out = tmp_path / "in[/]dex[/bold]"
+    result = ok(build_from(tiny_bert, corpus, out))
+    assert str(out) in result.stderr
+    shown = ok(run("search", "[/bold] query [/]", "--index", out, "-k", 22)).stdout
+    assert "[/] here" in shown and "[/bold]" in shown and "[red]x[/red]" in shown
+    one_line(run("search", "x", "--index", tmp_path / "no[/]such"), "no index directory", "no[/]such")
+
+
+def test_the_readme_table_is_this_registry() -> None:
+    """The README's table is generated from the cases above (python tests/test_reliability.py --table)."""
+    readme = (ROOT / "README.md").read_text()
+    assert table() in readme, "regenerate: python tests/test_reliability.py --table"
+    assert len(CASES) >= 40
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["writer"]:
+        sys.exit(writer(sys.argv[2:]))
+    if sys.argv[1:2] == ["--table"]:
+        print(table(), end="")
