@@ -34,7 +34,7 @@ from retrieval.indexdir import RESCORE_DEPTH, Manifest
 from retrieval.search import SearchParams
 from retrieval.service import ServeOptions
 from retrieval.stash import DTYPES
-from retrieval.tune import AUTO_QUERIES
+from retrieval.tune import AUTO_QUERIES, DEFAULT_GAMMAS
 from retrieval.whitening import DEFAULT_GAMMA, TransformSpec
 
 
@@ -596,7 +596,9 @@ def tune(
     model: Annotated[str, typer.Option(help="STS: encoder (IR uses the index's).")] = DefaultEncoder.model,
     poolings: Annotated[str | None, typer.Option(help="Comma-separated poolings \\[default: all stashed].")] = None,
     dims: Annotated[str, typer.Option(help="Comma-separated output dimensions to try.")] = "",
-    gammas: Annotated[str, typer.Option(help="Comma-separated gammas to try.")] = "0,0.25,0.5,0.75,1",
+    gammas: Annotated[str, typer.Option(help="Comma-separated gammas to try.")] = ",".join(
+        f"{g:g}" for g in DEFAULT_GAMMAS
+    ),
     metric: Annotated[str | None, typer.Option(help="Choose on this \\[default: nDCG@10, or STS 'all'].")] = None,
     results: Annotated[Path | None, typer.Option(help="Folder for tune.json and tune.png.")] = None,
     apply: Annotated[

@@ -25,7 +25,7 @@ from retrieval.indexdir import INDEX  # noqa: E402
 from retrieval.search import Searcher, SearchParams  # noqa: E402
 from retrieval.server import create_app  # noqa: E402
 from retrieval.service import ServeOptions, Service  # noqa: E402
-from retrieval.whitening import TransformSpec  # noqa: E402
+from retrieval.whitening import DEFAULT_GAMMA, TransformSpec  # noqa: E402
 
 QUERY = "document number 5 about topic 5"  # the exact text of doc5: the fake encoder puts it first
 
@@ -118,7 +118,7 @@ def test_health_ready_info_and_the_page(client: TestClient) -> None:
     assert info["ready"] is True
     index = info["index"]
     assert (index["model"], index["pooling"], index["d"], index["k"], index["n"]) == ("fake", "mean", 16, 8, 300)
-    assert index["gamma"] == 0.25 and index["index_kind"] == "flat" and index["generation"] == 1
+    assert index["gamma"] == DEFAULT_GAMMA and index["index_kind"] == "flat" and index["generation"] == 1
     assert "dims" in index["summary"] and index["summary"]["rows (N)"] == "300"
     assert info["server"]["last_reload_error"] is None and info["server"]["limits"]["max_k"] == 100
     page = client.get("/")
