@@ -22,6 +22,7 @@ Every choice is made on dev or pseudo data, never on test. Data is encoded once 
     python scripts/bench_quality.py                       # both models (mpnet: scripts/install_mpnet.sh)
     python scripts/bench_quality.py --models all-MiniLM-L6-v2
     python scripts/bench_quality.py --draw-models all-MiniLM-L6-v2   # the draws for MiniLM only
+    python scripts/bench_quality.py --combine a/quality.json b/quality.json   # per-model runs as one report
 """
 
 from __future__ import annotations
@@ -63,7 +64,16 @@ def main() -> None:
         default=",".join(basket.MODELS),
         help="models that get the draws (each encodes its own pool of pseudo-queries: mpnet's takes ~30 min here)",
     )
+    ap.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        help="measure nothing: merge the models of these quality.json files (runs of one model each) into one report",
+    )
     args = ap.parse_args()
+    if args.combine:
+        write(combine(args.combine), args.out)
+        return
     report: dict[str, Any] = {"machine": benchlib.machine(torch_too=True), "command": benchlib.command_line()}
     report["defaults"] = {"gamma": DEFAULT_GAMMA, "rescore_depth": RESCORE_DEPTH, "auto_queries": AUTO_QUERIES}
     report["models"] = {}
@@ -75,10 +85,25 @@ def main() -> None:
         pool = args.pool if model in args.draw_models.split(",") else 0
         report["models"][model] = {"scifact": scifact(model, pool), "sts": sts(model)}
         report["models"][model]["seconds"] = round(time.perf_counter() - start, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quality.json").write_text(json.dumps(basket.jsonable(report), indent=1))
-    (args.out / "quality.md").write_text(markdown(report))
+    write(report, args.out)
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality.json").write_text(json.dumps(basket.jsonable(report), indent=1))
+    (out / "quality.md").write_text(markdown(report))
     print(markdown(report))
+
+
+def combine(paths: list[Path]) -> dict[str, Any]:
+    """One report from per-model runs made with the same defaults (refused otherwise): the first run's machine,
+    every run's command."""
+    reports = [json.loads(p.read_text()) for p in paths]
+    if any(r["defaults"] != reports[0]["defaults"] for r in reports):
+        raise SystemExit("these runs used different defaults: they do not belong in one table")
+    models = {m: res for r in reports for m, res in r["models"].items()}
+    command = "; ".join(r["command"] for r in reports) + f"; {benchlib.command_line()}"
+    return {**reports[0], "command": command, "models": models}
 
 
 def grid(d: int) -> list[TransformSpec]:
