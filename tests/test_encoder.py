@@ -142,6 +142,15 @@ def test_bf16_is_close_to_fp32(tiny_bert: Path, models: dict[str, TransformerEnc
     assert cos.min() > 0.99
 
 
+def test_bf16_runs_a_bf16_copy_and_leaves_the_fp32_model_alone(tiny_bert: Path) -> None:
+    """The fp32 model stays fp32 (the traces are checked against it); vectors come back float32 (pooled in fp32)."""
+    enc = TransformerEncoder(str(tiny_bert), max_length=48, precision="bf16")
+    got = enc.encode_poolings(TEXTS, POOLS)
+    assert all(v.dtype == np.float32 and np.isfinite(v).all() for v in got.values())
+    assert {p.dtype for p in enc.model.parameters()} == {torch.float32}
+    assert {p.dtype for p in enc._bf16_model().parameters()} == {torch.bfloat16}
+
+
 # ----- the traced single-text path --------------------------------------------------------------------------
 @pytest.mark.parametrize("pooling", ["mean", "cls", "first-last-avg"])
 def test_single_texts_switch_to_the_traced_model_and_keep_their_vectors(tiny_bert: Path, pooling: str) -> None:
@@ -251,6 +260,7 @@ def test_auto_precision_never_takes_bf16_that_disagrees_with_fp32(
     enc = TransformerEncoder(str(tiny_bert), max_length=48)
     enc.encode(TEXTS)
     assert enc.info().precision_used == "fp32"
+    assert enc._model_bf16 is None  # the bf16 copy made for the timing is not kept
 
 
 def test_warm_up_settles_precision_and_the_trace(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
