@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,8 +233,10 @@ class Corpus:
 
     def validate(self, rows: int = 65536, min_rows: int = 2) -> CorpusReport:
         """One cheap pass over ids and texts: empty texts, duplicate ids, fewer than ``min_rows`` usable rows
-        (2 to fit a transform; 1 to add to an index), non-finite vectors. Raises CorpusError."""
-        seen: set[str] = set()
+        (2 to fit a transform; 1 to add to an index), non-finite vectors. Raises CorpusError.
+
+        Memory: one record batch, plus 8 bytes per id for the duplicate check (``id_hashes``), never the ids."""
+        hashes: list[np.ndarray] = []
         total = usable = nonfinite = 0
         bad: list[str] = []
         first_nonfinite: list[str] = []
@@ -248,13 +250,14 @@ class Corpus:
             total += len(ids)
             usable += int(ok.sum())
             bad.extend(i for i, good in zip(ids, ok, strict=True) if not good and len(bad) < 5)
-            for i in ids:
-                if i in seen:
-                    raise CorpusError(
-                        f"duplicate id {i!r} in column {self.id_column!r}; ids must be unique "
-                        "(pick another --id-column, or drop it to use row numbers)"
-                    )
-                seen.add(i)
+            if self.id_column:  # row numbers are unique by construction
+                hashes.append(id_hashes(ids))
+        duplicate = self._first_duplicate(np.concatenate(hashes), rows) if hashes else None
+        if duplicate is not None:
+            raise CorpusError(
+                f"duplicate id {duplicate!r} in column {self.id_column!r}; ids must be unique "
+                "(pick another --id-column, or drop it to use row numbers)"
+            )
         skipped = total - usable
         what = "null vectors" if self.spec.vectors_column else "null or empty text"
         if total == 0:
@@ -275,6 +278,21 @@ class Corpus:
             need = "to fit a transform" if min_rows > 1 else "to add"
             raise CorpusError(f"{self.path} has {usable} usable row(s); at least {min_rows} are needed {need}")
         return CorpusReport(rows=total, usable=usable, skipped=skipped, first_skipped=bad)
+
+    def _first_duplicate(self, hashes: np.ndarray, rows: int) -> str | None:
+        """The first id (in row order) seen a second time, or None. ``hashes``: every row's ``id_hashes``; only
+        when two are equal are the ids read again, and only those with a repeated hash kept as strings."""
+        ordered = np.sort(hashes)
+        repeated = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+        if not len(repeated):
+            return None
+        seen: set[str] = set()
+        for ids, _, _ in self._raw_batches(rows):
+            for i in (ids[j] for j in np.flatnonzero(np.isin(id_hashes(ids), repeated))):
+                if i in seen:
+                    return i
+                seen.add(i)
+        return None  # equal hashes of different ids
 
     def batches(self, rows: int, skip_batches: int = 0) -> Iterator[Batch]:
         """Usable rows in record batches of ``rows`` raw rows (fewer after skipping); the first
@@ -319,6 +337,12 @@ def _is_id(kind: pa.DataType) -> bool:
 
 def _is_list(kind: pa.DataType) -> bool:
     return pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind)
+
+
+def id_hashes(ids: Sequence[str]) -> np.ndarray:
+    """64-bit hashes of ids (Python's string hash: stable within one process), 8 bytes per id where a set of the
+    strings costs ~100. For finding repeated ids in bounded memory: equal hashes are then checked on the strings."""
+    return np.fromiter((hash(i) for i in ids), dtype=np.int64, count=len(ids))
 
 
 def _vectors(column: pa.Array, name: str) -> np.ndarray:

@@ -139,8 +139,9 @@ def tune_index(
             encoded[id(queries)] = encoder.encode_poolings(queries.texts, pools)
         return encoded[id(queries)][pooling]
 
+    doc_ids = index_dir.docs().ids  # the stash's rows, looked up per hit: never every id in memory
     return tune_ir(
-        stash, stash.ids(), query_vectors, dev, test, grid, metric, on_trial=lambda t: progress("tune", 1, len(grid))
+        stash, doc_ids, query_vectors, dev, test, grid, metric, on_trial=lambda t: progress("tune", 1, len(grid))
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tracemalloc
 from pathlib import Path
 
 import faiss
@@ -191,6 +192,36 @@ def test_add_with_duplicate_ids_is_refused_and_writes_nothing(tmp_path, corpus):
     assert encoder.rows == 0
     assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == before
     assert not files_beside(directory)
+
+
+def test_add_finds_clashes_among_equal_hashes(tmp_path, corpus, monkeypatch):
+    """add keeps 8-byte hashes of the new ids, not the index's ids: every hash equal forces the exact check."""
+    monkeypatch.setattr(update, "id_hashes", lambda ids: np.zeros(len(ids), dtype=np.int64))
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    with pytest.raises(CorpusError, match=r"1 ids .* already in the index \(first: doc9\)"):
+        update.add(directory, CorpusSpec(more_docs(tmp_path / "clash.parquet", ["new1", "doc9"])), FakeEncoder())
+    update.add(directory, CorpusSpec(more_docs(tmp_path / "fresh.parquet", ["new1", "new2"])), FakeEncoder())
+    assert ids_of(directory)[-2:] == ["new1", "new2"]
+
+
+def test_the_clash_check_does_not_hold_the_index_ids(tmp_path):
+    """Peak Python allocations of add's id check against 6,000 and 60,000 stashed ids: one stash part's ids at a
+    time, so the peak does not grow with the index (a set of its ids would grow by ~110 bytes per id)."""
+    from retrieval.corpus import Corpus
+
+    new = Corpus(CorpusSpec(more_docs(tmp_path / "new.parquet", [f"new-{i}" for i in range(100)])))
+    peaks = []
+    for n in (6_000, 60_000):
+        stash = VectorStash.create(tmp_path / f"stash{n}", 2, ["mean"])
+        for start in range(0, n, 2_000):
+            ids = [f"document-{i:012d}" for i in range(start, start + 2_000)]
+            stash.append({"mean": np.zeros((2_000, 2), np.float32)}, ids, [""] * 2_000)
+        tracemalloc.start()
+        update._check_new_ids(stash, new, 64, 0)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] < 1.5 * peaks[0], peaks
 
 
 def test_add_refuses_mismatched_width_and_kind(tmp_path, corpus):
