@@ -274,10 +274,11 @@ class IndexDir:
     def moments(self) -> RunningMoments:
         return RunningMoments.load(self.path / MOMENTS)
 
-    def faiss_index(self) -> Any:
+    def faiss_index(self, mmap: bool = False) -> Any:
+        """The FAISS index; ``mmap``: read-only, its flat storage mapped from the file (``index.load_index``)."""
         from retrieval.index import load_index  # FAISS only where the index itself is read
 
-        return load_index(self.path / INDEX)
+        return load_index(self.path / INDEX, mmap)
 
     def docs(self) -> Docs:
         return Docs(self.path / DOCS)
@@ -323,7 +324,8 @@ class IndexDir:
 
 @dataclass
 class Loaded:
-    """One whole version of an index directory, read: what a Searcher serves."""
+    """One whole version of an index directory, read: what a Searcher serves. The FAISS index is read-only, its
+    flat storage memory-mapped like the docs (a publish replaces files, never rewrites them, so maps stay valid)."""
 
     directory: IndexDir
     manifest: Manifest
@@ -367,7 +369,7 @@ def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
     manifest = directory.manifest()
     directory.verify(manifest, verify, [TRANSFORM, INDEX, DOCS] if verify != "full" else None)
     transform = directory.transform()
-    index = directory.faiss_index()
+    index = directory.faiss_index(mmap=True)  # a reader's: never added to, mapped (a 1.5 GB flat index loads at once)
     docs = directory.docs()
     t = manifest.transform
     agree = (

@@ -181,6 +181,21 @@ def test_add_links_old_parts_unread_and_refit_verifies_what_it_reads(tmp_path, c
     IndexDir(directory).verify(Manifest.load(directory), "full")  # every recorded checksum is still true
 
 
+def test_a_searcher_keeps_its_mapped_version_while_add_and_refit_publish_new_ones(tmp_path, corpus):
+    """A Searcher maps index.faiss; add and refit write new files and swap the directory, never rewriting a
+    file in place, so an open searcher keeps answering from its version (and a writer never adds to a map)."""
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    searcher = Searcher.load(directory, FakeEncoder())
+    before = searcher.search_raw(FakeEncoder().encode(["a query about topic 3"]), SearchParams(k=5))
+    update.add(directory, CorpusSpec(more_docs(tmp_path / "more.parquet", ["new1", "new2"])), FakeEncoder())
+    update.refit(directory, TransformSpec(dim=4))
+    again = searcher.search_raw(FakeEncoder().encode(["a query about topic 3"]), SearchParams(k=5))
+    np.testing.assert_array_equal(again[1], before[1])
+    np.testing.assert_array_equal(again[0], before[0])
+    assert searcher.index.ntotal == 300 and Searcher.load(directory, FakeEncoder()).index.ntotal == 302
+
+
 def test_add_with_duplicate_ids_is_refused_and_writes_nothing(tmp_path, corpus):
     directory = tmp_path / "idx"
     build(corpus, directory)
