@@ -36,15 +36,14 @@ def load(info: EncoderInfo) -> NumpyBert | None:
     folder = Path(path) if path and Path(path).is_dir() else resolve_model(str(info.model))
     if folder is None:
         return None
-    reason = _unsupported(folder)
-    if reason:
-        log.info("queries go through transformers: %s", reason)
-        return None
     try:
-        return NumpyBert(folder, info)
+        reason = _unsupported(folder)
+        if reason is None:
+            return NumpyBert(folder, info)
     except (ImportError, OSError, KeyError, ValueError) as err:  # missing library, unreadable or unexpected files
-        log.info("queries go through transformers: %s", err)
-        return None
+        reason = str(err)
+    log.info("queries go through transformers: %s", reason)
+    return None
 
 
 def _unsupported(folder: Path) -> str | None:

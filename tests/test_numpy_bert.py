@@ -78,9 +78,10 @@ def test_what_it_does_not_compute_exactly_is_left_to_transformers(tiny_bert: Pat
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps(config | change))
         assert numpy_bert.load(replace(info, model_path=str(folder))) is None, change
-    folder = model_copy(tiny_bert, tmp_path / "no-tokenizer-json")
-    (folder / "tokenizer.json").unlink()
-    assert numpy_bert.load(replace(info, model_path=str(folder))) is None
+    for name in ("tokenizer.json", "config.json"):
+        folder = model_copy(tiny_bert, tmp_path / f"no-{name}")
+        (folder / name).unlink()
+        assert numpy_bert.load(replace(info, model_path=str(folder))) is None, name
 
 
 def test_cli_search_imports_neither_torch_nor_transformers(tiny_bert: Path, tmp_path: Path) -> None:
