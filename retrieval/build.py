@@ -13,12 +13,12 @@ import logging
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from retrieval import files
-from retrieval.corpus import Corpus, CorpusSpec
+from retrieval.corpus import Corpus, CorpusReport, CorpusSpec
 from retrieval.encoder import Encoder, EncoderInfo
 from retrieval.errors import ConfigError, IndexDirError, RetrievalError
 from retrieval.index import (
@@ -77,6 +77,23 @@ class BuildOptions:
             raise ConfigError(f"`window_rows` must be at least 1 (got {self.window_rows})", "window_rows")
 
 
+class Engine(Protocol):
+    """Where pass 1 runs when not in this process (``retrieval.distributed.RayEngine``).
+
+    ``validate`` checks the whole corpus as ``Corpus.validate`` does. ``ingest`` encodes windows ``skip`` onwards
+    of ``window_rows`` rows elsewhere and hands each window's part to ``ingest.adopt`` in window order, so the
+    stash and the moments end as the local loop leaves them."""
+
+    def validate(self, source: Corpus) -> CorpusReport: ...
+
+    def ingest(self, source: Corpus, ingest: Ingest, skip: int, window_rows: int) -> None: ...
+
+    def fill(self, index: Any, stash: VectorStash, transform: Whitening | RawTransform, pooling: str | None) -> Any:
+        """Pass 2's adds, in parallel where that pays: the trained ``index`` filled with every stash row in
+        row order, or None to leave it to the local loop."""
+        ...
+
+
 def build_index(
     corpus: CorpusSpec,
     encoder: Encoder | None,
@@ -85,18 +102,20 @@ def build_index(
     index: IndexSpec = IndexSpec(),
     options: BuildOptions = BuildOptions(),
     progress: Progress = no_progress,
+    engine: Engine | None = None,
 ) -> Manifest:
     """Build a complete index directory at ``out`` and return its manifest.
 
     ``encoder`` may be None only when the corpus supplies precomputed vectors. Nothing is written at ``out``
-    unless the whole build succeeds; one process at a time builds at ``out``.
+    unless the whole build succeeds; one process at a time builds at ``out``. ``engine`` runs the corpus passes
+    (and a large IVF index's adds) on a Ray cluster; the verdicts, fit, index, manifest and publish are the same.
     """
     out = files.resolved(out)
     check_target(out, options.overwrite)
     options.check()
     index.check()
     with files.write_errors(out), files.writing(out):
-        return _build(corpus, encoder, out, transform, index, options, progress)
+        return _build(corpus, encoder, out, transform, index, options, progress, engine)
 
 
 def check_target(out: Path, overwrite: bool) -> None:
@@ -125,11 +144,12 @@ def _build(
     index: IndexSpec,
     options: BuildOptions,
     progress: Progress,
+    engine: Engine | None = None,
 ) -> Manifest:
     timer = Timer()
     with timer.stage("validate"):
         source = Corpus(corpus)
-        report = source.validate()
+        report = engine.validate(source) if engine else source.validate()
         d = input_dim(source, encoder)
         transform.check(d)
         poolings = poolings_for(encoder if not source.precomputed else None, options.extra_poolings)
@@ -147,10 +167,15 @@ def _build(
             for block in stash.iter_blocks(pooling=fit_pooling):  # rows a resumed build already has
                 ingest.moments.update(block)
             progress("encode", len(stash), report.usable)
-            for batch in source.batches(options.window_rows, skip_batches=skip):
-                ingest(batch)
+            if engine is None:
+                for batch in source.batches(options.window_rows, skip_batches=skip):
+                    ingest(batch)
+            else:  # the same windows, encoded by the engine's workers and adopted here in window order
+                engine.ingest(source, ingest, skip, options.window_rows)
         spec = replace(transform, pooling=fit_pooling)
-        transform_record, index_record = write_version(work, stash, ingest.moments, spec, index, timer, progress)
+        transform_record, index_record = write_version(
+            work, stash, ingest.moments, spec, index, timer, progress, engine
+        )
     except (RetrievalError, OSError):  # a user's error or a full disk: nothing to resume, nothing left behind
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -283,13 +308,14 @@ def write_version(
     index_spec: IndexSpec,
     timer: Timer,
     progress: Progress,
+    engine: Engine | None = None,
 ) -> tuple[TransformRecord, IndexRecord]:
     """Fit, fill the index from the stash, and write everything but the manifest into ``work``."""
     assert spec.pooling is not None
     with timer.stage("fit"):
         transform = spec.fit(moments)
     with timer.stage("index"):
-        faiss_index = fill_index(stash, transform, index_spec, spec.pooling, progress)
+        faiss_index = fill_index(stash, transform, index_spec, spec.pooling, progress, engine=engine)
     with timer.stage("write"):
         save_transform(work, transform)
         save_moments(work, moments)
@@ -315,8 +341,10 @@ def fill_index(
     pooling: str | None = None,
     progress: Progress = no_progress,
     timer: Timer | None = None,
+    engine: Engine | None = None,
 ) -> Any:
-    """Pass 2: train on a transformed sample where the index needs it, then add the stash block by block.
+    """Pass 2: train on a transformed sample where the index needs it, then add the stash block by block
+    (or let ``engine`` fill shards of a large IVF index in parallel and merge them).
 
     ``timer`` (optional) gets the stages "train" (sample, transform, train) and "add" (read, transform, add)."""
     n = len(stash)
@@ -326,15 +354,21 @@ def fill_index(
     if sample_rows:
         with timer.stage("train"):
             train(index, transform.transform(stash.sample(sample_rows, pooling=pooling)))
-    for block in stash.iter_blocks(BLOCK_ROWS, pooling=pooling):
-        with timer.stage("add"):
-            vectors = transform.transform(block)
-            if not np.isfinite(vectors).all():  # never publish an index of NaN or inf vectors
-                raise ConfigError(
-                    "the transform gives non-finite vectors on this data; use a larger `epsilon` or a smaller `gamma`",
-                    "epsilon",
-                )
-            index.add(vectors)
-        progress("index", block.shape[0], n)
+    filled = engine.fill(index, stash, transform, pooling) if engine else None
+    if filled is not None:  # shards filled in parallel and merged
+        index = filled
+        progress("index", n, n)
+    else:
+        for block in stash.iter_blocks(BLOCK_ROWS, pooling=pooling):
+            with timer.stage("add"):
+                vectors = transform.transform(block)
+                if not np.isfinite(vectors).all():  # never publish an index of NaN or inf vectors
+                    raise ConfigError(
+                        "the transform gives non-finite vectors on this data; use a larger `epsilon` or a smaller "
+                        "`gamma`",
+                        "epsilon",
+                    )
+                index.add(vectors)
+            progress("index", block.shape[0], n)
     set_search_params(index, **default_search_params(index, spec))
     return index

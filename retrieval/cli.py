@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -31,6 +32,7 @@ from retrieval.errors import ConfigError, Interrupted, RetrievalError, render
 from retrieval.index import IndexSpec
 from retrieval.indexdir import Manifest
 from retrieval.search import SearchParams
+from retrieval.service import ServeOptions
 from retrieval.stash import DTYPES
 from retrieval.whitening import TransformSpec
 
@@ -134,6 +136,20 @@ def progress_bars() -> Iterator[Callable[[str, int, int], None]]:
         yield update
 
 
+@contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """SIGTERM ends the command as Ctrl-C does, unwinding it: what it started is stopped on the way out."""
+
+    def exit_143(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_143)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def choice(name: str, value: str | None, allowed: Sequence[str]) -> None:
     """Refuse a value outside ``allowed`` before any model is loaded."""
     if value is not None and value not in allowed:
@@ -148,8 +164,13 @@ IdOption = Annotated[
 TitleOption = Annotated[str | None, typer.Option(help="Column prepended to the text, as BEIR does.")]
 SkipEmptyOption = Annotated[bool, typer.Option(help="Leave out rows with null or empty text instead of failing.")]
 CorpusArg = Annotated[
-    Path, typer.Argument(help="Parquet file with one document per row, or a .npy array of vectors.", dir_okay=False)
+    Path,
+    typer.Argument(
+        help="Parquet file with one document per row, a folder of parquet files, a glob in quotes "
+        "('data/part-*.parquet'), or a .npy array of vectors."
+    ),
 ]
+ENGINES = ("local", "ray")
 DefaultTransform, DefaultIndex, DefaultEncoder, DefaultBuild = (
     TransformSpec(),
     IndexSpec(),
@@ -208,27 +229,50 @@ def index(
     resume: Annotated[
         bool, typer.Option(help="Continue an interrupted build of the same corpus and settings.")
     ] = False,
+    engine: Annotated[
+        str, typer.Option(help="Where texts are encoded: local (this process) or ray (Ray Data workers).")
+    ] = "local",
+    address: Annotated[
+        str | None,
+        typer.Option(help="Ray: a running cluster (auto, host:port, ray://host:port) \\[default: start a local Ray]."),
+    ] = None,
+    workers: Annotated[int | None, typer.Option(help="Ray: encoding workers \\[default: one per CPU].")] = None,
 ) -> None:
-    """Build a whitened FAISS index from a parquet corpus."""
+    """Build a whitened FAISS index from a parquet corpus (a file, a folder or a glob)."""
+    from retrieval.corpus import Corpus as Source
+    from retrieval.distributed import RayEngine, RayOptions, window_rows
+
     choice("pooling", pooling, POOLINGS)
     choice("precision", precision, PRECISIONS)
     choice("stash_dtype", stash_dtype, DTYPES)
+    choice("engine", engine, ENGINES)
+    if engine == "local" and (address is not None or workers is not None):
+        raise ConfigError("`address` and `workers` are for `engine` ray", "engine")
     target = out_dir or home.default_out(corpus)
     spec = CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty)
     transform = TransformSpec(dim=dim, gamma=gamma, epsilon=epsilon, whiten=not no_whiten)
     index_spec = IndexSpec(index_type, m, ef_construction, ef_search, nlist, nprobe, train_size)
-    options = BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume)
+    window = window_rows(Source(spec).num_rows) if engine == "ray" else DefaultBuild.window_rows
+    options = BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume, window)
+    ray_options = RayOptions(address, workers)
     transform.check()  # every value checked before a model is loaded; dim against d once it is known
     index_spec.check()
     options.check()
+    ray_options.check()
     check_target(target, overwrite)
-    source = Corpus(spec)  # the file and its columns, before seconds go into loading a model
+    source = Corpus(spec)  # the file(s) and their columns, before seconds go into loading a model
+    encoder_spec = EncoderSpec(model, pooling, max_length, batch_size, precision)
     encoder = None
     if not source.precomputed:
-        encoder = EncoderSpec(model, pooling, max_length, batch_size, precision).load()
+        encoder = encoder_spec.load()
     try:
-        with progress_bars() as update:
-            manifest = build_index(spec, encoder, target, transform, index_spec, options, progress=update)
+        with ExitStack() as stack:
+            ray = None
+            if engine == "ray":
+                stack.enter_context(sigterm_exits())  # a Ray started for the build is shut down, not orphaned
+                ray = stack.enter_context(RayEngine(encoder_spec, ray_options))
+            update = stack.enter_context(progress_bars())
+            manifest = build_index(spec, encoder, target, transform, index_spec, options, progress=update, engine=ray)
     except KeyboardInterrupt:
         raise Interrupted(
             "interrupted: the parts encoded so far are kept; rerun the same command with --resume to continue"
@@ -626,6 +670,71 @@ def _report_tuning(result: Any, folder: Path | None) -> None:
         split = "test" if best.test else "dev"
         png = plot_tuning(result, folder / "tune.png", split=split, title=f"{metric} ({split})")
         err.print(f"wrote {folder / 'tune.json'}" + (f" and {png}" if png else ""), markup=False)
+
+
+# ----- serve -----------------------------------------------------------------------------------------------
+DefaultServe = ServeOptions()
+
+
+@app.command()
+@user_errors
+def serve(
+    index_dir: Annotated[Path | None, typer.Argument(help="Index directory \\[default: the last built].")] = None,
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="RETRIEVAL_API_KEY",
+            show_default=False,
+            help="Require `Authorization: Bearer KEY` on every route but /health (or set RETRIEVAL_API_KEY).",
+        ),
+    ] = None,
+    max_batch: Annotated[int, typer.Option(help="Micro-batching: queries per engine batch.")] = DefaultServe.max_batch,
+    max_wait_ms: Annotated[
+        float, typer.Option(help="Micro-batching: wait this long for more queries after the first.")
+    ] = DefaultServe.max_wait_ms,
+    torch_threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = DefaultServe.torch_threads,
+    faiss_threads: Annotated[
+        int, typer.Option(help="FAISS OpenMP threads in the engine.")
+    ] = DefaultServe.faiss_threads,
+    max_queries: Annotated[int, typer.Option(help="Queries in one request.")] = DefaultServe.max_queries,
+    max_query_chars: Annotated[int, typer.Option(help="Characters in one query.")] = DefaultServe.max_query_chars,
+    max_k: Annotated[int, typer.Option(help="Hits per query.")] = DefaultServe.max_k,
+    max_body_bytes: Annotated[int, typer.Option(help="Request body size (413 above).")] = DefaultServe.max_body_bytes,
+    max_queue: Annotated[int, typer.Option(help="Queries waiting before 429.")] = DefaultServe.max_queue,
+    watch_interval: Annotated[
+        float, typer.Option(help="Seconds between looks at the index directory for a new version (0: off).")
+    ] = DefaultServe.watch_interval,
+    shutdown_timeout: Annotated[int, typer.Option(help="On SIGTERM, seconds to let requests in flight finish.")] = 30,
+) -> None:
+    """Serve an index over HTTP (FastAPI): /search, /embed, /info, /health, /ready, /metrics, a page at /."""
+    from retrieval.errors import RetrievalError
+    from retrieval.indexdir import IndexDir as Directory
+
+    try:
+        from retrieval import server
+    except ImportError as exc:
+        raise RetrievalError(f"the server needs its extra ({exc.name} is missing): pip install -e '.[server]'") from exc
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"`port` must be between 0 and 65535 (got {port})", "port")
+    options = ServeOptions(
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
+        torch_threads=torch_threads,
+        faiss_threads=faiss_threads,
+        max_queries=max_queries,
+        max_query_chars=max_query_chars,
+        max_k=max_k,
+        max_body_bytes=max_body_bytes,
+        max_queue=max_queue,
+        watch_interval=watch_interval,
+    )
+    options.check()
+    directory = index_dir or home.default_index()
+    Directory(directory).manifest()  # a missing or foreign directory fails here, in one line, not in the server
+    err.print(f"serving {safe(str(directory))} on http://{host}:{port}/ (docs at /docs)", markup=False)
+    server.run(directory, options, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout)
 
 
 def run() -> None:

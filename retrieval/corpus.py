@@ -1,9 +1,19 @@
-"""The corpus: a parquet file read in record batches as (ids, texts), checked before any work is done. No ML."""
+"""The corpus: parquet (a file, a folder of files, or a glob) read in windows of rows as (ids, texts), checked
+before any work is done. No ML.
+
+A corpus is a sorted list of parquet files read one after another; rows are cut into *windows* of a fixed number
+of rows that never cross a file boundary, numbered from 0 across the files. A window is one stash part and one
+unit of work (a resume step locally; a task on Ray), and any range of windows can be read on its own without
+reading what comes before it, so any process, given the same files, cuts exactly the same windows.
+"""
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import logging
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,15 +28,22 @@ from retrieval.files import sha256
 log = logging.getLogger(__name__)
 
 DEFAULT_ID_COLUMN = "id"
+PARQUET_SUFFIX = ".parquet"
+GLOB_MAGIC = ("*", "?", "[")
+FIRST_SHOWN = 5  # ids named in a message about bad rows
 
 
 @dataclass(frozen=True)
 class CorpusSpec:
     """Where the corpus is and how to read it.
 
-    ``id_column=None`` means "the column ``id`` if the file has one, else row numbers"; a column named
-    explicitly must exist. ``title_column`` is prepended to the text (``title + " " + text``, as BEIR does).
-    ``vectors_column`` names a fixed-size list column of precomputed embeddings: rows are then not encoded.
+    ``path`` is a parquet file, a ``.npy`` array of vectors, a folder (every ``*.parquet`` under it, hidden and
+    ``_``-prefixed names skipped, as Spark and pyarrow write them) or a glob (``data/part-*.parquet``); files are
+    read in sorted order. ``id_column=None`` means "the column ``id`` if the files have one, else row numbers"
+    (a single file: ``0``, ``1``, ...; a folder or glob: ``<file>:<row>``, the file's path relative to the folder,
+    or to the glob's fixed directory, and the row's number in that file); a column named explicitly must exist.
+    ``title_column`` is prepended to the text (``title + " " + text``, as BEIR does). ``vectors_column`` names a
+    list column of precomputed embeddings: rows are then not encoded.
     """
 
     path: Path
@@ -37,7 +54,7 @@ class CorpusSpec:
     skip_empty: bool = False
 
     def settings(self) -> dict[str, object]:
-        """What, besides the file's bytes, decides which rows and texts come out (for fingerprints)."""
+        """What, besides the files' bytes, decides which rows and texts come out (for fingerprints)."""
         return {
             "text_column": self.text_column,
             "id_column": self.id_column,
@@ -49,7 +66,7 @@ class CorpusSpec:
 
 @dataclass
 class Batch:
-    """Rows of one record batch that passed the checks; ``vectors`` only with a vectors column."""
+    """Rows of one window that passed the checks; ``vectors`` only with a vectors column."""
 
     ids: list[str]
     texts: list[str]
@@ -69,29 +86,89 @@ class CorpusReport:
     first_skipped: list[str] = field(default_factory=list)
 
 
+@dataclass
+class Tally:
+    """What the value checks found in some rows: one window, or several merged in row order (``add``).
+
+    The distributed build checks windows on its workers and merges their tallies on the driver; ``conclude``
+    turns a tally into a report or the error the user sees, the same for both."""
+
+    rows: int = 0
+    usable: int = 0
+    first_bad: list[str] = field(default_factory=list)  # ids of unusable rows (null or empty), in row order
+    nonfinite: int = 0
+    first_nonfinite: list[str] = field(default_factory=list)
+
+    def add(self, other: Tally) -> Tally:
+        """Fold in the tally of the rows that come next; returns ``self``."""
+        self.rows += other.rows
+        self.usable += other.usable
+        self.nonfinite += other.nonfinite
+        self.first_bad = (self.first_bad + other.first_bad)[:FIRST_SHOWN]
+        self.first_nonfinite = (self.first_nonfinite + other.first_nonfinite)[:FIRST_SHOWN]
+        return self
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One parquet file of a corpus: where it is, the name its row ids use, its row groups' sizes."""
+
+    path: Path
+    name: str  # relative to the corpus root (posix); "" for a corpus of one file
+    group_rows: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(self.group_rows)
+
+    def windows(self, rows: int) -> int:
+        return math.ceil(self.rows / rows)
+
+
 class Corpus:
-    """A validated parquet corpus. Opening it checks the file and its columns; ``validate`` checks values."""
+    """A validated parquet corpus. Opening it checks the files and their columns; ``validate`` checks values.
+
+    It holds metadata only (no open file, no rows), so it is cheap to send to another process."""
 
     def __init__(self, spec: CorpusSpec):
         self.spec = spec
-        path = Path(spec.path)
-        if not path.exists():
-            raise CorpusError(f"corpus file not found: {path}")
-        if path.is_dir():
-            raise CorpusError(f"corpus path is a directory, not a parquet file: {path}")
+        self.path = Path(spec.path)
         self._array: np.ndarray | None = None
-        if path.suffix == ".npy":  # precomputed vectors, one per row; ids are row numbers, no text
-            self._open_npy(path)
+        self.files: list[SourceFile] = []
+        paths, root = _find_files(self.path)
+        if root is None and paths[0].suffix == ".npy":  # precomputed vectors, one per row; ids are row numbers
+            self._open_npy(paths[0])
             return
-        try:
-            self._file = pq.ParquetFile(path)
-        except (pa.ArrowInvalid, OSError) as err:
-            raise CorpusError(f"{path} is not a readable parquet file ({err}); convert it to parquet first") from err
-        self.path = path
-        names = self._file.schema_arrow.names
+        schemas = {}
+        for path in paths:
+            try:
+                metadata = pq.read_metadata(path)
+                schemas[path] = metadata.schema.to_arrow_schema()
+            except (pa.ArrowInvalid, OSError) as err:
+                raise CorpusError(
+                    f"{path} is not a readable parquet file ({err}); convert it to parquet first"
+                ) from err
+            name = path.relative_to(root).as_posix() if root is not None else ""
+            groups = tuple(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
+            self.files.append(SourceFile(path, name, groups))
         self.id_column = spec.id_column
-        if self.id_column is None and DEFAULT_ID_COLUMN in names:
+        with_ids = [DEFAULT_ID_COLUMN in s.names for s in schemas.values()]
+        if self.id_column is None and any(with_ids):
+            if not all(with_ids):
+                lacking = next(path for path, has in zip(schemas, with_ids, strict=True) if not has)
+                raise CorpusError(
+                    f"{lacking} has no column {DEFAULT_ID_COLUMN!r} where other files have one; "
+                    "give every file its ids, or choose a column with `id_column`"
+                )
             self.id_column = DEFAULT_ID_COLUMN
+        self.has_text = all(spec.text_column in s.names for s in schemas.values()) and not spec.vectors_column
+        self.vector_dim: int | None = None
+        for path, schema in schemas.items():
+            self._check_columns(path, schema)
+
+    def _check_columns(self, path: Path, schema: pa.Schema) -> None:
+        """Each named column present in this file, and of a type that can be read as what it is for."""
+        spec, names = self.spec, schema.names
         wanted = {"text_column": spec.text_column, "id_column": self.id_column}
         wanted |= {"title_column": spec.title_column, "vectors_column": spec.vectors_column}
         for option, column in wanted.items():
@@ -101,8 +178,6 @@ class Corpus:
                 raise CorpusError(
                     f"{path} has no column {column!r} (columns: {', '.join(names)}); choose one with `{option}`"
                 )
-        self.has_text = spec.text_column in names and not spec.vectors_column
-        schema = self._file.schema_arrow
         for option, column, check in (
             ("text_column", spec.text_column if self.has_text else None, _is_text),
             ("title_column", spec.title_column, _is_text),
@@ -114,15 +189,20 @@ class Corpus:
                     f"column {column!r} of {path} holds {schema.field(column).type}, not {kind}; "
                     f"convert it, or choose another column with `{option}`"
                 )
-        self.vector_dim: int | None = None
         if spec.vectors_column:
             vtype = schema.field(spec.vectors_column).type
             value = vtype.value_type if _is_list(vtype) else None
             if value is None or not (pa.types.is_floating(value) or pa.types.is_integer(value)):
                 raise CorpusError(
-                    f"column {spec.vectors_column!r} holds {vtype}, not a list of numbers; store one vector per row"
+                    f"column {spec.vectors_column!r} of {path} holds {vtype}, not a list of numbers; "
+                    "store one vector per row"
                 )
             if pa.types.is_fixed_size_list(vtype):
+                if self.vector_dim is not None and vtype.list_size != self.vector_dim:
+                    raise CorpusError(
+                        f"{path} holds {vtype.list_size}-d vectors where other files hold {self.vector_dim}-d; "
+                        "every vector must have the same width"
+                    )
                 self.vector_dim = vtype.list_size
                 if self.vector_dim == 0:
                     raise CorpusError(f"column {spec.vectors_column!r} holds empty vectors (width 0)")
@@ -148,11 +228,23 @@ class Corpus:
     def num_rows(self) -> int:
         if self._array is not None:
             return int(self._array.shape[0])
-        return int(self._file.metadata.num_rows)
+        return sum(f.rows for f in self.files)
+
+    def windows(self, rows: int) -> int:
+        """How many windows of ``rows`` rows the corpus has (the last of each file may be shorter)."""
+        if self._array is not None:
+            return math.ceil(self.num_rows / rows)
+        return sum(f.windows(rows) for f in self.files)
 
     def fingerprint(self) -> str:
-        """sha256 of the file's bytes: two corpora with the same fingerprint give the same rows."""
-        return sha256(self.path)
+        """sha256 of the file's bytes; for several files, of their names and hashes: two corpora with the same
+        fingerprint give the same rows."""
+        if self._array is not None or len(self.files) == 1 and not self.files[0].name:
+            return sha256(self.path if self._array is not None else self.files[0].path)
+        digest = hashlib.sha256()
+        for f in self.files:
+            digest.update(f"{f.name}\t{sha256(f.path)}\n".encode())
+        return digest.hexdigest()
 
     def _columns(self) -> list[str]:
         cols = [c for c in (self.id_column, self.spec.title_column) if c]
@@ -162,7 +254,7 @@ class Corpus:
             cols.append(self.spec.vectors_column)
         return cols
 
-    def _strings(self, rb: pa.RecordBatch, column: str, first_row: int) -> list[str | None]:
+    def _strings(self, rb: pa.RecordBatch, column: str, first_row: int, path: Path | None = None) -> list[str | None]:
         """A text-like column as Python strings; binary is decoded as UTF-8, and refused where it is not."""
         values = rb.column(column)
         if pa.types.is_dictionary(values.type):
@@ -175,54 +267,51 @@ class Corpus:
                     value is None or bytes(value).decode("utf-8")
                 except UnicodeDecodeError:
                     raise CorpusError(
-                        f"column {column!r} of {self.path} holds bytes that are not UTF-8 text (row {first_row + i}); "
+                        f"column {column!r} of {path or self.path} holds bytes that are not UTF-8 text "
+                        f"(row {first_row + i}); "
                         "store the texts as UTF-8 strings"
                     ) from None
             raise
 
-    def _texts(self, rb: pa.RecordBatch, first_row: int = 0) -> list[str | None]:
+    def _texts(self, rb: pa.RecordBatch, first_row: int = 0, path: Path | None = None) -> list[str | None]:
         if not self.has_text:
             return [""] * rb.num_rows
-        texts = self._strings(rb, self.spec.text_column, first_row)
+        texts = self._strings(rb, self.spec.text_column, first_row, path)
         if self.spec.title_column:
-            titles = self._strings(rb, self.spec.title_column, first_row)
+            titles = self._strings(rb, self.spec.title_column, first_row, path)
             texts = [None if t is None else f"{h or ''} {t}".strip() for h, t in zip(titles, texts, strict=True)]
         return texts
 
-    def _raw_batches(self, rows: int) -> Iterator[tuple[list[str], list[str | None], pa.RecordBatch]]:
+    def _raw_batches(
+        self, rows: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[tuple[list[str], list[str | None], pa.RecordBatch]]:
+        """(ids, texts, record batch) of windows ``start`` to ``stop`` (exclusive) of ``rows`` rows each."""
+        stop = self.windows(rows) if stop is None else stop
         if self._array is not None:  # a window of the memory-mapped array stands in for the record batch
-            for start in range(0, self.num_rows, rows):
-                window = np.asarray(self._array[start : start + rows], dtype=np.float32)
-                yield [str(i) for i in range(start, start + len(window))], [""] * len(window), window  # type: ignore[misc]
+            for first in range(start * rows, min(stop * rows, self.num_rows), rows):
+                window = np.asarray(self._array[first : first + rows], dtype=np.float32)
+                yield [str(i) for i in range(first, first + len(window))], [""] * len(window), window  # type: ignore[misc]
             return
-        start = 0
-        for rb in self._record_batches(rows):
-            if self.id_column:
-                ids = self._strings(rb, self.id_column, start)
-                if any(v is None for v in ids):
-                    raise CorpusError(f"column {self.id_column!r} has null ids; every row needs an id")
-            else:
-                ids = [str(i) for i in range(start, start + rb.num_rows)]
-            texts = self._texts(rb, start)
-            start += rb.num_rows
-            yield ids, texts, rb  # type: ignore[misc]
+        offset = 0  # the global number of each file's first window
+        for source in self.files:
+            count = source.windows(rows)
+            first, last = max(start - offset, 0), min(stop - offset, count)
+            offset += count
+            if first >= last:
+                continue
+            row = first * rows
+            for rb in _read_rows(source, row, min(last * rows, source.rows), rows, self._columns()):
+                yield self._ids(source, rb, row), self._texts(rb, row, source.path), rb
+                row += rb.num_rows
 
-    def _record_batches(self, rows: int) -> Iterator[pa.RecordBatch]:
-        """The file's record batches; a file that breaks part-way (corrupt pages, truncated) is one clear error."""
-        batches = self._file.iter_batches(batch_size=rows, columns=self._columns())
-        done = 0
-        while True:
-            try:
-                rb = next(batches)
-            except StopIteration:
-                return
-            except (OSError, pa.ArrowException) as err:
-                raise CorpusError(
-                    f"{self.path} cannot be read after row {done:,} ({err}); the file is corrupt or truncated: "
-                    "write it again"
-                ) from err
-            done += rb.num_rows
-            yield rb
+    def _ids(self, source: SourceFile, rb: pa.RecordBatch, first_row: int) -> list[str]:
+        if not self.id_column:
+            prefix = f"{source.name}:" if source.name else ""
+            return [f"{prefix}{i}" for i in range(first_row, first_row + rb.num_rows)]
+        ids = self._strings(rb, self.id_column, first_row, source.path)
+        if any(v is None for v in ids):
+            raise CorpusError(f"column {self.id_column!r} of {source.path} has null ids; every row needs an id")
+        return ids  # type: ignore[return-value]
 
     def _usable(self, texts: list[str | None], rb: pa.RecordBatch) -> np.ndarray:
         if self._array is not None:
@@ -231,42 +320,58 @@ class Corpus:
             return np.asarray(rb.column(self.spec.vectors_column).is_valid())
         return np.array([t is not None and t.strip() != "" for t in texts], dtype=bool)
 
+    def check(self, ids: list[str], texts: list[str | None], rb: pa.RecordBatch) -> Tally:
+        """The value checks of one window (null or empty texts, null or non-finite vectors); no duplicates."""
+        ok = self._usable(texts, rb)
+        tally = Tally(rows=len(ids), usable=int(ok.sum()))
+        tally.first_bad = [i for i, good in zip(ids, ok, strict=True) if not good][:FIRST_SHOWN]
+        if self.precomputed:
+            finite = np.isfinite(self._batch_vectors(rb, ok)).all(axis=1)
+            kept = np.flatnonzero(ok)
+            tally.nonfinite = int((~finite).sum())
+            tally.first_nonfinite = [ids[kept[i]] for i in np.flatnonzero(~finite)[:FIRST_SHOWN]]
+        return tally
+
+    def check_windows(self, rows: int, start: int = 0, stop: int | None = None) -> Iterator[tuple[list[str], Tally]]:
+        """(ids, tally) of each window from ``start`` to ``stop``: what a worker of a distributed build checks."""
+        for ids, texts, rb in self._raw_batches(rows, start, stop):
+            yield ids, self.check(ids, texts, rb)
+
     def validate(self, rows: int = 65536, min_rows: int = 2) -> CorpusReport:
         """One cheap pass over ids and texts: empty texts, duplicate ids, fewer than ``min_rows`` usable rows
         (2 to fit a transform; 1 to add to an index), non-finite vectors. Raises CorpusError.
 
-        Memory: one record batch, plus 8 bytes per id for the duplicate check (``id_hashes``), never the ids."""
+        Memory: one window, plus 8 bytes per id for the duplicate check (``id_hashes``), never the ids."""
         hashes: list[np.ndarray] = []
-        total = usable = nonfinite = 0
-        bad: list[str] = []
-        first_nonfinite: list[str] = []
-        for ids, texts, rb in self._raw_batches(rows):
-            ok = self._usable(texts, rb)
-            if self.precomputed:
-                finite = np.isfinite(self._batch_vectors(rb, ok)).all(axis=1)
-                kept = np.flatnonzero(ok)
-                nonfinite += int((~finite).sum())
-                first_nonfinite += [ids[kept[i]] for i in np.flatnonzero(~finite)[: 5 - len(first_nonfinite)]]
-            total += len(ids)
-            usable += int(ok.sum())
-            bad.extend(i for i, good in zip(ids, ok, strict=True) if not good and len(bad) < 5)
+        tally = Tally()
+        for ids, window in self.check_windows(rows):
+            tally.add(window)
             if self.id_column:  # row numbers are unique by construction
                 hashes.append(id_hashes(ids))
         duplicate = self._first_duplicate(np.concatenate(hashes), rows) if hashes else None
         if duplicate is not None:
-            raise CorpusError(
-                f"duplicate id {duplicate!r} in column {self.id_column!r}; ids must be unique "
-                "(pick another --id-column, or drop it to use row numbers)"
-            )
+            raise self.duplicate(duplicate)
+        return self.conclude(tally, min_rows)
+
+    def duplicate(self, id_: str) -> CorpusError:
+        return CorpusError(
+            f"duplicate id {id_!r} in column {self.id_column!r}; ids must be unique "
+            "(pick another --id-column, or drop it to use row numbers)"
+        )
+
+    def conclude(self, tally: Tally, min_rows: int = 2) -> CorpusReport:
+        """The report of a whole pass, or the error for what it found."""
+        total, usable = tally.rows, tally.usable
         skipped = total - usable
         what = "null vectors" if self.spec.vectors_column else "null or empty text"
         if total == 0:
             raise CorpusError(f"{self.path} holds no rows; nothing to index")
-        if nonfinite:
+        if tally.nonfinite:
             raise CorpusError(
-                f"{nonfinite} of {total} vectors contain NaN or inf (first ids: {', '.join(first_nonfinite)}); "
-                "fix or drop those rows"
+                f"{tally.nonfinite} of {total} vectors contain NaN or inf (first ids: "
+                f"{', '.join(tally.first_nonfinite)}); fix or drop those rows"
             )
+        bad = tally.first_bad
         if skipped and not self.spec.skip_empty:
             raise CorpusError(
                 f"{skipped} of {total} rows have {what} (first ids: {', '.join(bad)}); "
@@ -294,12 +399,11 @@ class Corpus:
                 seen.add(i)
         return None  # equal hashes of different ids
 
-    def batches(self, rows: int, skip_batches: int = 0) -> Iterator[Batch]:
-        """Usable rows in record batches of ``rows`` raw rows (fewer after skipping); the first
-        ``skip_batches`` record batches are read but not returned (to resume a build)."""
-        for n, (ids, texts, rb) in enumerate(self._raw_batches(rows)):
-            if n < skip_batches:
-                continue
+    def batches(self, rows: int, skip_batches: int = 0, stop_batches: int | None = None) -> Iterator[Batch]:
+        """Usable rows in windows of ``rows`` raw rows (fewer after skipping empty ones), windows
+        ``skip_batches`` (to resume a build) to ``stop_batches`` (exclusive; default: to the end). The windows
+        skipped are not read."""
+        for ids, texts, rb in self._raw_batches(rows, skip_batches, stop_batches):
             ok = self._usable(texts, rb)
             keep = np.flatnonzero(ok)
             vectors = self._batch_vectors(rb, ok) if self.precomputed else None
@@ -343,6 +447,84 @@ def id_hashes(ids: Sequence[str]) -> np.ndarray:
     """64-bit hashes of ids (Python's string hash: stable within one process), 8 bytes per id where a set of the
     strings costs ~100. For finding repeated ids in bounded memory: equal hashes are then checked on the strings."""
     return np.fromiter((hash(i) for i in ids), dtype=np.int64, count=len(ids))
+
+
+def _find_files(path: Path) -> tuple[list[Path], Path | None]:
+    """The files ``path`` names, sorted, and the root their names are relative to (None for a single file)."""
+    if path.is_dir():
+        found = sorted(
+            p
+            for p in path.rglob(f"*{PARQUET_SUFFIX}")
+            if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
+        )
+        if not found:
+            raise CorpusError(f"corpus folder {path} holds no {PARQUET_SUFFIX} files")
+        return found, path
+    if path.exists() or not any(c in str(path) for c in GLOB_MAGIC):
+        if not path.exists():
+            raise CorpusError(f"corpus file not found: {path}")
+        return [path], None
+    matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    if not matches:
+        raise CorpusError(f"no file matches the corpus pattern {path}")
+    return matches, _glob_root(path)
+
+
+def _glob_root(pattern: Path) -> Path:
+    """The directory part of a glob before its first wildcard (``data/2024`` for ``data/2024/*/part-*.parquet``)."""
+    parts = pattern.parts
+    fixed = next(i for i, part in enumerate(parts) if any(c in part for c in GLOB_MAGIC))
+    return Path(*parts[:fixed]) if fixed else Path(".")
+
+
+def _read_rows(source: SourceFile, start: int, stop: int, rows: int, columns: list[str]) -> Iterator[pa.RecordBatch]:
+    """Rows ``start`` to ``stop`` of a file in record batches of ``rows`` rows (the last may be shorter).
+
+    Only the row groups that hold those rows are read; a window that starts inside a row group re-cuts the
+    batches pyarrow gives from that group's first row."""
+    bounds = np.cumsum((0, *source.group_rows))
+    groups = [g for g in range(len(source.group_rows)) if bounds[g] < stop and bounds[g + 1] > start]
+    if not groups:
+        return
+    first = int(bounds[groups[0]])
+    try:
+        with pq.ParquetFile(source.path) as reader:
+            batches = reader.iter_batches(batch_size=rows, row_groups=groups, columns=columns)
+            yield from _recut(batches, start - first, rows, stop - start)
+    except (OSError, pa.ArrowException) as err:  # a file that breaks part-way: corrupt pages, truncated
+        raise CorpusError(
+            f"{source.path} cannot be read from row {first:,} on ({err}); the file is corrupt or truncated: "
+            "write it again"
+        ) from err
+
+
+def _recut(batches: Iterable[pa.RecordBatch], skip: int, rows: int, total: int) -> Iterator[pa.RecordBatch]:
+    """The ``total`` rows after the first ``skip`` of a stream of record batches, cut into batches of ``rows``."""
+    pending: list[pa.RecordBatch] = []
+    have = 0
+    for batch in batches:
+        if skip >= batch.num_rows:
+            skip -= batch.num_rows
+            continue
+        if skip:
+            batch, skip = batch.slice(skip), 0
+        pending.append(batch)
+        have += batch.num_rows
+        while total and have >= min(rows, total):
+            take = min(rows, total)
+            if len(pending) == 1 and pending[0].num_rows == take:  # pyarrow's batch is the window: no copy
+                out, pending = pending[0], []
+            else:
+                table = pa.Table.from_batches(pending)
+                out = table.slice(0, take).combine_chunks().to_batches()[0]
+                pending = table.slice(take).combine_chunks().to_batches()
+            have -= take
+            total -= take
+            yield out
+        if not total:
+            return
+    if total and have:
+        yield pa.Table.from_batches(pending).slice(0, total).combine_chunks().to_batches()[0]
 
 
 def _vectors(column: pa.Array, name: str) -> np.ndarray:

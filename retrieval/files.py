@@ -85,8 +85,11 @@ def inside(root: Path, name: str) -> bool:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary name beside ``path``, flush to disk, then rename: readers see old or new, never half."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write to a temporary name beside ``path``, flush to disk, then rename: readers see old or new, never half.
+
+    The temporary name is the writing process's own, so two processes writing the same file (a retried Ray task
+    and a dying attempt of it) never interleave their bytes in one temporary file."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()

@@ -16,8 +16,11 @@ def index_root() -> Path:
 
 
 def default_out(corpus_path: Path) -> Path:
-    """``indexes/<corpus stem>``."""
-    return index_root() / Path(corpus_path).stem
+    """``indexes/<corpus stem>``: the file's stem, the folder's name, or a glob's last fixed folder's name."""
+    path = Path(corpus_path)
+    while any(c in path.name for c in "*?["):
+        path = path.parent
+    return index_root() / (path.stem or "corpus")
 
 
 def remember(directory: Path) -> None:

@@ -1,7 +1,8 @@
 """Pass 1, one record batch at a time: encode it, write it to the stash, fold it into the moments, report.
 
 The same unit serves a build, an ``add`` and each worker of a distributed build; only where a part goes
-differs (``write``: the stash's next part locally, a uniquely named unregistered part on a worker).
+differs (``write``: the stash's next part locally, a uniquely named unregistered part on a worker, which the
+driver's Ingest then ``adopt``s).
 """
 
 from __future__ import annotations
@@ -82,6 +83,15 @@ class Ingest:
         self.parts: list[Part] = []
         self._write = write or stash.append
         self._on_batch = lambda n: progress("encode", n, total)
+
+    def adopt(self, parts: Sequence[Part], moments: Sequence[RunningMoments]) -> None:
+        """Take in parts that other processes encoded and wrote (a distributed build's workers), in row order:
+        register them and fold in their moments, as ``__call__`` does for a batch it encodes itself."""
+        self.stash.register(parts)
+        for part, part_moments in zip(parts, moments, strict=True):
+            self.moments.merge(part_moments)
+            self.parts.append(part)
+            self._on_batch(part.rows)
 
     def __call__(self, batch: Batch, ids: Sequence[str] | None = None) -> np.ndarray:
         vectors = encode_batch(batch, self.encoder, self.stash.poolings, self.stash.dim, self._on_batch)

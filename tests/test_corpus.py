@@ -199,9 +199,100 @@ def test_missing_file_is_refused(tmp_path: Path) -> None:
         Corpus(CorpusSpec(tmp_path / "nope.parquet"))
 
 
-def test_directory_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(CorpusError, match="is a directory"):
+def test_a_folder_without_parquet_files_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a corpus")
+    with pytest.raises(CorpusError, match=r"corpus folder .* holds no \.parquet files"):
         Corpus(CorpusSpec(tmp_path))
+
+
+# ----- folders and globs -----------------------------------------------------------------------------------
+def split_corpus(folder: Path, sizes: tuple[int, ...] = (70, 0, 45, 100), ids: bool = True) -> list[Path]:
+    """``sizes`` rows in files ``part-0.parquet``... (row groups of 16), rows numbered on across the files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths, start = [], 0
+    for n, rows in enumerate(sizes):
+        columns: dict[str, list] = {"text": [f"text {i}" for i in range(start, start + rows)]}
+        if ids:
+            columns = {"id": [f"doc{i}" for i in range(start, start + rows)], **columns}
+        table = pa.table(columns) if rows else pa.table({k: pa.array([], pa.string()) for k in columns})
+        pq.write_table(table, folder / f"part-{n}.parquet", row_group_size=16)
+        paths.append(folder / f"part-{n}.parquet")
+        start += rows
+    return paths
+
+
+def test_a_folder_is_read_file_by_file_in_sorted_order(tmp_path: Path) -> None:
+    split_corpus(tmp_path / "c")
+    (tmp_path / "c" / "_SUCCESS").write_text("")  # what Spark leaves: skipped, as are hidden files
+    pq.write_table(pa.table({"id": ["x"], "text": ["hidden"]}), tmp_path / "c" / ".hidden.parquet")
+    source = Corpus(CorpusSpec(tmp_path / "c"))
+    assert [f.name for f in source.files] == ["part-0.parquet", "part-1.parquet", "part-2.parquet", "part-3.parquet"]
+    assert source.validate().rows == 215
+    ids, texts = read_all(source, rows=32)
+    assert ids == [f"doc{i}" for i in range(215)] and texts[100] == "text 100"
+    # windows never cross a file: 70 -> 32+32+6, 0 -> none, 45 -> 32+13, 100 -> 32+32+32+4
+    assert [len(b) for b in source.batches(32)] == [32, 32, 6, 32, 13, 32, 32, 32, 4]
+    assert source.windows(32) == 9
+
+
+def test_a_glob_reads_the_files_it_matches(tmp_path: Path) -> None:
+    split_corpus(tmp_path / "c")
+    source = Corpus(CorpusSpec(tmp_path / "c" / "part-[23].parquet"))
+    assert [f.name for f in source.files] == ["part-2.parquet", "part-3.parquet"]
+    assert read_all(source)[0] == [f"doc{i}" for i in range(70, 215)]
+    with pytest.raises(CorpusError, match="no file matches the corpus pattern"):
+        Corpus(CorpusSpec(tmp_path / "c" / "*.csv"))
+
+
+def test_without_an_id_column_a_folders_ids_are_file_and_row(tmp_path: Path) -> None:
+    split_corpus(tmp_path / "c" / "sub", sizes=(3, 2), ids=False)
+    ids, _ = read_all(Corpus(CorpusSpec(tmp_path / "c")))
+    assert ids == ["sub/part-0.parquet:0", "sub/part-0.parquet:1", "sub/part-0.parquet:2"] + [
+        "sub/part-1.parquet:0",
+        "sub/part-1.parquet:1",
+    ]
+    ids, _ = read_all(Corpus(CorpusSpec(tmp_path / "c" / "*" / "part-1.parquet")))
+    assert ids == ["sub/part-1.parquet:0", "sub/part-1.parquet:1"]  # relative to the glob's fixed directory
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 50, 1000])
+def test_any_range_of_windows_reads_what_a_full_pass_reads(tmp_path: Path, rows: int) -> None:
+    split_corpus(tmp_path / "c")
+    source = Corpus(CorpusSpec(tmp_path / "c"))
+    full = [b.ids for b in source.batches(rows)]
+    assert len(full) == source.windows(rows)
+    for start, stop in [(0, 1), (1, 3), (len(full) // 2, len(full)), (len(full) - 1, None)]:
+        assert [b.ids for b in source.batches(rows, start, stop)] == full[start:stop]
+
+
+def test_duplicate_ids_across_files_are_refused(tmp_path: Path) -> None:
+    split_corpus(tmp_path / "c", sizes=(5, 5))
+    pq.write_table(pa.table({"id": ["doc7"], "text": ["again"]}), tmp_path / "c" / "part-9.parquet")
+    with pytest.raises(CorpusError, match="duplicate id 'doc7'"):
+        Corpus(CorpusSpec(tmp_path / "c")).validate()
+
+
+def test_a_bad_file_in_a_folder_is_named(tmp_path: Path) -> None:
+    split_corpus(tmp_path / "c", sizes=(5, 5))
+    pq.write_table(pa.table({"id": ["z"], "body": ["no text column"]}), tmp_path / "c" / "part-5.parquet")
+    with pytest.raises(CorpusError, match=r"part-5\.parquet has no column 'text' \(columns: id, body\)"):
+        Corpus(CorpusSpec(tmp_path / "c"))
+    (tmp_path / "c" / "part-5.parquet").write_text("garbage")
+    with pytest.raises(CorpusError, match=r"part-5\.parquet is not a readable parquet file"):
+        Corpus(CorpusSpec(tmp_path / "c"))
+    pq.write_table(pa.table({"text": ["no id column"]}), tmp_path / "c" / "part-5.parquet")
+    with pytest.raises(CorpusError, match=r"part-5\.parquet has no column 'id' where other files have one"):
+        Corpus(CorpusSpec(tmp_path / "c"))
+    pq.write_table(pa.table({"id": ["z", None], "text": ["a", "b"]}), tmp_path / "c" / "part-5.parquet")
+    with pytest.raises(CorpusError, match=r"column 'id' of .*part-5\.parquet has null ids"):
+        Corpus(CorpusSpec(tmp_path / "c")).validate()
+
+
+def test_a_folders_fingerprint_covers_names_and_bytes(tmp_path: Path) -> None:
+    split_corpus(tmp_path / "c", sizes=(5, 5))
+    before = Corpus(CorpusSpec(tmp_path / "c")).fingerprint()
+    (tmp_path / "c" / "part-1.parquet").rename(tmp_path / "c" / "part-2.parquet")
+    assert Corpus(CorpusSpec(tmp_path / "c")).fingerprint() != before
 
 
 # ----- vectors ---------------------------------------------------------------------------------------------

@@ -158,7 +158,7 @@ def test_parquet_corrupt_in_the_middle(tiny_bert: Path, tmp_path: Path) -> None:
     middle = len(data) // 2
     data[middle : middle + 4000] = bytes(4000)
     path.write_bytes(bytes(data))
-    one_line(build_from(tiny_bert, path, tmp_path / "out"), "c.parquet cannot be read after row", "corrupt")
+    one_line(build_from(tiny_bert, path, tmp_path / "out"), "c.parquet cannot be read from row", "corrupt")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path / "out") == []
 
 
@@ -284,6 +284,29 @@ def test_bad_vectors_columns(tmp_path: Path) -> None:
     path = table_file(tmp_path / "e.parquet", emb=pa.array([[], []], pa.list_(pa.float32())))
     one_line(run("index", path, "--vectors-column", "emb", "--out", tmp_path / "o"), "empty vectors")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("bad", ["zero-byte", "no text column", "binary not UTF-8"])
+@case(
+    "input",
+    "a folder or glob of parquet files with one bad file among good ones",
+    "one line naming the bad file; nothing written",
+)
+def test_one_bad_file_in_a_folder(tiny_bert: Path, tmp_path: Path, bad: str) -> None:
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    for i in range(3):
+        table_file(folder / f"part-{i}.parquet", id=[f"p{i}-{j}" for j in range(30)], text=texts(30))
+    broken = folder / "part-1.parquet"
+    if bad == "zero-byte":
+        broken.write_bytes(b"")
+    elif bad == "no text column":
+        table_file(broken, id=["a", "b"], body=["x", "y"])
+    else:
+        table_file(broken, id=["a", "b"], text=pa.array([b"ok", b"\xff bad"], pa.binary()))
+    for corpus in (folder, f"{folder}/part-*.parquet"):
+        one_line(build_from(tiny_bert, corpus, tmp_path / "out"), "part-1.parquet")
+        assert not (tmp_path / "out").exists() and leftovers(tmp_path / "out") == []
 
 
 # ----- options -----------------------------------------------------------------------------------------------
@@ -772,6 +795,43 @@ def test_disk_full_during_a_build(tmp_path: Path) -> None:
             build_index(CorpusSpec(big), FakeEncoder(), out, TransformSpec(dim=4), options=BuildOptions(overwrite=True))
         assert snapshot(out) == before and leftovers(out) == []
         assert Searcher.load(out, encoder=FakeEncoder()).manifest.n == 40
+
+
+@case(
+    "faults",
+    "two writers at once (`add` while `refit` runs)",
+    "the second is refused at once in one line; the first completes",
+)
+def test_two_writers(fake_index: Path, tmp_path: Path) -> None:
+    process, marker = start_writer(tmp_path, "refit", fake_index, "write")
+    try:
+        wait_for(marker, process)
+        with pytest.raises(IndexDirError, match="another retrieval process is writing"):
+            update.add(fake_index, CorpusSpec(new_docs(tmp_path / "m.parquet")), FakeEncoder())
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=30)
+    update.add(fake_index, CorpusSpec(new_docs(tmp_path / "m.parquet")), FakeEncoder())  # free again afterwards
+
+
+@case("faults", "`retrieval search` processes in a loop while `add` publishes three times", "zero failed searches")
+def test_searches_while_add_publishes(copy: Path, tmp_path: Path, tiny_bert: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RETRIEVAL_INDEX_ROOT": str(tmp_path / "root")}
+    loop = (
+        "import sys, time\nfrom retrieval.search import Searcher, SearchParams\nfails = runs = 0\n"
+        "end = time.monotonic() + float(sys.argv[2])\nwhile time.monotonic() < end:\n"
+        "    try:\n        Searcher.load(sys.argv[1], verify='quick').search('document', SearchParams(k=3))\n"
+        "        runs += 1\n"
+        "    except Exception as err:\n        fails += 1; print(repr(err), file=sys.stderr)\nprint(runs, fails)"
+    )
+    searcher = subprocess.Popen(
+        [sys.executable, "-c", loop, str(copy), "25"], stdout=subprocess.PIPE, text=True, env=env
+    )
+    for i in range(3):
+        update.add(copy, CorpusSpec(new_docs(tmp_path / f"n{i}.parquet", prefix=f"n{i}-")))
+    out, _ = searcher.communicate(timeout=120)
+    runs, fails = map(int, out.split())
+    assert fails == 0 and runs > 3
 
 
 # ----- safety ------------------------------------------------------------------------------------------------

@@ -1,0 +1,227 @@
+"""Dynamic micro-batching: one worker thread encodes and searches together whatever queries are waiting.
+
+Concurrent requests would otherwise serialise on the encoder (it takes one caller at a time) and each pay a
+whole forward pass for one text. The worker instead takes the queued jobs, up to ``max_batch`` queries,
+waiting at most ``max_wait`` seconds after the first for more to arrive, encodes all their texts in one call
+and searches each group of jobs that asked the same knobs in one FAISS call. Throughput then grows with
+concurrency: a forward pass over 16 short texts costs little more than over one.
+
+The searcher is read once per batch (``current()``), so a reload swaps it between batches: a batch that has
+started finishes on the version it started with.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from retrieval.errors import RetrievalError
+from retrieval.search import Hit, Searcher, SearchParams
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(RetrievalError):
+    """More queries are waiting than the queue holds: the client should retry later (HTTP 429)."""
+
+
+class Stopped(RetrievalError):
+    """The engine is shutting down and takes no new work (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Hits for each query of one job, and which index version answered."""
+
+    hits: list[list[Hit]]
+    generation: int
+
+
+@dataclass(frozen=True)
+class EmbedResult:
+    vectors: np.ndarray  # (n, d) float32: raw encoder output, or in the index's space when transformed
+    generation: int
+
+
+@dataclass
+class _Job:
+    texts: list[str]
+    params: SearchParams | None  # None: an embedding job
+    transformed: bool
+    future: Future[Any]
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What one engine batch did, for metrics: queries, jobs, seconds queued (oldest job), seconds running."""
+
+    queries: int
+    jobs: int
+    waited: float
+    seconds: float
+
+
+class Batcher:
+    """The micro-batching engine. ``submit_search`` / ``submit_embed`` return futures; ``start``; ``stop``.
+
+    ``current`` returns the searcher to use for the next batch. ``max_queue`` bounds the queries waiting
+    (beyond it ``Overloaded`` is raised at submission). A job larger than ``max_batch`` runs as a batch of its
+    own; jobs are never split. ``setup`` runs first in the worker thread (thread-local settings such as FAISS's
+    OpenMP thread count); ``on_batch`` is called after each batch with its ``BatchStats``.
+    """
+
+    def __init__(
+        self,
+        current: Callable[[], Searcher],
+        max_batch: int = 32,
+        max_wait: float = 0.0,
+        max_queue: int = 1024,
+        setup: Callable[[], None] | None = None,
+        on_batch: Callable[[BatchStats], None] | None = None,
+    ):
+        if max_batch < 1 or max_wait < 0 or max_queue < 1:
+            raise ValueError("max_batch and max_queue must be positive, max_wait non-negative")
+        self.current = current
+        self.max_batch = max_batch
+        self.max_wait = max_wait
+        self.max_queue = max_queue
+        self._setup = setup
+        self._on_batch = on_batch
+        self._jobs: deque[_Job] = deque()
+        self._queued = 0  # queries in self._jobs
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ----- submitting ------------------------------------------------------------------------------------
+    def submit_search(self, texts: Sequence[str], params: SearchParams) -> Future[SearchResult]:
+        return self._submit(_Job(list(texts), params, False, Future()))
+
+    def submit_embed(self, texts: Sequence[str], transformed: bool = False) -> Future[EmbedResult]:
+        return self._submit(_Job(list(texts), None, transformed, Future()))
+
+    def _submit(self, job: _Job) -> Future[Any]:
+        with self._cond:
+            if self._stopping:
+                raise Stopped("the server is shutting down")
+            if self._queued and self._queued + len(job.texts) > self.max_queue:
+                raise Overloaded(f"{self._queued} queries are already waiting (the limit is {self.max_queue})")
+            self._jobs.append(job)
+            self._queued += len(job.texts)
+            self._cond.notify()
+        return job.future
+
+    @property
+    def queued(self) -> int:
+        """Queries waiting for the worker."""
+        return self._queued
+
+    # ----- the worker ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="retrieval-batcher", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Refuse new work, finish what is queued, and end the worker."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        if self._setup is not None:
+            self._setup()
+        while True:
+            jobs = self._take()
+            if not jobs:
+                return
+            self._process(jobs)
+
+    def _take(self) -> list[_Job]:
+        """The next batch: the first waiting job, then more while they fit, waiting at most max_wait for them."""
+        with self._cond:
+            while not self._jobs:
+                if self._stopping:
+                    return []
+                self._cond.wait()
+            jobs = [self._jobs.popleft()]
+            size = len(jobs[0].texts)
+            deadline = time.perf_counter() + self.max_wait
+            while size < self.max_batch:
+                if self._jobs:
+                    if size + len(self._jobs[0].texts) > self.max_batch:
+                        break
+                    job = self._jobs.popleft()
+                    jobs.append(job)
+                    size += len(job.texts)
+                    continue
+                left = deadline - time.perf_counter()
+                if left <= 0 or self._stopping:
+                    break
+                self._cond.wait(left)
+            self._queued -= size
+            return jobs
+
+    def _process(self, jobs: list[_Job]) -> None:
+        start = time.perf_counter()
+        live = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        texts = [text for job in live for text in job.texts]
+        try:
+            searcher = self.current()
+            raw = searcher.encode(texts) if texts else np.empty((0, 0), np.float32)
+        except BaseException as err:  # noqa: BLE001 - every waiting caller must hear of it, whatever it was
+            if not isinstance(err, RetrievalError):
+                log.exception("a batch of %d queries failed to encode", len(texts))
+            for job in live:
+                job.future.set_exception(err)
+            return
+        offsets = np.cumsum([0] + [len(job.texts) for job in live])
+        vectors = {id(job): raw[offsets[i] : offsets[i + 1]] for i, job in enumerate(live)}
+        generation = searcher.manifest.generation
+        groups: dict[SearchParams, list[_Job]] = {}
+        for job in live:
+            if job.params is None:
+                self._embed(searcher, job, vectors[id(job)], generation)
+            else:
+                groups.setdefault(job.params, []).append(job)
+        for params, group in groups.items():
+            self._search(searcher, params, group, vectors, generation)
+        if self._on_batch is not None:
+            waited = start - min(job.enqueued for job in jobs)
+            self._on_batch(BatchStats(len(texts), len(jobs), waited, time.perf_counter() - start))
+
+    @staticmethod
+    def _embed(searcher: Searcher, job: _Job, raw: np.ndarray, generation: int) -> None:
+        try:
+            out = searcher.transform.transform(raw) if job.transformed else raw
+            job.future.set_result(EmbedResult(np.asarray(out, dtype=np.float32), generation))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            job.future.set_exception(err)
+
+    @staticmethod
+    def _search(
+        searcher: Searcher, params: SearchParams, group: list[_Job], vectors: dict[int, np.ndarray], generation: int
+    ) -> None:
+        """One FAISS call for every job of the group (same knobs), its rows handed back job by job."""
+        try:
+            scores, rows = searcher.search_raw(np.concatenate([vectors[id(job)] for job in group]), params)
+            hits = searcher.hits(scores, rows)
+        except BaseException as err:  # noqa: BLE001 - handed to the callers
+            for job in group:
+                job.future.set_exception(err)
+            return
+        start = 0
+        for job in group:
+            job.future.set_result(SearchResult(hits[start : start + len(job.texts)], generation))
+            start += len(job.texts)

@@ -1,0 +1,606 @@
+"""The HTTP service (FastAPI): routes, request models, limits, one JSON error shape, API key, metrics, the page.
+
+    GET  /search?q=...&k=10      POST /search {query | queries[], k, rescore, ef, nprobe}
+    POST /embed {inputs, transformed}          GET /info    GET /metrics    POST /reload
+    GET  /health (liveness, never protected)   GET /ready (loaded and warmed)    GET / (search page)
+
+Every error, bad input or not, is ``{"error": {"code", "message", "param"}}`` with a 4xx status for what the
+client can fix (422 invalid, 413 too large, 401 key, 404/405, 429 queue full) and 503/409/500 for the server's
+own state; no traceback ever reaches a response. Searches and embeddings go through the service's
+micro-batching engine; the route handlers only validate, wait and format.
+
+Only this module (and the CLI's `serve`) imports fastapi: the core never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import retrieval
+from retrieval.batching import BatchStats, Overloaded, Stopped
+from retrieval.errors import ConfigError, RetrievalError, render
+from retrieval.search import SearchParams
+from retrieval.service import NotReady, ServeOptions, Service
+from retrieval.telemetry import Counter, Gauge, Histogram, Registry
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "RETRIEVAL_API_KEY"
+STATIC = Path(__file__).parent / "static"
+FIELDS = {"ef_search": "ef"}  # library parameter -> JSON field, where they differ
+STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+}
+
+
+def field_name(param: str) -> str:
+    return FIELDS.get(param, param)
+
+
+class ApiError(Exception):
+    """An error response: HTTP status, a stable code, one line for people, the field it is about."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None, headers: Any = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.param, self.headers = status, code, message, param, headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.code, self.message, self.param, self.headers)
+
+
+def error_response(
+    status: int, code: str, message: str, param: str | None = None, headers: Any = None, **extra: Any
+) -> JSONResponse:
+    body = {"error": {"code": code, "message": message, "param": param}, **extra}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+# ----- request and response models (also what /docs shows) -----------------------------------------------------
+class SearchRequest(BaseModel):
+    """One query (`query`) or a batch (`queries`); knobs left out take the index's defaults."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    query: str | None = Field(None, description="One query text.", examples=["how do whitening transforms work"])
+    queries: list[str] | None = Field(None, description="Several query texts, answered in order.")
+    k: int = Field(10, description="Hits per query.")
+    rescore: int | None = Field(None, description="Re-rank this many candidates by the full stashed vectors.")
+    ef: int | None = Field(None, description="HNSW search beam width (efSearch) for this request.")
+    nprobe: int | None = Field(None, description="IVF lists probed for this request.")
+
+
+class EmbedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    inputs: str | list[str] = Field(..., description="A text or a list of texts.", examples=[["a text", "another"]])
+    transformed: bool = Field(
+        False, description="False: the encoder's raw vectors; true: whitened + L2-normalised, the index's space."
+    )
+
+
+class HitOut(BaseModel):
+    rank: int
+    id: str
+    score: float
+    text: str
+
+
+class QueryResult(BaseModel):
+    hits: list[HitOut]
+
+
+class SearchResponse(BaseModel):
+    results: list[QueryResult] = Field(..., description="One per query, in the order asked.")
+    generation: int = Field(..., description="The index version that answered.")
+    took_ms: float
+
+
+class EmbedResponse(BaseModel):
+    embeddings: list[list[float]]
+    dim: int
+    transformed: bool
+    generation: int
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    param: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in {
+        401: "Missing or wrong API key",
+        413: "Body or batch too large",
+        422: "Invalid request",
+        429: "Too many queries waiting",
+        503: "Index not loaded yet, or shutting down",
+    }.items()
+}
+
+
+# ----- metrics -----------------------------------------------------------------------------------------------
+class Metrics:
+    LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+    BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+    def __init__(self, service: Service):
+        self.registry = r = Registry()
+        self.requests = Counter(r, "retrieval_requests_total", "HTTP requests by route, method and status.")
+        self.errors = Counter(r, "retrieval_errors_total", "Error responses by code.")
+        self.latency = Histogram(
+            r, "retrieval_request_duration_seconds", "Time to answer a request, by route.", self.LATENCY_BUCKETS
+        )
+        self.batch_size = Histogram(r, "retrieval_batch_size", "Queries per engine batch.", self.BATCH_BUCKETS)
+        self.batch_seconds = Histogram(
+            r, "retrieval_batch_duration_seconds", "Time to encode and search one batch.", self.LATENCY_BUCKETS
+        )
+        self.queue_wait = Histogram(
+            r, "retrieval_queue_wait_seconds", "Time the oldest job of a batch waited.", self.LATENCY_BUCKETS
+        )
+        self.queries = Counter(r, "retrieval_queries_total", "Texts encoded by the engine (searches and embeds).")
+        Gauge(r, "retrieval_queue_queries", "Queries waiting for the engine.", lambda: service.batcher.queued)
+        Gauge(r, "retrieval_ready", "1 once an index version is loaded and warmed.", lambda: float(service.ready))
+        Gauge(r, "retrieval_index_generation", "Generation of the serving index version.", lambda: _generation(service))
+        Gauge(r, "retrieval_index_documents", "Documents in the serving index version.", lambda: _documents(service))
+        Gauge(
+            r, "retrieval_index_loads_ok", "Index versions loaded, the first included.", lambda: _loads(service, "ok")
+        )
+        Gauge(r, "retrieval_index_loads_failed", "Index versions refused.", lambda: _loads(service, "failed"))
+
+    def on_batch(self, stats: BatchStats) -> None:
+        self.batch_size.observe(stats.queries)
+        self.batch_seconds.observe(stats.seconds)
+        self.queue_wait.observe(stats.waited)
+        self.queries.inc(amount=stats.queries)
+
+
+def _generation(service: Service) -> float | None:
+    return float(service.searcher().manifest.generation) if service.ready else None
+
+
+def _loads(service: Service, result: str) -> float:
+    return float(service.reloads[result])
+
+
+def _documents(service: Service) -> float | None:
+    return float(service.searcher().manifest.n) if service.ready else None
+
+
+class ObserveRequests:
+    """Pure ASGI middleware: counts every response by route template and status, and times it."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), 500
+
+        async def observed(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"  # never the raw path: unbounded label values
+            self.metrics.requests.inc({"route": path, "method": scope["method"], "status": str(status)})
+            self.metrics.latency.observe(time.perf_counter() - start, {"route": path})
+
+
+class LimitBody:
+    """Pure ASGI middleware: a request body larger than ``max_bytes`` (by its Content-Length, or as it streams
+    in) ends in 413 before it is parsed. Raised as an HTTPException from ``receive``, which FastAPI passes on to
+    the error handlers, so the 413 has the same JSON shape as every other error."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                raise StarletteHTTPException(413)
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise StarletteHTTPException(413)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+# ----- the app -----------------------------------------------------------------------------------------------
+def create_app(service: Service, api_key: str | None = None, manage: bool = True) -> FastAPI:
+    """The FastAPI app serving ``service``. ``manage``: start the service with the app and stop it after.
+    ``api_key``: when set, every route but /health (and the static page and the API docs, which hold no index
+    data) needs ``Authorization: Bearer <key>``."""
+    options = service.options
+    metrics = Metrics(service)
+    service.on_batch = metrics.on_batch
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage:
+            service.start()
+        try:
+            yield
+        finally:
+            if manage:
+                await asyncio.to_thread(service.stop)
+
+    app = FastAPI(
+        title="retrieval",
+        version=retrieval.__version__,
+        description="Whitened dense retrieval: search an index directory over HTTP.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.state.metrics = metrics
+    app.add_middleware(LimitBody, max_bytes=options.max_body_bytes)
+    app.add_middleware(ObserveRequests, metrics=metrics)
+    install_error_handlers(app, metrics)
+    key = api_key.encode() if api_key else None
+
+    async def require_key(request: Request) -> None:
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key):
+            raise ApiError(
+                401,
+                "unauthorized",
+                "missing or wrong API key: send `Authorization: Bearer <key>`",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    protected = [Depends(require_key)]
+
+    # ----- search ------------------------------------------------------------------------------------------
+    def search_params(k: int, rescore: int | None, ef: int | None, nprobe: int | None) -> SearchParams:
+        bounds: list[tuple[str, int | None, int, int]] = [
+            ("k", k, 1, options.max_k),
+            ("rescore", rescore, 0, options.max_rescore),
+            ("ef", ef, 1, options.max_knob),
+            ("nprobe", nprobe, 1, options.max_knob),
+        ]
+        for name, value, low, high in bounds:
+            if value is not None and not low <= value <= high:
+                raise ApiError(422, "invalid_param", f"`{name}` must be between {low} and {high} (got {value})", name)
+        if rescore and service.ready and service.searcher().manifest.stash is None:
+            raise ApiError(422, "invalid_param", "this index kept no raw-vector stash: `rescore` must be 0", "rescore")
+        extra = {} if rescore is None else {"rescore": rescore}  # None: the library's default depth
+        params = SearchParams(k=k, ef_search=ef, nprobe=nprobe, **extra)
+        try:
+            params.check()
+        except ConfigError as err:
+            raise ApiError(422, "invalid_param", render(err, field_name), field_name(err.param or "") or None) from err
+        return params
+
+    def texts_of(values: list[str], name: str) -> list[str]:
+        if not values:
+            raise ApiError(422, "empty_query", f"`{name}` holds no text", name)
+        if len(values) > options.max_queries:
+            raise ApiError(
+                413, "too_many_queries", f"`{name}` holds {len(values)} texts; the limit is {options.max_queries}", name
+            )
+        for i, text in enumerate(values):
+            where = f"`{name}`" if len(values) == 1 and name in ("query", "q") else f"`{name}` item {i}"
+            if not text.strip():
+                raise ApiError(422, "empty_query", f"{where} is empty or only whitespace", name)
+            if len(text) > options.max_query_chars:
+                raise ApiError(
+                    422,
+                    "query_too_long",
+                    f"{where} has {len(text):,} characters; the limit is {options.max_query_chars:,}",
+                    name,
+                )
+        return values
+
+    async def run_search(texts: list[str], params: SearchParams) -> JSONResponse:
+        start = time.perf_counter()
+        service.searcher()  # 503 before queueing when nothing is loaded yet
+        result = await asyncio.wrap_future(service.batcher.submit_search(texts, params))
+        results = [
+            {"hits": [{"rank": h.rank, "id": h.id, "score": h.score, "text": h.text} for h in hits]}
+            for hits in result.hits
+        ]
+        took = round((time.perf_counter() - start) * 1000, 3)
+        return JSONResponse({"results": results, "generation": result.generation, "took_ms": took})
+
+    search_doc = "Hits (rank, id, score, text) for each query, best first."
+
+    @app.get(
+        "/search",
+        dependencies=protected,
+        response_model=SearchResponse,
+        responses=ERRORS,
+        summary="Search with one query",
+        description=search_doc,
+    )
+    async def search_get(
+        request: Request,
+        q: Annotated[str, Query(description="The query text.")],
+        k: Annotated[int, Query(description="Hits per query.")] = 10,
+        rescore: Annotated[int | None, Query(description="Re-rank this many candidates.")] = None,
+        ef: Annotated[int | None, Query(description="HNSW search beam width.")] = None,
+        nprobe: Annotated[int | None, Query(description="IVF lists probed.")] = None,
+    ) -> JSONResponse:
+        unknown = sorted(set(request.query_params) - {"q", "k", "rescore", "ef", "nprobe"})
+        if unknown:
+            raise ApiError(422, "invalid_request", f"unknown parameter `{unknown[0]}`", unknown[0])
+        if len(request.query_params.getlist("q")) > 1:
+            raise ApiError(422, "invalid_request", "give `q` once; POST /search takes several queries", "q")
+        return await run_search(texts_of([q], "q"), search_params(k, rescore, ef, nprobe))
+
+    @app.post(
+        "/search",
+        dependencies=protected,
+        response_model=SearchResponse,
+        responses=ERRORS,
+        summary="Search with one query or a batch",
+        description=search_doc,
+    )
+    async def search_post(body: SearchRequest) -> JSONResponse:
+        if (body.query is None) == (body.queries is None):
+            raise ApiError(422, "invalid_request", "give either `query` (one text) or `queries` (a list)", "query")
+        texts = texts_of([body.query], "query") if body.query is not None else texts_of(body.queries or [], "queries")
+        return await run_search(texts, search_params(body.k, body.rescore, body.ef, body.nprobe))
+
+    @app.post(
+        "/embed",
+        dependencies=protected,
+        response_model=EmbedResponse,
+        responses=ERRORS,
+        summary="Vectors of texts, by the index's own encoder",
+    )
+    async def embed(body: EmbedRequest) -> JSONResponse:
+        texts = texts_of([body.inputs] if isinstance(body.inputs, str) else body.inputs, "inputs")
+        searcher = service.searcher()
+        if searcher.encoder is None:
+            raise ApiError(422, "no_encoder", "this index was built from precomputed vectors: it has no encoder")
+        result = await asyncio.wrap_future(service.batcher.submit_embed(texts, body.transformed))
+        vectors = result.vectors
+        return JSONResponse(
+            {
+                "embeddings": vectors.tolist(),
+                "dim": int(vectors.shape[1]),
+                "transformed": body.transformed,
+                "generation": result.generation,
+            }
+        )
+
+    # ----- state -------------------------------------------------------------------------------------------
+    @app.get("/health", summary="Liveness: the process answers (never needs the API key)")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready", dependencies=protected, summary="Readiness: an index version is loaded and warmed")
+    async def ready() -> JSONResponse:
+        if not service.ready:
+            reason = service.last_error or "the index is still loading"
+            return error_response(503, "not_ready", reason, ready=False)
+        return JSONResponse({"ready": True, "generation": service.searcher().manifest.generation})
+
+    @app.get("/info", dependencies=protected, summary="What is served: `retrieval info` as JSON, and the server")
+    async def info() -> JSONResponse:
+        return JSONResponse(describe(service))
+
+    @app.get("/metrics", dependencies=protected, summary="Prometheus text format", response_class=PlainTextResponse)
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.registry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/reload", dependencies=protected, summary="Load the index directory's current version now")
+    async def reload() -> JSONResponse:
+        outcome = await asyncio.to_thread(service.reload)
+        if not outcome.reloaded:
+            message = f"the new version was refused; still serving generation {outcome.generation}: {outcome.error}"
+            return error_response(409, "reload_refused", message, generation=outcome.generation)
+        return JSONResponse({"reloaded": True, "generation": outcome.generation, "seconds": round(outcome.seconds, 3)})
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
+
+    return app
+
+
+def describe(service: Service) -> dict[str, Any]:
+    """/info: the serving version (what `retrieval info` shows, as fields and as its summary lines) and the
+    server's own state (reloads, the last refused version, limits, engine settings)."""
+    options = service.options
+    server = {
+        "retrieval": retrieval.__version__,
+        "directory": str(service.directory),
+        "ready": service.ready,
+        "loaded_at": service.loaded_at,
+        "loads": dict(service.reloads),
+        "last_reload_error": service.last_error,
+        "last_reload_error_at": service.last_error_at,
+        "watch_interval_s": options.watch_interval,
+        "limits": {
+            "max_queries": options.max_queries,
+            "max_query_chars": options.max_query_chars,
+            "max_k": options.max_k,
+            "max_rescore": options.max_rescore,
+            "max_ef_nprobe": options.max_knob,
+            "max_body_bytes": options.max_body_bytes,
+            "max_queue": options.max_queue,
+        },
+        "batching": {"max_batch": options.max_batch, "max_wait_ms": options.max_wait_ms},
+        "threads": {"torch": options.torch_threads, "faiss": options.faiss_threads, "cpus": os.cpu_count()},
+    }
+    if not service.ready:
+        return {"ready": False, "index": None, "server": server}
+    searcher = service.searcher()
+    m = searcher.manifest
+    spec = m.transform.spec
+    index = {
+        "generation": m.generation,
+        "created": m.created,
+        "updated": m.updated,
+        "model": m.encoder.model,
+        "pooling": m.encoder.pooling,
+        "max_length": m.encoder.max_length,
+        "precision": m.encoder.precision_used or m.encoder.precision,
+        "transform": m.transform.kind,
+        "d": m.transform.d,
+        "k": m.transform.k,
+        "gamma": spec.gamma if m.transform.kind == "whitening" else None,
+        "n": m.n,
+        "index_kind": m.index.kind,
+        "factory": m.index.factory,
+        "search_defaults": m.index.search,
+        "stash": m.stash is not None,
+        "versions": m.versions,
+        "summary": {key: str(value) for key, value in searcher.describe().items()},
+    }
+    return {"ready": True, "index": index, "server": server}
+
+
+def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every error as ``{"error": {"code", "message", "param"}}``; counted by code; no traceback in a body."""
+
+    def counted(handler: Callable[[Request, Any], JSONResponse]) -> Callable[[Request, Any], Awaitable[JSONResponse]]:
+        async def wrapped(request: Request, exc: Any) -> JSONResponse:
+            response = handler(request, exc)
+            code = getattr(exc, "code", None) or _code_of(response)
+            metrics.errors.inc({"code": code})
+            return response
+
+        return wrapped
+
+    def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_response(exc.errors())
+
+    def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = STATUS_CODES.get(exc.status_code, "http_error")
+        message = {
+            404: f"no route {request.url.path}; see /docs",
+            405: f"{request.method} is not allowed on {request.url.path}; see /docs",
+            413: f"the request body is larger than {_max_body(request)} bytes",
+        }.get(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, code, message, headers=getattr(exc, "headers", None))
+
+    def library_error(request: Request, exc: RetrievalError) -> JSONResponse:
+        if isinstance(exc, Overloaded):
+            return error_response(429, "overloaded", f"{exc}; retry shortly", headers={"Retry-After": "1"})
+        if isinstance(exc, (NotReady, Stopped)):
+            return error_response(503, "not_ready" if isinstance(exc, NotReady) else "shutting_down", str(exc))
+        if isinstance(exc, ConfigError):
+            param = field_name(exc.param) if exc.param else None
+            return error_response(422, "invalid_param", render(exc, field_name), param)
+        log.error("%s %s failed: %s", request.method, request.url.path, exc)
+        return error_response(500, "index_error", render(exc, field_name))
+
+    def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal", "internal error; the server logged it")
+
+    app.add_exception_handler(ApiError, counted(api_error))  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, counted(validation))  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, counted(http_error))  # type: ignore[arg-type]
+    app.add_exception_handler(RetrievalError, counted(library_error))  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, counted(unexpected))
+
+
+def _max_body(request: Request) -> str:
+    service = getattr(request.app.state, "service", None)
+    return f"{service.options.max_body_bytes:,}" if service is not None else "the limit of"
+
+
+def _code_of(response: JSONResponse) -> str:
+    import json
+
+    try:
+        return str(json.loads(bytes(response.body))["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return "unknown"
+
+
+def validation_response(errors: Any) -> JSONResponse:
+    """pydantic's list of errors as one message about the first, naming the field as the client spelled it."""
+    errors = list(errors)
+    first: dict[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path", "header"):  # where it was: not part of the field's name
+        loc = loc[1:]
+    param = next((str(p) for p in loc if isinstance(p, str)), None)
+    kind, msg = first.get("type", ""), str(first.get("msg", "invalid"))
+    if kind == "json_invalid":
+        return error_response(422, "invalid_json", f"the body is not valid JSON ({first.get('ctx', {}).get('error')})")
+    if kind == "extra_forbidden":
+        return error_response(422, "invalid_request", f"unknown field `{param}`", param)
+    if kind == "missing":
+        return error_response(422, "invalid_request", f"`{param}` is required", param)
+    if param is None:
+        message = f"the body must be a JSON object, sent as Content-Type: application/json ({msg})"
+        return error_response(422, "invalid_request", message)
+    path = [p for i, p in enumerate(loc) if isinstance(p, int) or i == 0]  # drops union tags such as "str"
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+    at = f" (at {where})" if where != param else ""
+    return error_response(422, "invalid_request", f"`{param}`: {msg}{at}", param)
+
+
+def run(
+    directory: Path,
+    options: ServeOptions,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    shutdown_timeout: int = 30,
+    log_level: str = "info",
+) -> None:
+    """Serve until SIGINT/SIGTERM: uvicorn stops accepting, lets requests in flight finish (up to
+    ``shutdown_timeout`` seconds), then the app's lifespan drains the engine."""
+    import uvicorn
+
+    app = create_app(Service(directory, options), api_key=api_key or os.environ.get(API_KEY_ENV) or None)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=shutdown_timeout,
+        access_log=False,
+        server_header=False,
+    )

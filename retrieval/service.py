@@ -1,0 +1,255 @@
+"""The search service without HTTP: its options, the serving Searcher, hot reload, and the directory watcher.
+
+A ``Service`` loads its index directory in the background (``ready`` once loaded and warmed), serves it through
+one micro-batching engine (``batching.Batcher``), and replaces it when the directory is replaced: a watcher
+polls the directory's identity (one ``stat``: writers publish a new directory by renaming it into place), and
+``reload()`` can be called at any time. A reload reads the new version fully checked, with the current encoder
+reused when the new version was built with the same one, warms it, then swaps it in between two batches;
+a batch already running finishes on the old version. A replacement that fails to load is refused: the old
+version keeps serving, and ``last_error`` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from retrieval.batching import Batcher, BatchStats
+from retrieval.encoder import Encoder
+from retrieval.errors import ConfigError, RetrievalError
+from retrieval.indexdir import IndexDir, Verify, now
+from retrieval.search import Searcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The service's limits and engine settings; the CLI's `serve` options take their defaults from here.
+
+    Engine defaults were measured with scripts/bench_serve.py on a 100k-document MiniLM index on this project's
+    2-core machine (results/serve/): see the comments on each.
+    """
+
+    # Micro-batching: queries per engine batch (B) and how long the engine waits for more after the first (T).
+    # T = 0: a wait only adds latency, since requests queue up by themselves while a batch runs (T = 10 ms:
+    # 1 client 26 QPS, p50 33 ms, against 50 QPS, p50 20 ms at T = 0; 16 clients 26 against 64 QPS).
+    # B: see README "Serving" (B = 1, no batching, to 64; 16 and 64 clients).
+    max_batch: int = 32
+    max_wait_ms: float = 0.0
+    # Threads of torch's intra-op pool (process-wide) and of FAISS's OpenMP pool in the engine thread. One each:
+    # two torch threads wait at every OpenMP barrier for a core that the event loop, the clients and other
+    # processes also want (1 client: 6 QPS, p99 379 ms, against 50 QPS, p99 30 ms; 16 clients 17 against 64 QPS);
+    # two FAISS threads: 1 client p99 69 against 30 ms, 16 clients 51 against 64 QPS. (Measured on the shared
+    # 2-core machine at load average 10-12: ratios, not absolutes.)
+    torch_threads: int = 1
+    faiss_threads: int = 1
+    # Limits of one request: queries in a batch request, characters of one query, hits per query.
+    max_queries: int = 64
+    max_query_chars: int = 2000
+    max_k: int = 100
+    max_rescore: int = 1000
+    max_knob: int = 4096  # ef / nprobe: beyond this one query could occupy the engine for seconds
+    max_body_bytes: int = 1 << 20
+    # Queries waiting for the engine before new requests get 429.
+    max_queue: int = 1024
+    # Seconds between two looks at the index directory (0: never; POST /reload still works).
+    watch_interval: float = 1.0
+    verify: Verify = "full"
+
+    def check(self) -> None:
+        positive = {
+            "torch_threads": self.torch_threads,
+            "faiss_threads": self.faiss_threads,
+            "max_batch": self.max_batch,
+            "max_queries": self.max_queries,
+            "max_query_chars": self.max_query_chars,
+            "max_k": self.max_k,
+            "max_knob": self.max_knob,
+            "max_body_bytes": self.max_body_bytes,
+            "max_queue": self.max_queue,
+        }
+        for name, value in positive.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"`{name}` must be a positive integer (got {value!r})", name)
+        for name, seconds in (("max_wait_ms", self.max_wait_ms), ("watch_interval", self.watch_interval)):
+            if not 0 <= seconds <= 3600:
+                raise ConfigError(f"`{name}` must be between 0 and 3600 (got {seconds!r})", name)
+        if self.max_rescore < 0:
+            raise ConfigError(f"`max_rescore` must be at least 0 (got {self.max_rescore})", "max_rescore")
+        if self.verify not in ("full", "quick", "none"):
+            raise ConfigError(f"`verify` must be full, quick or none (got {self.verify!r})", "verify")
+
+
+class NotReady(RetrievalError):
+    """No index version is loaded yet (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class ReloadOutcome:
+    reloaded: bool
+    generation: int | None
+    seconds: float
+    error: str | None = None
+
+
+class Service:
+    """One index directory served: ``start()``, ``searcher()``, ``reload()``, ``stop()``.
+
+    ``encoder``: use this encoder for the first load (tests pass a fake one); later loads reuse the serving
+    encoder whenever the new version was built with the same model, pooling and max length.
+    ``on_batch``: called by the engine after each batch (metrics).
+    """
+
+    def __init__(
+        self,
+        directory: Path | str,
+        options: ServeOptions = ServeOptions(),
+        encoder: Encoder | None = None,
+        on_batch: Any = None,
+    ):
+        options.check()
+        self.directory = Path(directory)
+        self.options = options
+        self._encoder = encoder
+        self._searcher: Searcher | None = None
+        self._identity: tuple[int, int] | None = None  # the directory's identity when the serving version was read
+        self._failed_identity: tuple[int, int] | None = None  # ... when a load last failed: not retried unchanged
+        self._reload_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.last_error: str | None = None
+        self.last_error_at: str | None = None
+        self.loaded_at: str | None = None
+        self.reloads = {"ok": 0, "failed": 0}  # loads, the first one included
+        self.on_batch = on_batch  # called with each batch's BatchStats (the app's metrics set it)
+        self.batcher = Batcher(
+            self.searcher,
+            max_batch=options.max_batch,
+            max_wait=options.max_wait_ms / 1000,
+            max_queue=options.max_queue,
+            setup=self._engine_thread_setup,
+            on_batch=self._batch_done,
+        )
+
+    # ----- state -----------------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._searcher is not None
+
+    def searcher(self) -> Searcher:
+        """The version serving now (one attribute read: a reload swaps it whole)."""
+        searcher = self._searcher
+        if searcher is None:
+            raise NotReady(self.last_error or "the index is still loading")
+        return searcher
+
+    def _batch_done(self, stats: BatchStats) -> None:
+        if self.on_batch is not None:
+            self.on_batch(stats)
+
+    # ----- life cycle ------------------------------------------------------------------------------------
+    def start(self, background: bool = True) -> None:
+        """Start the engine, then load the index (in a thread when ``background``) and watch the directory."""
+        self.batcher.start()
+        if background:
+            self._watcher = threading.Thread(target=self._load_and_watch, name="retrieval-reload", daemon=True)
+            self._watcher.start()
+        else:
+            self.reload()
+            if self.options.watch_interval:
+                self._watcher = threading.Thread(target=self._watch, name="retrieval-reload", daemon=True)
+                self._watcher.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop watching, let the engine finish what is queued, and end it."""
+        self._stopping.set()
+        self.batcher.stop(timeout)
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout)
+
+    def _load_and_watch(self) -> None:
+        self.reload()
+        if self.options.watch_interval:
+            self._watch()
+
+    def _watch(self) -> None:
+        directory = IndexDir(self.directory)
+        while not self._stopping.wait(self.options.watch_interval):
+            identity = directory.identity()
+            if identity is None or identity in (self._identity, self._failed_identity):
+                continue
+            log.info("%s was replaced: loading the new version", self.directory)
+            self.reload()
+
+    # ----- reload ----------------------------------------------------------------------------------------
+    def reload(self) -> ReloadOutcome:
+        """Load the directory's current version, warm it, and swap it in; on failure keep serving the old one."""
+        with self._reload_lock:
+            start = time.perf_counter()
+            identity = IndexDir(self.directory).identity()
+            try:
+                searcher = self._load()
+            except Exception as err:  # noqa: BLE001 - any failure refuses the new version; the old one serves on
+                self._failed_identity = identity
+                self.reloads["failed"] += 1
+                self.last_error = str(err) if isinstance(err, RetrievalError) else f"{type(err).__name__}: {err}"
+                self.last_error_at = now()
+                serving = self._searcher.manifest.generation if self._searcher else None
+                if isinstance(err, RetrievalError):
+                    log.error("refused to load %s (still serving %s): %s", self.directory, serving, err)
+                else:
+                    log.exception("refused to load %s (still serving %s)", self.directory, serving)
+                return ReloadOutcome(False, serving, time.perf_counter() - start, self.last_error)
+            self._searcher = searcher  # the swap: the engine's next batch reads this attribute
+            self._identity, self._failed_identity = identity, None
+            self.loaded_at = now()
+            self.last_error = self.last_error_at = None
+            self.reloads["ok"] += 1
+            seconds = time.perf_counter() - start
+            log.warning(
+                "serving %s generation %d (%d documents; loaded and warmed in %.2fs)",
+                self.directory,
+                searcher.manifest.generation,
+                searcher.manifest.n,
+                seconds,
+            )
+            return ReloadOutcome(True, searcher.manifest.generation, seconds)
+
+    def _load(self) -> Searcher:
+        manifest = IndexDir(self.directory).manifest()
+        encoder = self._searcher.encoder if self._searcher is not None else self._encoder
+        if encoder is not None and manifest.encoder.encodes_text:
+            try:
+                manifest.encoder.check_query(encoder.info())
+            except ConfigError:
+                log.warning("the new version of %s uses another encoder: loading it", self.directory)
+                encoder = None
+        if encoder is None and manifest.encoder.kind == "transformers":
+            set_torch_threads(self.options.torch_threads)
+        searcher = Searcher.load(self.directory, encoder=encoder, verify=self.options.verify)
+        searcher.warm_up()
+        return searcher
+
+    def _engine_thread_setup(self) -> None:
+        set_faiss_threads(self.options.faiss_threads)
+
+
+def set_torch_threads(threads: int | None) -> None:
+    """torch's intra-op pool size (process-wide; read lazily by every thread that runs torch)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def set_faiss_threads(threads: int | None) -> None:
+    """FAISS's OpenMP pool size for the calling thread (OpenMP keeps the setting per thread)."""
+    if threads:
+        import faiss
+
+        faiss.omp_set_num_threads(threads)

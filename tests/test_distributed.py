@@ -1,0 +1,386 @@
+"""Builds on Ray: the same index as a local build, from a folder of parquet files, through a killed worker and a
+killed driver; the workers' checks give the local verdicts.
+
+One local Ray (2 CPUs, every listener on 127.0.0.1, its own temporary folder) serves the whole module and is shut
+down at its end (never ``ray stop``: that would kill every Ray on the machine). Encoders defined here and in
+conftest reach the workers by value (cloudpickle), since the workers cannot import test modules.
+
+Run as a script, this file is a build driver the resume test kills (``python tests/test_distributed.py ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import conftest
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import FakeEncoder
+from typer.testing import CliRunner
+
+from retrieval import files
+
+ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
+
+from retrieval.build import BuildOptions, build_index  # noqa: E402
+from retrieval.cli import app  # noqa: E402
+from retrieval.corpus import CorpusSpec  # noqa: E402
+from retrieval.distributed import RayEngine, RayOptions, plan, window_rows  # noqa: E402
+from retrieval.encoder import EncoderSpec  # noqa: E402
+from retrieval.errors import ConfigError, CorpusError, ModelError  # noqa: E402
+from retrieval.index import IndexSpec  # noqa: E402
+from retrieval.indexdir import STASH, IndexDir  # noqa: E402
+from retrieval.search import Searcher, SearchParams  # noqa: E402
+from retrieval.stash import VectorStash  # noqa: E402
+from retrieval.whitening import TransformSpec  # noqa: E402
+
+HERE = Path(__file__).resolve()
+SIZES = (130, 0, 57, 213)  # rows per file: uneven, one empty, none a multiple of WINDOW
+WINDOW = 32  # rows per window (stash part): 5 + 0 + 2 + 7 = 14 windows
+SPEC = TransformSpec(dim=8, gamma=1.0)
+QUERIES = ["document number 7 about topic 0", "topic 3", "whitening vectors search"]
+
+for module in (conftest, sys.modules[__name__]):
+    ray.cloudpickle.register_pickle_by_value(module)
+
+
+# ----- encoders the workers make ------------------------------------------------------------------------------
+class LoggingEncoder(FakeEncoder):
+    """FakeEncoder that sleeps per batch and appends "pid rows" per batch to a log file."""
+
+    def __init__(self, log: Path, sleep: float = 0.0):
+        super().__init__()
+        self.log, self.sleep = log, sleep
+
+    def encode(self, texts):  # type: ignore[no-untyped-def]
+        time.sleep(self.sleep)
+        with open(self.log, "a") as fh:
+            fh.write(f"{os.getpid()} {len(texts)}\n")
+        return super().encode(texts)
+
+
+class DyingEncoder(LoggingEncoder):
+    """LoggingEncoder whose process is SIGKILLed the first time it meets ``text`` (``marker`` records that)."""
+
+    def __init__(self, log: Path, marker: Path, text: str):
+        super().__init__(log)
+        self.marker, self.text = marker, text
+
+    def encode(self, texts):  # type: ignore[no-untyped-def]
+        if self.text in texts and not self.marker.exists():
+            self.marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().encode(texts)
+
+
+class NoModelHere(FakeEncoder):
+    """An encoder that cannot load on the workers (a node without the model)."""
+
+    def __init__(self) -> None:
+        raise ModelError("cannot load model 'fake' offline or from the hub: install it on every node")
+
+
+class Make:
+    """A picklable zero-argument factory: what a RayEngine gives each worker."""
+
+    def __init__(self, cls: type, *args: object):
+        self.cls, self.args = cls, args
+
+    def __call__(self) -> FakeEncoder:
+        return self.cls(*self.args)
+
+
+def logged_rows(log: Path) -> int:
+    return sum(int(line.split()[1]) for line in log.read_text().split("\n") if line) if log.exists() else 0
+
+
+# ----- fixtures -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """A local Ray for this module; yields its address. Workers inherit PYTHONPATH, so they import this
+    checkout's retrieval."""
+    folder = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Unix socket paths
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    context = ray.init(
+        num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, _temp_dir=str(folder), log_to_driver=False
+    )
+    try:
+        yield context.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def split_corpus(folder: Path, sizes: tuple[int, ...] = SIZES) -> Path:
+    """Files part-0.parquet... of ``sizes`` rows (row groups of 20), ids doc0... numbered on across files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    start = 0
+    for n, rows in enumerate(sizes):
+        table = pa.table(
+            {
+                "id": pa.array([f"doc{i}" for i in range(start, start + rows)], pa.string()),
+                "text": pa.array([f"document number {i} about topic {i % 7}" for i in range(start, start + rows)]),
+            }
+        )
+        pq.write_table(table, folder / f"part-{n}.parquet", row_group_size=20)
+        start += rows
+    return folder
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    return split_corpus(tmp_path / "corpus")
+
+
+def local_build(corpus: Path, out: Path, encoder=None, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    options = BuildOptions(window_rows=WINDOW, **kwargs)
+    build_index(CorpusSpec(corpus), encoder or FakeEncoder(), out, SPEC, options=options)
+
+
+def ray_build(corpus: Path, out: Path, make, encoder=None, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    options = BuildOptions(window_rows=WINDOW, **kwargs)
+    with RayEngine(make, RayOptions(workers=2)) as engine:
+        build_index(CorpusSpec(corpus), encoder or FakeEncoder(), out, SPEC, options=options, engine=engine)
+
+
+def assert_same_index(a: Path, b: Path, encoder, vectors_atol: float = 0.0) -> None:  # type: ignore[no-untyped-def]
+    """Same ids in the same rows, the same moments, kernel and stored vectors, the same search results."""
+    da, db = IndexDir(a), IndexDir(b)
+    assert da.docs().ids == db.docs().ids
+    ma, mb = da.moments(), db.moments()
+    assert ma.n == mb.n == sum(SIZES)
+    # The same float32 vectors folded in the same window order (the workers' per-part moments merged with
+    # Chan's update on the driver) give identical float64 moments; a resumed build folds its first parts in one
+    # block, which moves the last bits: 1e-12 of the largest entry bounds both. Encoders that differ by float32
+    # rounding (torch with 1 thread per worker, 2 here) get ``vectors_atol`` per coordinate instead.
+    for x, y in ((ma.mean, mb.mean), (ma.m2, mb.m2)):
+        scale = np.abs(x).max()
+        tolerance = 1e-12 * scale if not vectors_atol else vectors_atol * (ma.n if x.ndim == 2 else 1) * scale
+        np.testing.assert_allclose(x, y, rtol=0, atol=tolerance)
+    ka, kb = da.transform().kernel, db.transform().kernel  # type: ignore[union-attr]
+    np.testing.assert_allclose(ka, kb, rtol=1e-6, atol=max(vectors_atol, 1e-9) * np.abs(ka).max())
+    assert [p.docs for p in da.stash().parts] == [p.docs for p in db.stash().parts]
+    sa, sb = Searcher.load(a, encoder=encoder), Searcher.load(b, encoder=encoder)
+    for query in QUERIES:
+        ha, hb = sa.search(query, SearchParams(k=5)), sb.search(query, SearchParams(k=5))
+        assert [h.id for h in ha] == [h.id for h in hb]
+        np.testing.assert_allclose([h.score for h in ha], [h.score for h in hb], atol=1e-4)  # float32 search
+    IndexDir(b).verify(sb.manifest, "full")
+
+
+# ----- tests --------------------------------------------------------------------------------------------------
+def test_ray_windows_grow_with_the_corpus() -> None:
+    assert window_rows(0) == window_rows(5183) == window_rows(1_000_000) == 512
+    assert window_rows(10_000_000) == 8192 and window_rows(100_000_000) == window_rows(10**9) == 65536
+
+
+def test_plan_covers_every_window_once() -> None:
+    assert plan(0, 0, 2, 16) == []
+    assert plan(3, 14, 2, 16) == [(a, a + 1) for a in range(3, 14)]  # 11 windows for 2 workers: one each
+    ranges = plan(0, 1000, 2, 16)
+    assert ranges[0] == (0, 16) and ranges[-1] == (992, 1000) and len(ranges) == 63
+    assert plan(0, 100, 5, 16) == [(a, a + 5) for a in range(0, 100, 5)]  # ~4 tasks per worker
+
+
+def test_ray_build_of_a_folder_equals_the_local_build(cluster: str, folder: Path, tmp_path: Path) -> None:
+    local_build(folder, tmp_path / "local")
+    ray_build(folder, tmp_path / "ray", FakeEncoder)
+    assert_same_index(tmp_path / "local", tmp_path / "ray", FakeEncoder())
+    assert not files.work_dir(tmp_path / "ray").exists()
+    assert ray.is_initialized()  # the engine left the caller's Ray running
+
+
+def test_a_large_ivf_index_is_filled_in_shards_and_merged(cluster: str, folder: Path, tmp_path: Path) -> None:
+    ivf = IndexSpec("ivf", nlist=8)
+    build_index(CorpusSpec(folder), FakeEncoder(), tmp_path / "local", SPEC, ivf, BuildOptions(window_rows=WINDOW))
+    with RayEngine(FakeEncoder, RayOptions(workers=2, fill_rows=0)) as engine:  # "large": any size
+        options = BuildOptions(window_rows=WINDOW)
+        build_index(CorpusSpec(folder), FakeEncoder(), tmp_path / "ray", SPEC, ivf, options, engine=engine)
+    assert engine.filled_shards == 2
+    assert_same_index(tmp_path / "local", tmp_path / "ray", FakeEncoder())
+    a, b = (IndexDir(tmp_path / d).faiss_index() for d in ("local", "ray"))
+    for number in range(8):  # every inverted list holds the same rows, in the same order
+        size = a.invlists.list_size(number)
+        assert size == b.invlists.list_size(number)
+        ids = [faiss.rev_swig_ptr(x.invlists.get_ids(number), size).copy() for x in (a, b)]
+        np.testing.assert_array_equal(*ids)
+    assert not (files.work_dir(tmp_path / "ray") / ".shards").exists() and not (tmp_path / "ray" / ".shards").exists()
+
+
+def test_a_killed_worker_is_replaced_and_its_task_retried(cluster: str, folder: Path, tmp_path: Path) -> None:
+    log, marker = tmp_path / "rows.log", tmp_path / "killed"
+    victim = "document number 200 about topic 4"  # in window 7 (part-3.parquet's first window)
+    ray_build(folder, tmp_path / "ray", Make(DyingEncoder, log, marker, victim))
+    assert marker.exists()  # a worker died in the middle of the build
+    pids = {line.split()[0] for line in log.read_text().split("\n") if line}
+    assert len(pids) >= 3  # two workers, and the one that replaced the dead
+    assert logged_rows(log) == sum(SIZES)  # each row encoded once: the dead worker's window by its replacement
+    stash = VectorStash.open(tmp_path / "ray" / STASH)
+    ids = stash.ids()
+    assert sorted(ids) == sorted(f"doc{i}" for i in range(sum(SIZES)))  # every row exactly once
+    local_build(folder, tmp_path / "local")
+    assert_same_index(tmp_path / "local", tmp_path / "ray", FakeEncoder())
+
+
+def test_a_killed_driver_resumes_from_its_registered_parts(cluster: str, folder: Path, tmp_path: Path) -> None:
+    out, log = tmp_path / "ray", tmp_path / "rows.log"
+    command = [sys.executable, str(HERE), str(folder), str(out), "--address", cluster, "--log", str(log)]
+    driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stash_json = files.work_dir(out) / STASH / "stash.json"
+    deadline = time.monotonic() + 60
+    while parts(stash_json) < 3:
+        assert driver.poll() is None, driver.communicate()
+        assert time.monotonic() < deadline, "the driver never registered 3 parts"
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    dead = {int(line.split()[0]) for line in log.read_text().split("\n") if line}
+    wait_gone(dead)  # Ray ends a dead driver's workers; none may still write while we resume
+    done = parts(stash_json)
+    assert 3 <= done < 14
+    stashed = len(VectorStash.open(stash_json.parent))
+    log.unlink()
+
+    ray_build(folder, out, Make(LoggingEncoder, log), resume=True)
+    assert logged_rows(log) == sum(SIZES) - stashed  # registered parts were not encoded again
+    local_build(folder, tmp_path / "local")
+    assert_same_index(tmp_path / "local", out, FakeEncoder())
+
+
+def test_workers_give_the_local_verdicts_on_bad_input(
+    cluster: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = split_corpus(tmp_path / "c", (40, 30))
+    pq.write_table(pa.table({"id": ["doc5"], "text": ["again"]}), folder / "part-7.parquet")
+    engine = RayEngine(FakeEncoder, RayOptions(workers=2))  # joins this module's Ray; ``close`` leaves it
+    with pytest.raises(CorpusError, match="duplicate id 'doc5'"):
+        build_index(CorpusSpec(folder), FakeEncoder(), tmp_path / "out", SPEC, engine=engine)
+    texts = [f"text {i}" for i in range(6)]
+    texts[2] = texts[4] = " "
+    pq.write_table(pa.table({"id": [f"e{i}" for i in range(6)], "text": texts}), folder / "part-7.parquet")
+    with pytest.raises(CorpusError, match=r"^2 of 76 rows have null or empty text \(first ids: e2, e4\)"):
+        build_index(CorpusSpec(folder), FakeEncoder(), tmp_path / "out", SPEC, engine=engine)
+    pq.write_table(pa.table({"id": ["x", None], "text": ["a", "b"]}), folder / "part-7.parquet")
+    with pytest.raises(CorpusError, match=r"column 'id' of .*part-7\.parquet has null ids"):
+        build_index(CorpusSpec(folder), FakeEncoder(), tmp_path / "out", SPEC, engine=engine)
+    split_corpus(folder, (40, 30))
+    (folder / "part-7.parquet").unlink()
+    with RayEngine(NoModelHere, RayOptions(workers=2)) as no_model:
+        with pytest.raises(ModelError, match="install it on every node"):
+            build_index(CorpusSpec(folder), FakeEncoder(), tmp_path / "out", SPEC, engine=no_model)
+    too_wide = RayEngine(FakeEncoder, RayOptions(workers=3, cpus_per_worker=1))
+    with caplog.at_level(logging.WARNING, logger="retrieval.distributed"):
+        assert too_wide.workers() == 3  # refused on a Ray the engine starts; on one it joins, the cluster may grow
+    assert "3 `workers` of 1 CPU need 3 CPUs; this Ray has 2" in caplog.text
+    np.save(tmp_path / "v.npy", np.ones((4, 3), dtype=np.float32))
+    with pytest.raises(ConfigError, match="precomputed vectors need no encoding"):
+        build_index(CorpusSpec(tmp_path / "v.npy"), None, tmp_path / "out", SPEC, engine=engine)
+    assert not (tmp_path / "out").exists() and not files.work_dir(tmp_path / "out").exists()
+    engine.close()
+    assert ray.is_initialized()
+
+
+def test_cli_starts_its_own_ray_and_stops_it(folder: Path, tmp_path: Path, tiny_bert: Path) -> None:
+    """``retrieval index FOLDER --engine ray`` in a fresh process: a private local Ray, gone when it is done."""
+    out = tmp_path / "ray"
+    args = ["index", str(folder), "--out", str(out), "--model", str(tiny_bert), "--precision", "fp32"]
+    args += ["--dim", str(SPEC.dim), "--gamma", str(SPEC.gamma)]
+    short = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # the CLI's Ray puts its session folder here
+    env = {**os.environ, "TMPDIR": str(short), "RETRIEVAL_INDEX_ROOT": str(tmp_path / "indexes")}
+    command = [sys.executable, "-m", "retrieval", *args, "--engine", "ray", "--workers", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"built {out}: 400 rows" in result.stderr
+    assert not list(short.iterdir())  # Ray's session folder removed ...
+    assert not processes_mentioning(str(short))  # ... and none of its processes left
+    short.rmdir()
+
+    encoder = EncoderSpec(str(tiny_bert), precision="fp32").load()
+    build_index(CorpusSpec(folder), encoder, tmp_path / "local", SPEC)  # 1 window per file at either window size
+    # torch runs 1 thread per worker and 2 in this process: vectors agree to float32 rounding, not bit for bit
+    assert_same_index(tmp_path / "local", out, encoder, vectors_atol=1e-5)
+    local, ray_built = (IndexDir(d).manifest().encoder for d in (tmp_path / "local", out))
+    assert ray_built == local
+    refused = CliRunner().invoke(app, [*args, "--workers", "2"])
+    assert refused.exit_code == 1 and "--workers are for --engine ray" in refused.output
+
+
+def test_precision_auto_is_settled_once_on_the_driver(tiny_bert: Path) -> None:
+    spec = EncoderSpec(str(tiny_bert))  # precision "auto"
+    driver = spec.load()
+    make = RayEngine(spec)._worker_encoder(driver)
+    used = driver.info().precision_used
+    assert used in ("fp32", "bf16")
+    worker = make()
+    assert worker.info().precision == used and worker.info().precision_used == used
+
+
+# ----- helpers ------------------------------------------------------------------------------------------------
+def parts(stash_json: Path) -> int:
+    try:
+        return len(VectorStash.open(stash_json.parent).parts)
+    except Exception:  # not yet written, or mid-rename: not ready
+        return 0
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Processes whose command line contains ``text`` (Ray's processes name their session folder)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_gone(pids: set[int], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"worker {pid} of the killed driver is still running")
+
+
+def main(argv: list[str]) -> int:
+    """The driver the resume test kills: a Ray build joined to the test's cluster, with a slow logging encoder."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("corpus", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--log", type=Path, required=True)
+    args = parser.parse_args(argv)
+    options = BuildOptions(window_rows=WINDOW)
+    with RayEngine(Make(LoggingEncoder, args.log, 0.3), RayOptions(address=args.address, workers=2)) as engine:
+        build_index(CorpusSpec(args.corpus), FakeEncoder(), args.out, SPEC, options=options, engine=engine)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,398 @@
+"""The HTTP service in-process (TestClient, fake encoder): every route, every bad input, the API key, hot reload,
+a refused corrupt version, and micro-batching that batches concurrent requests without changing their answers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import FakeEncoder, write_corpus
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from retrieval import update  # noqa: E402
+from retrieval.batching import Batcher, Overloaded  # noqa: E402
+from retrieval.build import build_index  # noqa: E402
+from retrieval.corpus import CorpusSpec  # noqa: E402
+from retrieval.indexdir import INDEX  # noqa: E402
+from retrieval.search import Searcher, SearchParams  # noqa: E402
+from retrieval.server import create_app  # noqa: E402
+from retrieval.service import ServeOptions, Service  # noqa: E402
+from retrieval.whitening import TransformSpec  # noqa: E402
+
+QUERY = "document number 5 about topic 5"  # the exact text of doc5: the fake encoder puts it first
+
+
+def build(tmp_path: Path, n: int = 300, name: str = "idx") -> Path:
+    corpus = write_corpus(tmp_path / f"{name}.parquet", n=n)
+    build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / name, TransformSpec(dim=8))
+    return tmp_path / name
+
+
+def wait_ready(client: TestClient, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while client.get("/ready").status_code != 200:
+        assert time.monotonic() < deadline, client.get("/info").json()
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Path:
+    return build(tmp_path)
+
+
+def serve(index: Path, api_key: str | None = None, **options: Any) -> tuple[TestClient, Service]:
+    service = Service(index, ServeOptions(**{"watch_interval": 0, **options}), encoder=FakeEncoder())
+    return TestClient(create_app(service, api_key=api_key)), service
+
+
+@pytest.fixture
+def client(index: Path) -> Iterator[TestClient]:
+    test_client, _ = serve(index, max_body_bytes=20_000)
+    with test_client:
+        wait_ready(test_client)
+        yield test_client
+
+
+def metric(client: TestClient, line_start: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no metric line {line_start}")
+
+
+# ----- the routes ----------------------------------------------------------------------------------------------
+def test_get_search_ranks_the_exact_document_first(client: TestClient) -> None:
+    response = client.get("/search", params={"q": QUERY, "k": 3})
+    assert response.status_code == 200
+    body = response.json()
+    hits = body["results"][0]["hits"]
+    assert [h["rank"] for h in hits] == [1, 2, 3]
+    assert hits[0]["id"] == "doc5" and hits[0]["text"] == QUERY
+    assert hits[0]["score"] >= hits[1]["score"] >= hits[2]["score"]
+    assert body["generation"] == 1 and body["took_ms"] > 0
+
+
+def test_post_search_answers_one_query_and_a_batch_as_the_library_does(client: TestClient, index: Path) -> None:
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    queries = [QUERY, "topic 3", "whitening vectors"]
+    batch = client.post("/search", json={"queries": queries, "k": 4}).json()["results"]
+    single = client.post("/search", json={"query": queries[1], "k": 4}).json()["results"]
+    for got, query in zip(batch, queries, strict=True):
+        want = searcher.search(query, SearchParams(k=4))
+        assert [h["id"] for h in got["hits"]] == [h.id for h in want]
+        np.testing.assert_allclose([h["score"] for h in got["hits"]], [h.score for h in want], rtol=1e-5)
+    assert [h["id"] for h in single[0]["hits"]] == [h["id"] for h in batch[1]["hits"]]  # scores: float32 rounding
+
+
+def test_search_knobs_pass_through(client: TestClient) -> None:
+    response = client.post("/search", json={"query": QUERY, "k": 2, "rescore": 20})
+    assert response.status_code == 200
+    assert response.json()["results"][0]["hits"][0]["id"] == "doc5"
+
+
+def test_embed_returns_raw_or_transformed_vectors(client: TestClient, index: Path) -> None:
+    texts = ["a first text", "a second text"]
+    raw = client.post("/embed", json={"inputs": texts}).json()
+    assert raw["dim"] == 16 and raw["transformed"] is False
+    np.testing.assert_allclose(raw["embeddings"], FakeEncoder().encode(texts), rtol=1e-6)
+    one = client.post("/embed", json={"inputs": texts[0], "transformed": True}).json()
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    np.testing.assert_allclose(
+        one["embeddings"], searcher.transform.transform(FakeEncoder().encode(texts[:1])), atol=1e-6
+    )
+    assert one["dim"] == 8 and abs(np.linalg.norm(one["embeddings"][0]) - 1) < 1e-5
+
+
+def test_health_ready_info_and_the_page(client: TestClient) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").json() == {"ready": True, "generation": 1}
+    info = client.get("/info").json()
+    assert info["ready"] is True
+    index = info["index"]
+    assert (index["model"], index["pooling"], index["d"], index["k"], index["n"]) == ("fake", "mean", 16, 8, 300)
+    assert index["gamma"] == 0.25 and index["index_kind"] == "flat" and index["generation"] == 1
+    assert "dims" in index["summary"] and index["summary"]["rows (N)"] == "300"
+    assert info["server"]["last_reload_error"] is None and info["server"]["limits"]["max_k"] == 100
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "textContent" in page.text and "innerHTML" not in page.text
+    assert client.get("/openapi.json").json()["paths"]["/search"]["post"]
+
+
+def test_metrics_count_requests_errors_and_batches(client: TestClient) -> None:
+    client.get("/search", params={"q": QUERY})
+    client.get("/search", params={"q": ""})
+    text = client.get("/metrics").text
+    assert text.endswith("\n") and "# TYPE retrieval_request_duration_seconds histogram" in text
+    assert metric(client, 'retrieval_requests_total{method="GET",route="/search",status="200"}') >= 1
+    assert metric(client, 'retrieval_requests_total{method="GET",route="/search",status="422"}') == 1
+    assert metric(client, 'retrieval_errors_total{code="empty_query"}') == 1
+    assert metric(client, "retrieval_batch_size_count") >= 1
+    assert metric(client, "retrieval_index_generation") == 1
+    assert metric(client, "retrieval_ready") == 1
+    assert metric(client, 'retrieval_request_duration_seconds_bucket{route="/search",le="+Inf"}') >= 2
+
+
+# ----- bad input: always a 4xx with one JSON error shape, never a 500 or a traceback ---------------------------
+LONG = "x" * 2001
+BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
+    ("get", "/search", {}, 422, "invalid_request", "q"),
+    ("get", "/search", {"params": {"q": ""}}, 422, "empty_query", "q"),
+    ("get", "/search", {"params": {"q": "  \t "}}, 422, "empty_query", "q"),
+    ("get", "/search", {"params": {"q": LONG}}, 422, "query_too_long", "q"),
+    ("get", "/search", {"params": {"q": "a", "k": "0"}}, 422, "invalid_param", "k"),
+    ("get", "/search", {"params": {"q": "a", "k": "101"}}, 422, "invalid_param", "k"),
+    ("get", "/search", {"params": {"q": "a", "k": "ten"}}, 422, "invalid_request", "k"),
+    ("get", "/search", {"params": {"q": "a", "ef": "0"}}, 422, "invalid_param", "ef"),
+    ("get", "/search", {"params": {"q": "a", "nprobe": "99999"}}, 422, "invalid_param", "nprobe"),
+    ("get", "/search", {"params": {"q": "a", "limit": "3"}}, 422, "invalid_request", "limit"),
+    ("get", "/search", {"params": [("q", "a"), ("q", "b")]}, 422, "invalid_request", "q"),
+    ("post", "/search", {"json": {}}, 422, "invalid_request", "query"),
+    ("post", "/search", {"json": {"query": "a", "queries": ["b"]}}, 422, "invalid_request", "query"),
+    ("post", "/search", {"json": {"query": ""}}, 422, "empty_query", "query"),
+    ("post", "/search", {"json": {"query": LONG}}, 422, "query_too_long", "query"),
+    ("post", "/search", {"json": {"query": 5}}, 422, "invalid_request", "query"),
+    ("post", "/search", {"json": {"query": "a", "k": "10"}}, 422, "invalid_request", "k"),
+    ("post", "/search", {"json": {"query": "a", "k": True}}, 422, "invalid_request", "k"),
+    ("post", "/search", {"json": {"query": "a", "k": 2.5}}, 422, "invalid_request", "k"),
+    ("post", "/search", {"json": {"query": "a", "k": 0}}, 422, "invalid_param", "k"),
+    ("post", "/search", {"json": {"query": "a", "k": 10_001}}, 422, "invalid_param", "k"),
+    ("post", "/search", {"json": {"query": "a", "rescore": -1}}, 422, "invalid_param", "rescore"),
+    ("post", "/search", {"json": {"query": "a", "ef_search": 8}}, 422, "invalid_request", "ef_search"),
+    ("post", "/search", {"json": {"query": "a", "limit": 3}}, 422, "invalid_request", "limit"),
+    ("post", "/search", {"json": {"queries": []}}, 422, "empty_query", "queries"),
+    ("post", "/search", {"json": {"queries": ["a", " "]}}, 422, "empty_query", "queries"),
+    ("post", "/search", {"json": {"queries": ["a", None]}}, 422, "invalid_request", "queries"),
+    ("post", "/search", {"json": {"queries": "a"}}, 422, "invalid_request", "queries"),
+    ("post", "/search", {"json": {"queries": ["a"] * 65}}, 413, "too_many_queries", "queries"),
+    ("post", "/search", {"json": [1, 2]}, 422, "invalid_request", None),
+    (
+        "post",
+        "/search",
+        {"content": b"{not json", "headers": {"content-type": "application/json"}},
+        422,
+        "invalid_json",
+        None,
+    ),
+    (
+        "post",
+        "/search",
+        {"content": b"query=a", "headers": {"content-type": "text/plain"}},
+        422,
+        "invalid_request",
+        None,
+    ),
+    ("post", "/search", {"json": {"query": "a" * 1500, "queries": ["b" * 1500] * 20}}, 413, "payload_too_large", None),
+    ("post", "/embed", {"json": {}}, 422, "invalid_request", "inputs"),
+    ("post", "/embed", {"json": {"inputs": 3}}, 422, "invalid_request", "inputs"),
+    ("post", "/embed", {"json": {"inputs": []}}, 422, "empty_query", "inputs"),
+    ("post", "/embed", {"json": {"inputs": "a", "transformed": "yes"}}, 422, "invalid_request", "transformed"),
+    ("post", "/embed", {"json": {"inputs": ["a"] * 65}}, 413, "too_many_queries", "inputs"),
+    ("get", "/nowhere", {}, 404, "not_found", None),
+    ("delete", "/search", {}, 405, "method_not_allowed", None),
+    ("get", "/embed", {}, 405, "method_not_allowed", None),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "kwargs", "status", "code", "param"), BAD)
+def test_bad_input_gets_a_clear_json_error(
+    client: TestClient, method: str, path: str, kwargs: dict[str, Any], status: int, code: str, param: str | None
+) -> None:
+    response = getattr(client, method)(path, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == (code, param), error
+    assert error["message"] and "\n" not in error["message"] and "Traceback" not in response.text
+    if param:
+        assert f"`{param}`" in error["message"]
+
+
+def test_a_body_streamed_without_a_length_is_cut_off_at_the_limit(client: TestClient) -> None:
+    chunks = (b'{"query": "' + b"a" * 10_000 for _ in range(4))  # no Content-Length: chunked upload
+    response = client.post("/search", content=chunks, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "payload_too_large"
+
+
+def test_searches_wait_for_the_index_with_503_not_500(index: Path) -> None:
+    service = Service(index, ServeOptions(watch_interval=0), encoder=FakeEncoder())
+    with TestClient(create_app(service, manage=False)) as client:  # never started: nothing loaded
+        response = client.get("/search", params={"q": "a"})
+        assert response.status_code == 503 and response.json()["error"]["code"] == "not_ready"
+        assert client.get("/ready").status_code == 503
+        assert client.get("/info").json() == {
+            "ready": False,
+            "index": None,
+            "server": client.get("/info").json()["server"],
+        }
+        assert client.get("/health").status_code == 200
+
+
+# ----- the API key ---------------------------------------------------------------------------------------------
+def test_an_api_key_protects_everything_but_health_the_page_and_the_docs(index: Path) -> None:
+    test_client, _ = serve(index, api_key="s3cret")
+    with test_client as client:
+        assert client.get("/health").status_code == 200
+        assert client.get("/").status_code == 200 and client.get("/docs").status_code == 200
+        for method, path in (("get", "/ready"), ("get", "/info"), ("get", "/metrics"), ("post", "/reload")):
+            response = getattr(client, method)(path)
+            assert response.status_code == 401, path
+            assert response.json()["error"]["code"] == "unauthorized"
+            assert response.headers["www-authenticate"] == "Bearer"
+        assert client.get("/search", params={"q": QUERY}).status_code == 401
+        wrong = {"Authorization": "Bearer s3cre"}
+        assert client.post("/search", json={"query": QUERY}, headers=wrong).status_code == 401
+        assert client.post("/embed", json={"inputs": "a"}, headers={"Authorization": "s3cret"}).status_code == 401
+        good = {"Authorization": "Bearer s3cret"}
+        wait_ready_with = time.monotonic() + 20
+        while client.get("/ready", headers=good).status_code != 200:
+            assert time.monotonic() < wait_ready_with
+            time.sleep(0.02)
+        response = client.get("/search", params={"q": QUERY}, headers=good)
+        assert response.status_code == 200 and response.json()["results"][0]["hits"][0]["id"] == "doc5"
+
+
+# ----- reload --------------------------------------------------------------------------------------------------
+def add_documents(index: Path, tmp_path: Path, first: int, n: int = 20) -> list[str]:
+    texts = [f"brand new document {i} about whitening" for i in range(first, first + n)]
+    corpus = write_corpus(
+        tmp_path / f"more-{first}.parquet", n=n, id=[f"new{i}" for i in range(first, first + n)], text=texts
+    )
+    update.add(index, CorpusSpec(corpus), encoder=FakeEncoder())
+    return texts
+
+
+def test_post_reload_serves_the_new_version_and_refuses_a_corrupt_one(index: Path, tmp_path: Path) -> None:
+    test_client, service = serve(index)
+    with test_client as client:
+        wait_ready(client)
+        texts = add_documents(index, tmp_path, 0)
+        assert client.get("/search", params={"q": texts[3]}).json()["generation"] == 1  # not watching
+        reloaded = client.post("/reload")
+        assert reloaded.status_code == 200 and reloaded.json()["generation"] == 2
+        found = client.get("/search", params={"q": texts[3], "k": 1}).json()
+        assert found["generation"] == 2 and found["results"][0]["hits"][0]["id"] == "new3"
+
+        data = bytearray((index / INDEX).read_bytes())
+        data[len(data) // 2] ^= 0xFF  # one flipped byte: the full checksum of a reload catches it
+        (index / INDEX).write_bytes(bytes(data))
+        refused = client.post("/reload")
+        assert refused.status_code == 409
+        assert refused.json()["error"]["code"] == "reload_refused" and refused.json()["generation"] == 2
+        assert "checksum" in refused.json()["error"]["message"]
+        still = client.get("/search", params={"q": texts[3], "k": 1})
+        assert still.status_code == 200 and still.json()["generation"] == 2
+        info = client.get("/info").json()
+        assert info["index"]["generation"] == 2 and "checksum" in info["server"]["last_reload_error"]
+        assert metric(client, "retrieval_index_loads_failed") == 1
+        assert service.reloads == {"ok": 2, "failed": 1}
+
+
+def test_the_watcher_swaps_versions_under_load_without_a_failed_request(index: Path, tmp_path: Path) -> None:
+    test_client, _ = serve(index, watch_interval=0.05)
+    statuses: list[int] = []
+    stop = threading.Event()
+    with test_client as client:
+        wait_ready(client)
+
+        def hammer() -> None:
+            while not stop.is_set():
+                statuses.append(client.post("/search", json={"query": QUERY, "k": 3}).status_code)
+
+        with ThreadPoolExecutor(4) as pool:
+            for _ in range(4):
+                pool.submit(hammer)
+            texts = add_documents(index, tmp_path, 0)
+            deadline = time.monotonic() + 20
+            while client.get("/ready").json()["generation"] != 2:
+                assert time.monotonic() < deadline, client.get("/info").json()["server"]
+                time.sleep(0.02)
+            more = add_documents(index, tmp_path, 100)
+            while client.get("/ready").json()["generation"] != 3:
+                assert time.monotonic() < deadline, client.get("/info").json()["server"]
+                time.sleep(0.02)
+            stop.set()
+        hits = client.post("/search", json={"queries": [texts[0], more[-1]], "k": 1}).json()["results"]
+    assert [r["hits"][0]["id"] for r in hits] == ["new0", "new119"]
+    assert len(statuses) > 20 and set(statuses) == {200}
+
+
+# ----- micro-batching ------------------------------------------------------------------------------------------
+def test_the_engine_batches_waiting_jobs_and_answers_each_as_alone(index: Path) -> None:
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    sizes: list[int] = []
+    batcher = Batcher(lambda: searcher, max_batch=8, on_batch=lambda stats: sizes.append(stats.queries))
+    queries = [f"document number {i} about topic {i % 7}" for i in range(10)] + ["a", "whitening"]
+    params = [SearchParams(k=3), SearchParams(k=5, rescore=10)]
+    futures = [batcher.submit_search([q], params[i % 2]) for i, q in enumerate(queries)]  # queued before start
+    futures.append(batcher.submit_search(queries[:3], SearchParams(k=2)))
+    embedded = batcher.submit_embed(queries[:2], transformed=True)
+    batcher.start()
+    try:
+        for i, (future, query) in enumerate(zip(futures, queries, strict=False)):
+            got = future.result(10).hits[0]
+            want = searcher.search(query, params[i % 2])
+            assert [h.id for h in got] == [h.id for h in want]
+            np.testing.assert_allclose([h.score for h in got], [h.score for h in want], rtol=1e-5)
+        assert [hits[0].id for hits in futures[-1].result(10).hits] == ["doc0", "doc1", "doc2"]
+        np.testing.assert_allclose(
+            embedded.result(10).vectors, searcher.transform.transform(FakeEncoder().encode(queries[:2])), atol=1e-6
+        )
+    finally:
+        batcher.stop()
+    assert sizes[0] == 8 and sum(sizes) == 17 and max(sizes) <= 8  # 12 singles, one 3-query job, one 2-text embed
+
+
+def test_a_full_queue_is_refused_and_a_stopped_engine_takes_nothing(index: Path) -> None:
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    batcher = Batcher(lambda: searcher, max_queue=4)
+    batcher.submit_search(["a", "b", "c"], SearchParams())
+    with pytest.raises(Overloaded):
+        batcher.submit_search(["d", "e"], SearchParams())
+    batcher.start()
+    batcher.stop(timeout=10)
+    with pytest.raises(Exception, match="shutting down"):
+        batcher.submit_search(["f"], SearchParams())
+
+
+def test_concurrent_http_requests_are_batched(index: Path) -> None:
+    test_client, _ = serve(index, max_wait_ms=30)
+    with test_client as client:
+        wait_ready(client)
+        queries = [f"document number {i} about topic {i % 7}" for i in range(16)]
+        with ThreadPoolExecutor(16) as pool:
+            responses = list(pool.map(lambda q: client.get("/search", params={"q": q, "k": 1}), queries))
+        assert [r.json()["results"][0]["hits"][0]["id"] for r in responses] == [f"doc{i}" for i in range(16)]
+        batches = metric(client, "retrieval_batch_size_count")
+        total = metric(client, "retrieval_batch_size_sum")
+        assert total / batches > 1.5, (total, batches)  # warm-up excluded: it runs outside the engine
+        assert metric(client, 'retrieval_batch_size_bucket{le="1"}') < batches
+
+
+# ----- the command -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["serve", "{missing}"], "no index directory"),
+        (["serve", "{index}", "--port", "70000"], "--port"),
+        (["serve", "{index}", "--max-batch", "0"], "--max-batch"),
+        (["serve", "{index}", "--max-wait-ms", "-1"], "--max-wait-ms"),
+    ],
+)
+def test_serve_refuses_bad_options_in_one_line_before_starting(
+    index: Path, tmp_path: Path, args: list[str], message: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from retrieval.cli import app
+
+    argv = [a.format(index=index, missing=tmp_path / "missing") for a in args]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 1 and message in result.stderr and "Traceback" not in result.stderr

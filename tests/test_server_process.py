@@ -1,0 +1,195 @@
+"""The real server process (`python -m retrieval serve`, the tiny BERT, 127.0.0.1 on a free port): it answers,
+switches to a version that `retrieval add` publishes under continuous requests without failing one, and on
+SIGTERM lets a slow request in flight finish before it exits. Every process is killed by its fixture."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, write_corpus
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from retrieval import update  # noqa: E402
+from retrieval.build import build_index  # noqa: E402
+from retrieval.corpus import CorpusSpec  # noqa: E402
+from retrieval.encoder import EncoderSpec  # noqa: E402
+from retrieval.whitening import TransformSpec  # noqa: E402
+
+SLOW = "a deliberately slow query"
+# The real CLI, with the engine's encoder made slow for one query text: a request certain to be in flight.
+SLOW_SERVER = (
+    "import sys, time\n"
+    "from retrieval.search import Searcher\n"
+    "encode = Searcher.encode\n"
+    "def slow(self, texts):\n"
+    f"    if {SLOW!r} in texts:\n"
+    "        time.sleep(2.0)\n"
+    "    return encode(self, texts)\n"
+    "Searcher.encode = slow\n"
+    "from retrieval.cli import run\n"
+    "run()\n"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path):
+        self.proc, self.port, self.log = proc, port, log
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def get(self, path: str, timeout: float = 10.0) -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(self.url(path), timeout=timeout) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 10.0) -> tuple[int, Any]:
+        request = urllib.request.Request(
+            self.url(path), json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if self.get("/ready", timeout=2)[0] == 200:
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"not ready in {timeout}s:\n{self.log.read_text()}")
+
+
+def start(index: Path, tmp_path: Path, *options: str, code: str | None = None) -> Server:
+    port = free_port()
+    entry = ["-c", code] if code else ["-m", "retrieval"]
+    command = [sys.executable, *entry, "serve", str(index), "--port", str(port), *options]
+    log = tmp_path / f"server-{port}.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return Server(proc, port, log)
+
+
+@pytest.fixture(scope="module")
+def tiny_index(tiny_bert: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("served")
+    corpus = write_corpus(root / "corpus.parquet", n=200)
+    build_index(
+        CorpusSpec(corpus), EncoderSpec(str(tiny_bert), precision="fp32").load(), root / "idx", TransformSpec(dim=8)
+    )
+    return root / "idx"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_index: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
+    """One real server process for this module (starting one costs seconds of imports): the slow-query variant
+    of the CLI, watching a copy of the tiny index. The last test stops it with SIGTERM; the fixture kills it
+    whatever happened."""
+    import shutil
+
+    tmp_path = tmp_path_factory.mktemp("serving")
+    index = tmp_path / "idx"
+    shutil.copytree(tiny_index, index)
+    server = start(index, tmp_path, "--watch-interval", "0.2", code=SLOW_SERVER)
+    try:
+        server.wait_ready()
+        yield server, index
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        server.proc.wait(10)
+
+
+def test_the_server_answers_then_follows_an_add_under_load(
+    served: tuple[Server, Path], tiny_bert: Path, tmp_path: Path
+) -> None:
+    server, index = served
+    status, body = server.get("/search?q=document%20number%203%20about%20topic%203&k=2")
+    assert status == 200 and body["results"][0]["hits"][0]["id"] == "doc3"
+    assert server.get("/info")[1]["index"]["n"] == 200
+
+    texts = [f"whitening vectors cosine {i} {i + 3} search query model" for i in range(10)]
+    more = write_corpus(tmp_path / "more.parquet", n=10, id=[f"new{i}" for i in range(10)], text=texts)
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        deadline = time.monotonic() + 60  # bounded even if the test fails before it sets ``stop``
+        while not stop.is_set() and time.monotonic() < deadline:
+            statuses.append(server.post("/search", {"query": "topic 4 document", "k": 3})[0])
+
+    clients = [threading.Thread(target=hammer) for _ in range(3)]
+    for thread in clients:
+        thread.start()
+    try:
+        # what `retrieval add` runs, in this process (a second process would import torch again)
+        update.add(index, CorpusSpec(more), encoder=EncoderSpec(str(tiny_bert), precision="fp32").load())
+        deadline = time.monotonic() + 30
+        while server.get("/ready")[1].get("generation") != 2:
+            assert time.monotonic() < deadline, server.log.read_text()
+            time.sleep(0.1)
+        time.sleep(0.3)  # requests keep flowing across the swap
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(30)
+    assert len(statuses) > 10 and set(statuses) == {200}, statuses
+    status, body = server.post("/search", {"queries": [texts[2], texts[7]], "k": 1})
+    assert status == 200 and body["generation"] == 2
+    assert [r["hits"][0]["id"] for r in body["results"]] == ["new2", "new7"]
+    metrics = urllib.request.urlopen(server.url("/metrics"), timeout=10).read().decode()
+    assert "retrieval_index_generation 2" in metrics and "retrieval_index_loads_ok 2" in metrics
+
+
+def test_sigterm_lets_the_request_in_flight_finish(served: tuple[Server, Path]) -> None:
+    """Last in this module: it stops the shared server."""
+    server, _ = served
+    result: dict[str, Any] = {}
+
+    def slow_request() -> None:
+        started = time.monotonic()
+        result["response"] = server.get(f"/search?q={SLOW.replace(' ', '%20')}&k=2", timeout=30)
+        result["seconds"] = time.monotonic() - started
+
+    client = threading.Thread(target=slow_request)
+    client.start()
+    time.sleep(0.7)  # the request is inside its 2 s encoding now
+    server.proc.send_signal(signal.SIGTERM)
+    client.join(30)
+    code = server.proc.wait(30)
+    status, body = result["response"]
+    assert status == 200 and len(body["results"][0]["hits"]) == 2
+    assert result["seconds"] >= 1.5
+    assert code in (0, -signal.SIGTERM), code  # uvicorn re-raises the signal once it has shut down
+    log = server.log.read_text()
+    assert "Traceback" not in log and "Waiting for application shutdown" in log
