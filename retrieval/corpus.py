@@ -488,7 +488,9 @@ def _read_rows(source: SourceFile, start: int, stop: int, rows: int, columns: li
         return
     first = int(bounds[groups[0]])
     try:
-        with pq.ParquetFile(source.path) as reader:
+        # pre_buffer off: with it, memory grew with every window read (2.2 GB after 850k rows of 384-d
+        # vectors, read window by window; 0.65 GB without), and reads are local files, where it gains nothing
+        with pq.ParquetFile(source.path, pre_buffer=False) as reader:
             batches = reader.iter_batches(batch_size=rows, row_groups=groups, columns=columns)
             yield from _recut(batches, start - first, rows, stop - start)
     except (OSError, pa.ArrowException) as err:  # a file that breaks part-way: corrupt pages, truncated
