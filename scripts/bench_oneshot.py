@@ -121,6 +121,7 @@ def main() -> None:
         assert done.returncode == 0, done.stderr
     size = sum(p.stat().st_size for p in index.iterdir() if p.is_file())
     report = {
+        "command": benchlib.command_line(),
         "machine": info,
         "label": args.label,
         "code": str(args.code),
