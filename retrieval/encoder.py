@@ -1,8 +1,9 @@
-"""Encoders: the Encoder protocol and the transformers encoder (pooling modes, length-sorted batches, bf16, a traced
-single-query path)."""
+"""Encoders: the Encoder protocol and the transformers encoder (pooling modes, length-sorted batches of a bounded set
+of shapes, bf16, a traced single-query path)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import json
@@ -41,6 +42,8 @@ BF16_MIN_COSINE = 0.999
 # Single texts (queries) are run through a traced copy of the model from this call on: a one-shot CLI search
 # never pays the tracing (~0.3 s), a long-lived searcher does once and then saves ~2 ms of Python per query.
 TRACE_AFTER = 3
+# Padded lengths per doubling of the length (``padded_length``): more buckets, less padding, more shapes.
+LENGTH_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -309,6 +312,8 @@ class TransformerEncoder:
         self._lock = threading.RLock()
         self._single_calls = 0
         self._traced: Any = None  # (traced module, bf16) for single texts; False once no trace passed its check
+        self._model_bf16: Any = None  # the bf16 copy of the model, made when bf16 is first needed
+        self.bucketed = True  # batches take shapes from a bounded set (``shape_batches``)
         self._sha = weights_sha256(self.folder) if self.folder else None
         self._dim = int(self.model.config.hidden_size)
 
@@ -363,24 +368,43 @@ class TransformerEncoder:
             if self._traced:
                 return self._encode_single(texts[0], poolings, out)
         tokens = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
-        order = np.argsort([-len(ids) for ids in tokens["input_ids"]], kind="stable")
+        lengths = [len(ids) for ids in tokens["input_ids"]]
         want_hidden = "first-last-avg" in poolings
         with torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                rows = order[start : start + self.batch_size]
+            for rows, width in self.batches(lengths):
                 batch = self.tokenizer.pad(
-                    {key: [tokens[key][i] for i in rows] for key in tokens.keys()}, return_tensors="pt"
+                    {key: [tokens[key][i] for i in rows] for key in tokens.keys()},
+                    padding="max_length",
+                    max_length=width,
+                    return_tensors="pt",
                 )
                 if self.bf16 is None and len(rows) > 1:
                     self.bf16 = self._bf16_is_faster(batch)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(self.bf16)):
-                    result = self.model(**batch, output_hidden_states=want_hidden)
+                result = self._forward(batch, want_hidden)
                 mask = batch["attention_mask"]
                 for p in poolings:
-                    out[p][rows] = pool(p, result, mask).float().numpy()
+                    out[p][rows] = pool(p, result, mask).numpy()
                 if on_batch:
                     on_batch(len(rows))
         return out
+
+    def batches(self, lengths: Sequence[int]) -> list[tuple[np.ndarray, int]]:
+        """(row numbers, padded length) per forward pass: see ``shape_batches``; ``bucketed`` False pads each batch
+        to its own longest row (any shape; kept so scripts/bench_encode.py can measure what bucketing costs)."""
+        return shape_batches(lengths, self.batch_size, self.max_length if self.bucketed else None)
+
+    def _forward(self, batch: Any, want_hidden: bool) -> Any:
+        """One padded batch through the model in the precision chosen: the bf16 copy of the model, or fp32."""
+        model = self._bf16_model() if self.bf16 else self.model
+        return model(**batch, output_hidden_states=want_hidden)
+
+    def _bf16_model(self) -> Any:
+        """The whole model cast to bf16 (made once, kept beside the fp32 model, which the traces are checked
+        against). Measured on SciFact passages (scripts/bench_encode.py): weights cast once beat autocast, which
+        re-casts every weight on every call and keeps layer norms, softmax and GELU in fp32."""
+        if self._model_bf16 is None:
+            self._model_bf16 = copy.deepcopy(self.model).to(self._torch.bfloat16)
+        return self._model_bf16
 
     def _bf16_is_faster(self, batch: Any) -> bool:
         """Settle precision "auto" on a few rows of a real batch: each way warmed up, then timed twice, interleaved.
@@ -391,14 +415,16 @@ class TransformerEncoder:
 
         def run(bf16: bool) -> tuple[float, Any]:
             start = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                vectors = masked_mean(self.model(**batch).last_hidden_state, batch["attention_mask"]).float()
+            model = self._bf16_model() if bf16 else self.model
+            vectors = masked_mean(model(**batch).last_hidden_state, batch["attention_mask"])
             return time.perf_counter() - start, vectors
 
         runs = [run(bf16) for bf16 in (False, True, False, True, False, True)]
         fp32_s, bf16_s = min(t for t, _ in runs[2::2]), min(t for t, _ in runs[3::2])
         cos = torch.nn.functional.cosine_similarity(runs[0][1], runs[1][1], dim=1).min().item()
         chosen = bf16_s < fp32_s and cos >= BF16_MIN_COSINE
+        if not chosen:
+            self._model_bf16 = None
         log.info(
             "precision auto: %s (bf16 %.2fx the speed of fp32 on this CPU, min cosine %.5f)",
             "bf16" if chosen else "fp32",
@@ -466,6 +492,37 @@ class TransformerEncoder:
         return out
 
 
+def padded_length(n: int, max_length: int | None, per_doubling: int | None = None) -> int:
+    """``n`` tokens rounded up to one of a few lengths: multiples of 8 up to 64, then ``per_doubling`` steps per
+    doubling (LENGTH_STEPS: 64, 72, ... 128, 144, ... 256, 288, ...), so padding adds at most 1/8 of the length;
+    never past ``max_length``. ``max_length`` None: ``n`` itself (no bucketing)."""
+    if max_length is None:
+        return n
+    step = max(8, (1 << max(n - 1, 1).bit_length()) // (2 * (per_doubling or LENGTH_STEPS)))
+    return min(-(-n // step) * step, max_length)
+
+
+def shape_batches(lengths: Sequence[int], batch_size: int, max_length: int | None) -> list[tuple[np.ndarray, int]]:
+    """Row numbers in batches, longest texts first, each with the length its batch is padded to.
+
+    Sorting by length keeps padding small. The model sees a bounded set of input shapes, however varied the
+    input: a batch has ``batch_size`` rows or a power of two fewer (a remainder of 13 goes as 8 + 4 + 1), and is
+    padded to a ``padded_length`` bucket (``max_length`` None: to its longest row). Each new shape costs memory
+    that a long-lived process never gives back (oneDNN kernels and scratch buffers, allocator fragmentation):
+    unbounded shapes grew a server's RSS by ~2x over 5 minutes of varied requests (README, Serving).
+    """
+    order = np.argsort([-n for n in lengths], kind="stable")
+    out: list[tuple[np.ndarray, int]] = []
+    start = 0
+    while start < len(order):
+        left = len(order) - start
+        rows = batch_size if left >= batch_size else 1 << (left.bit_length() - 1)
+        chunk = order[start : start + rows]
+        out.append((chunk, padded_length(int(lengths[chunk[0]]), max_length)))
+        start += rows
+    return out
+
+
 def _pool_one(pooling: str, first: Any, last: Any) -> Any:
     """One unpadded text's pooled vector from its first and last layer's token states."""
     return last[0] if pooling == "cls" else last.mean(0) if pooling == "mean" else (first + last).mean(0) / 2
@@ -502,7 +559,7 @@ def _first_and_last_layer(model: Any, torch: Any) -> Any:
 def pool(pooling: str, output: Any, mask: Any) -> Any:
     """Pool token states into one vector per text; padding never counts."""
     if pooling == "cls":
-        return output.last_hidden_state[:, 0]
+        return output.last_hidden_state[:, 0].float()
     if pooling == "mean":
         return masked_mean(output.last_hidden_state, mask)
     if pooling == "first-last-avg":
@@ -513,8 +570,10 @@ def pool(pooling: str, output: Any, mask: Any) -> Any:
 
 
 def masked_mean(states: Any, mask: Any) -> Any:
-    weights = mask.unsqueeze(-1).to(states.dtype)
-    return (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+    """Mean over the tokens the mask keeps, in float32 whatever the model's dtype (a bf16 sum of 256 tokens would
+    round every partial sum to 8 bits of mantissa)."""
+    weights = mask.unsqueeze(-1).float()
+    return (states.float() * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
 
 
 def from_info(info: EncoderInfo, batch_size: int = 32) -> TransformerEncoder:

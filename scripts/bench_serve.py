@@ -192,9 +192,26 @@ def drive(
 
 
 # ----- phases ------------------------------------------------------------------------------------------------
+def sample_corpus(args: argparse.Namespace, n: int = 100_000, added: int = 1_000, seed: int = 0) -> None:
+    """The served corpus and the two corpora the reload phase adds: disjoint seeded samples of the real-text
+    corpus (``--source``, written by scripts/make_corpus.py), made once unless they exist."""
+    adds = [args.work / "serve-add-1.parquet", args.work / "serve-add-2.parquet"]
+    if args.corpus.is_file() and all(p.is_file() for p in adds):
+        return
+    if not args.source.is_file():
+        raise SystemExit(f"{args.source} is missing: make it with `python scripts/make_corpus.py` first")
+    table = pq.read_table(args.source, columns=["id", "title", "text"])
+    rows = np.random.default_rng(seed).choice(table.num_rows, n + 2 * added, replace=False)
+    args.work.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table.take(np.sort(rows[:n])), args.corpus)
+    for i, path in enumerate(adds):
+        pq.write_table(table.take(np.sort(rows[n + i * added : n + (i + 1) * added])), path)
+
+
 def build(args: argparse.Namespace) -> dict[str, Any]:
     """The flat index (encoded once) and an HNSW index refitted from its stash (no re-encoding)."""
     flat, hnsw = args.work / "serve-flat", args.work / "serve-hnsw"
+    sample_corpus(args)
     run = [sys.executable, "-m", "retrieval"]
     env = {**os.environ, "PYTHONPATH": str(benchlib.REPO)}
     timings = {}
@@ -632,6 +649,12 @@ def main() -> None:
     ap.add_argument("--phases", default="build,gil,threads,batching,load,reload,report")
     ap.add_argument("--corpus", type=Path, default=benchlib.REPO / "indexes" / "bench" / "serve-100k.parquet")
     ap.add_argument("--work", type=Path, default=benchlib.REPO / "indexes" / "bench")
+    ap.add_argument(
+        "--source",
+        type=Path,
+        default=benchlib.REPO / "indexes" / "bench" / "realtext.parquet",
+        help="the real-text corpus the served 100k and the added documents are sampled from (scripts/make_corpus.py)",
+    )
     ap.add_argument("--seconds", type=float, default=60.0, help="each load level and the reload phase")
     ap.add_argument("--sweep-seconds", type=float, default=12.0, help="each threads / batching configuration")
     ap.add_argument("--out", type=Path, default=None)

@@ -18,6 +18,8 @@ from retrieval.encoder import (  # noqa: E402
     MultiPoolingEncoder,
     TransformerEncoder,
     from_info,
+    padded_length,
+    shape_batches,
 )
 from retrieval.errors import ConfigError, ModelError  # noqa: E402
 
@@ -28,6 +30,7 @@ TEXTS = [
     "search query about the model and the sentence cosine retrieval of a document number 7",
     "topic 3",
 ]
+POOLS = ("mean", "cls", "first-last-avg")
 LONG = " ".join(["the document about whitening and retrieval of vectors"] * 5)
 
 # fp32 on a 2-layer, 32-wide model: padding and batch composition change only summation order.
@@ -139,6 +142,15 @@ def test_bf16_is_close_to_fp32(tiny_bert: Path, models: dict[str, TransformerEnc
     assert cos.min() > 0.99
 
 
+def test_bf16_runs_a_bf16_copy_and_leaves_the_fp32_model_alone(tiny_bert: Path) -> None:
+    """The fp32 model stays fp32 (the traces are checked against it); vectors come back float32 (pooled in fp32)."""
+    enc = TransformerEncoder(str(tiny_bert), max_length=48, precision="bf16")
+    got = enc.encode_poolings(TEXTS, POOLS)
+    assert all(v.dtype == np.float32 and np.isfinite(v).all() for v in got.values())
+    assert {p.dtype for p in enc.model.parameters()} == {torch.float32}
+    assert {p.dtype for p in enc._bf16_model().parameters()} == {torch.bfloat16}
+
+
 # ----- the traced single-text path --------------------------------------------------------------------------
 @pytest.mark.parametrize("pooling", ["mean", "cls", "first-last-avg"])
 def test_single_texts_switch_to_the_traced_model_and_keep_their_vectors(tiny_bert: Path, pooling: str) -> None:
@@ -248,6 +260,7 @@ def test_auto_precision_never_takes_bf16_that_disagrees_with_fp32(
     enc = TransformerEncoder(str(tiny_bert), max_length=48)
     enc.encode(TEXTS)
     assert enc.info().precision_used == "fp32"
+    assert enc._model_bf16 is None  # the bf16 copy made for the timing is not kept
 
 
 def test_warm_up_settles_precision_and_the_trace(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -348,3 +361,80 @@ def test_max_length_beyond_the_model_positions_is_refused(tiny_bert: Path) -> No
         TransformerEncoder(str(tiny_bert), max_length=100)
     with pytest.raises(ConfigError, match=r"`max_length` must be at least 1"):
         TransformerEncoder(str(tiny_bert), max_length=-1)
+
+
+# ----- batches of a bounded set of shapes ------------------------------------------------------------------
+def test_padded_length_rounds_up_to_a_few_buckets() -> None:
+    for max_length in (48, 256, 512):
+        got = [padded_length(n, max_length) for n in range(1, max_length + 1)]
+        assert all(n <= g <= max_length for n, g in zip(range(1, max_length + 1), got, strict=True))
+        assert got == sorted(got)  # a longer text never gets a shorter buffer
+        # padding costs at most 7 tokens below 64 and 1/8 of the length above (LENGTH_STEPS = 8 per doubling)
+        assert all(g - n <= max(7, n // 8) for n, g in zip(range(1, max_length + 1), got, strict=True))
+    assert len({padded_length(n, 512) for n in range(1, 513)}) == 32  # 8 up to 64, then 8 per doubling
+    assert padded_length(241, 256) == 256 and padded_length(65, 256) == 72 and padded_length(3, 256) == 8
+    assert padded_length(37, None) == 37  # unbucketed: the text's own length
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 16, 32])
+def test_shape_batches_take_every_row_once_in_a_bounded_set_of_shapes(batch_size: int) -> None:
+    rng = np.random.default_rng(1338)
+    allowed_rows = {batch_size} | {1 << k for k in range(batch_size.bit_length())}
+    for n in (1, 2, 5, 31, 100, 257):
+        lengths = rng.integers(1, 257, size=n).tolist()
+        batches = shape_batches(lengths, batch_size, 256)
+        rows = np.concatenate([r for r, _ in batches])
+        assert sorted(rows.tolist()) == list(range(n))  # every row exactly once
+        assert [lengths[i] for i in rows] == sorted(lengths, reverse=True)  # longest first
+        for chunk, width in batches:
+            assert len(chunk) in allowed_rows and len(chunk) <= batch_size
+            assert width == padded_length(max(lengths[i] for i in chunk), 256)
+
+
+def test_the_encoder_runs_only_a_bounded_set_of_shapes(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many random inputs, as a server sees them: the model meets at most |row counts| x |lengths| shapes."""
+    monkeypatch.setattr(encoder_module, "TRACE_AFTER", 10**9)  # single texts stay on the padded eager path here
+    enc = TransformerEncoder(str(tiny_bert), max_length=48, batch_size=16, precision="fp32")
+    shapes: set[tuple[int, int]] = set()
+    forward = enc._forward
+
+    def spy(batch: dict, want_hidden: bool) -> object:
+        shapes.add(tuple(batch["input_ids"].shape))
+        return forward(batch, want_hidden)
+
+    monkeypatch.setattr(enc, "_forward", spy)
+    words = " ".join(TEXTS).split()
+    rng = np.random.default_rng(7)
+    for _ in range(150):
+        texts = [" ".join(rng.choice(words, size=rng.integers(1, 60))) for _ in range(rng.integers(1, 40))]
+        enc.encode(texts)
+    allowed = {(r, w) for r in (1, 2, 4, 8, 16) for w in {padded_length(n, 48) for n in range(1, 49)}}
+    assert shapes <= allowed
+    assert len(allowed) == 5 * 6  # lengths 8, 16, ..., 48; an unbucketed encoder met ~40 lengths x ~16 sizes
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 7, 32])
+def test_bucketed_batches_give_the_vectors_of_unbucketed_ones(tiny_bert: Path, batch_size: int) -> None:
+    """Padding is masked, so a longer buffer changes only summation order: fp32 to ATOL, in input order."""
+    texts = [*TEXTS, LONG, "topic 4 about the index", *[f"document number {i}" for i in range(9)]]
+    bucketed = TransformerEncoder(str(tiny_bert), max_length=48, batch_size=batch_size, precision="fp32")
+    plain = TransformerEncoder(str(tiny_bert), max_length=48, batch_size=batch_size, precision="fp32")
+    plain.bucketed = False
+    got, want = bucketed.encode_poolings(texts, POOLS), plain.encode_poolings(texts, POOLS)
+    for pooling in POOLS:
+        np.testing.assert_allclose(got[pooling], want[pooling], atol=ATOL)
+        np.testing.assert_allclose(
+            got[pooling][:5], np.stack([reference(bucketed, t)[pooling] for t in TEXTS]), atol=ATOL
+        )
+
+
+def test_bf16_bucketed_batches_agree_with_unbucketed(tiny_bert: Path) -> None:
+    """In bf16 a longer buffer may change how a matrix product is blocked, so rounding, not the maths, differs:
+    cosine >= 0.9999 (bf16 itself is held to BF16_MIN_COSINE = 0.999 against fp32)."""
+    texts = [*TEXTS, LONG, *[f"document number {i} about topic {i % 3}" for i in range(11)]]
+    bucketed = TransformerEncoder(str(tiny_bert), max_length=48, batch_size=4, precision="bf16")
+    plain = TransformerEncoder(str(tiny_bert), max_length=48, batch_size=4, precision="bf16")
+    plain.bucketed = False
+    got, want = bucketed.encode_poolings(texts, POOLS), plain.encode_poolings(texts, POOLS)
+    for pooling in POOLS:
+        assert cosines(got[pooling], want[pooling]).min() >= 0.9999
