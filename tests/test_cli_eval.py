@@ -28,6 +28,13 @@ def run(*args: str | Path | int) -> Result:
     return runner.invoke(app, [str(a) for a in args])
 
 
+@pytest.fixture(autouse=True)
+def fp32_for_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Precision "auto" times bf16 against fp32, and on the tiny model the two are close enough to flip from run to
+    run: the tests here compare runs (an index's encoder with `--model`), so auto settles on fp32 throughout."""
+    monkeypatch.setattr("retrieval.encoder.cpu_supports_bf16", lambda: False)
+
+
 def ok(result: Result) -> Result:
     assert result.exit_code == 0, (result.output, result.exception)
     return result
@@ -89,6 +96,7 @@ def built(tiny_bert: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     root = tmp_path_factory.mktemp("cli-eval")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RETRIEVAL_INDEX_ROOT", str(root / "indexes"))
+        mp.setattr("retrieval.encoder.cpu_supports_bf16", lambda: False)  # see fp32_for_auto
         corpus = write_corpus(root / "corpus.parquet", n=200)
         ok(run("index", corpus, "--model", tiny_bert, "--extra-pooling", "cls", "--out", root / "idx"))
     dev_q, dev_r = write_split(root, "dev", list(range(0, 60, 5)))
