@@ -32,6 +32,9 @@ def load(info: EncoderInfo) -> NumpyBert | None:
     """The numpy encoder for an index's encoder record, or None where this module does not implement it."""
     if info.kind != "transformers" or info.pooling not in POOLINGS or not info.max_length:
         return None
+    if "bf16" in (info.precision, info.precision_used):  # the corpus was encoded in bf16: fp32 here would differ
+        log.info("queries go through transformers: the index was encoded in bf16")
+        return None
     path = info.model_path
     folder = Path(path) if path and Path(path).is_dir() else resolve_model(str(info.model))
     if folder is None:

@@ -73,6 +73,7 @@ def test_what_it_does_not_compute_exactly_is_left_to_transformers(tiny_bert: Pat
     info = EncoderSpec(str(tiny_bert), precision="fp32").load().info()
     assert numpy_bert.load(EncoderInfo(kind="vectors", dim=32)) is None
     assert numpy_bert.load(replace(info, max_length=None)) is None
+    assert numpy_bert.load(replace(info, precision_used="bf16")) is None  # a bf16 corpus: its queries in bf16 too
     for change in ({"hidden_act": "gelu_new"}, {"model_type": "roberta"}, {"position_embedding_type": "relative_key"}):
         folder = model_copy(tiny_bert, tmp_path / next(iter(change)))
         config = json.loads((folder / "config.json").read_text())
