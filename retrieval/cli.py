@@ -342,7 +342,7 @@ def search(
     params.check()
     directory = index_dir or home.default_index()
     # sizes and sampled hashes: a whole sha256 of a 3 GB index would cost seconds per one-shot search
-    searcher = Searcher.load(directory, verify="quick")
+    searcher = Searcher.load(directory, encoder=one_query_encoder(directory), verify="quick")
     hits = searcher.search(query, params)
     if as_json:
         for hit in hits:
@@ -359,6 +359,17 @@ def search(
         text = hit.text if len(hit.text) <= 200 else hit.text[:197] + "..."
         table.add_row(str(hit.rank), f"{hit.score:.4f}", Text(safe(hit.id)), Text(safe(text)))
     out.print(table)
+
+
+def one_query_encoder(directory: Path) -> Any:
+    """The encoder for one query: a BERT model in numpy (``numpy_bert``; importing torch and transformers took
+    ~3 s of CPU, most of a one-shot search), or None where it does not apply: Searcher loads the index's own."""
+    from retrieval import numpy_bert
+
+    try:
+        return numpy_bert.load(Manifest.load(directory).encoder)
+    except RetrievalError:
+        return None  # Searcher.load reports what is wrong with the directory
 
 
 # ----- info ------------------------------------------------------------------------------------------------

@@ -528,7 +528,7 @@ def _fill_shard(
         index = faiss.deserialize_index(empty)
         for first in range(int(start), int(stop), BLOCK_ROWS):
             rows = np.arange(first, min(first + BLOCK_ROWS, int(stop)))
-            index.add(transform.transform(stash.read_rows(rows, pooling)))
+            index.add(transform.transform(stash.read_rows(rows, pooling, keep=False)))  # a pass: maps dropped
         paths.append(str(Path(folder) / f"shard-{int(shard):05d}.faiss"))
         faiss.write_index(index, paths[-1])
     return {"shard": items["shard"], "path": np.array(paths, dtype=object)}

@@ -7,9 +7,10 @@ whole into RAM: the page cache holds what searches touch.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
-from functools import cached_property
 from pathlib import Path
+from typing import overload
 
 import numpy as np
 import pyarrow as pa
@@ -63,7 +64,36 @@ class Docs:
             out.append(str(self._texts.chunk(chunk)[offset].as_py()))
         return out
 
-    @cached_property
-    def ids(self) -> list[str]:
-        """Every id, in row order (for evaluation runs, which map many rows to ids at once)."""
-        return [str(i) for i in self._ids.to_pylist()]
+    @property
+    def ids(self) -> DocIds:
+        """Every id, in row order, as a read-only sequence over the map: ``ids[row]`` is one lookup, and the ids
+        are never all turned into Python strings (a list of 1M ids is ~80 MB)."""
+        return DocIds(self)
+
+
+class DocIds(Sequence[str]):
+    """Row -> id of a ``Docs``, looked up on access. Equal to any sequence holding the same ids in the same order."""
+
+    def __init__(self, docs: Docs):
+        self._docs = docs
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    @overload
+    def __getitem__(self, row: int) -> str: ...
+
+    @overload
+    def __getitem__(self, row: slice) -> list[str]: ...
+
+    def __getitem__(self, row: int | slice) -> str | list[str]:
+        if isinstance(row, slice):
+            return [self._docs.id(r) for r in range(len(self))[row]]
+        return self._docs.id(operator.index(row) % len(self) if row < 0 else operator.index(row))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str) or len(other) != len(self):
+            return False
+        return all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]

@@ -225,11 +225,16 @@ def save_index(index: faiss.Index, path: Path) -> None:
     faiss.write_index(index, str(path))
 
 
-def load_index(path: Path) -> faiss.Index:
+def load_index(path: Path, mmap: bool = False) -> faiss.Index:
+    """Read a saved index. ``mmap``: flat storage (a flat index's vectors, HNSW's) is mapped from the file rather
+    than read into memory (FAISS's IO_FLAG_MMAP_IFC): loading costs nothing whatever the size, pages come in as
+    searches touch them, and processes share them through the page cache. Such an index is read-only: adding to
+    it aborts the process (FAISS cannot grow a mapped array), so only searchers map."""
     import faiss
 
+    flags = getattr(faiss, "IO_FLAG_MMAP_IFC", 0) if mmap else 0  # FAISS >= 1.11; older ones read it all
     try:
-        return faiss.read_index(str(path))
+        return faiss.read_index(str(path), flags)
     except RuntimeError as err:
         raise IndexDirError(f"cannot read FAISS index {path}: it is corrupt; rebuild with --overwrite") from err
 

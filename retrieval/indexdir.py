@@ -324,10 +324,11 @@ class IndexDir:
             return load_transform(self.path / RESCORE)
         return RawTransform(manifest.transform.d)
 
-    def faiss_index(self) -> Any:
+    def faiss_index(self, mmap: bool = False) -> Any:
+        """The FAISS index; ``mmap``: read-only, its flat storage mapped from the file (``index.load_index``)."""
         from retrieval.index import load_index  # FAISS only where the index itself is read
 
-        return load_index(self.path / INDEX)
+        return load_index(self.path / INDEX, mmap)
 
     def docs(self) -> Docs:
         return Docs(self.path / DOCS)
@@ -373,7 +374,8 @@ class IndexDir:
 
 @dataclass
 class Loaded:
-    """One whole version of an index directory, read: what a Searcher serves."""
+    """One whole version of an index directory, read: what a Searcher serves. The FAISS index is read-only, its
+    flat storage memory-mapped like the docs (a publish replaces files, never rewrites them, so maps stay valid)."""
 
     directory: IndexDir
     manifest: Manifest
@@ -419,7 +421,7 @@ def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
     quick = [TRANSFORM, INDEX, DOCS] + ([RESCORE] if manifest.has_rescorer else [])
     directory.verify(manifest, verify, quick if verify != "full" else None)
     transform = directory.transform()
-    index = directory.faiss_index()
+    index = directory.faiss_index(mmap=True)  # a reader's: never added to, mapped (a 1.5 GB flat index loads at once)
     docs = directory.docs()
     t = manifest.transform
     agree = (

@@ -206,35 +206,47 @@ class VectorStash:
             )
         return pooling
 
-    def _map(self, pooling: str, number: int) -> np.ndarray:
-        """Part ``number``'s vectors as a read-only memory map, opened once and kept."""
+    def _map(self, pooling: str, number: int, keep: bool = True) -> np.ndarray:
+        """Part ``number``'s vectors as a read-only memory map.
+
+        ``keep``: opened once and kept, for random access (re-scoring). Otherwise a map of the caller's own, unmapped
+        when it is dropped (streaming passes): a kept map's pages stay in the process's resident set, so a pass
+        over kept maps would end holding the whole stash (as page cache charged to it), however it is read."""
         key = (pooling, number)
         with self._maps_lock:
-            if key not in self._maps:
-                part = self._parts[number]
-                try:
-                    array = np.load(self.root / part.vectors[pooling], mmap_mode="r", allow_pickle=False)
-                except (OSError, ValueError) as err:
-                    raise IndexDirError(f"cannot read stash part {part.vectors[pooling]}: {err}") from err
-                if array.shape != (part.rows, self.dim):
-                    raise IndexDirError(f"stash part {part.vectors[pooling]} has shape {array.shape}; rebuild")
-                self._maps[key] = array
-            return self._maps[key]
+            if key in self._maps:
+                return self._maps[key]
+        part = self._parts[number]
+        try:
+            array = np.load(self.root / part.vectors[pooling], mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise IndexDirError(f"cannot read stash part {part.vectors[pooling]}: {err}") from err
+        if array.shape != (part.rows, self.dim):
+            raise IndexDirError(f"stash part {part.vectors[pooling]} has shape {array.shape}; rebuild")
+        if not keep:
+            return array
+        with self._maps_lock:
+            return self._maps.setdefault(key, array)
 
     def iter_parts(self, pooling: str | None = None) -> Iterator[np.ndarray]:
-        """Each part's vectors as a read-only memory map (float32 or float16 as stored)."""
+        """Each part's vectors as a read-only memory map (float32 or float16 as stored), kept open."""
         pooling = self.check_pooling(pooling)
         for number in range(len(self._parts)):
             yield self._map(pooling, number)
 
     def iter_blocks(self, block_rows: int = BLOCK_ROWS, pooling: str | None = None) -> Iterator[np.ndarray]:
-        """float32 blocks of at most ``block_rows`` rows, in row order."""
-        for array in self.iter_parts(pooling):
+        """float32 blocks (copies) of at most ``block_rows`` rows, in row order, never crossing a part. A streaming
+        pass: each part is mapped only while it is read, so memory is one block whatever the stash's size."""
+        pooling = self.check_pooling(pooling)
+        for number in range(len(self._parts)):
+            array = self._map(pooling, number, keep=False)
             for start in range(0, array.shape[0], block_rows):
-                yield np.asarray(array[start : start + block_rows], dtype=np.float32)
+                yield np.array(array[start : start + block_rows], dtype=np.float32)
+            del array
 
-    def read_rows(self, rows: np.ndarray, pooling: str | None = None) -> np.ndarray:
-        """Vectors of the given global row numbers (any order), float32."""
+    def read_rows(self, rows: np.ndarray, pooling: str | None = None, keep: bool = True) -> np.ndarray:
+        """Vectors of the given global row numbers (any order), float32. ``keep=False`` reads through maps that
+        are dropped afterwards (a one-off read such as a training sample), not the kept ones."""
         pooling = self.check_pooling(pooling)
         rows = np.asarray(rows, dtype=np.int64)
         starts = np.cumsum([0] + [p.rows for p in self._parts])
@@ -244,7 +256,7 @@ class VectorStash:
         numbers = np.searchsorted(starts, rows, side="right") - 1
         for number in np.unique(numbers):
             inside_part = numbers == number
-            out[inside_part] = self._map(pooling, int(number))[rows[inside_part] - starts[number]]
+            out[inside_part] = self._map(pooling, int(number), keep)[rows[inside_part] - starts[number]]
         return out
 
     def sample(self, n: int, seed: int = 0, pooling: str | None = None) -> np.ndarray:
@@ -253,7 +265,7 @@ class VectorStash:
         if n >= total:
             return np.concatenate(list(self.iter_blocks(pooling=pooling)))
         rows = np.sort(np.random.default_rng(seed).choice(total, size=n, replace=False))
-        return self.read_rows(rows, pooling)
+        return self.read_rows(rows, pooling, keep=False)
 
     def moments(self, pooling: str | None = None) -> RunningMoments:
         """Exact moments of every stashed vector of one pooling, streamed block by block."""
@@ -267,8 +279,11 @@ class VectorStash:
         for part in self._parts:
             yield pq.read_table(self.root / part.docs)
 
+    def iter_ids(self) -> Iterator[list[str]]:
+        """Each part's ids, in row order: one part's in memory at a time."""
+        for part in self._parts:
+            yield pq.read_table(self.root / part.docs, columns=["id"])["id"].to_pylist()
+
     def ids(self) -> list[str]:
-        """Every row's id, in row order."""
-        return [
-            i for part in self._parts for i in pq.read_table(self.root / part.docs, columns=["id"])["id"].to_pylist()
-        ]
+        """Every row's id, in row order (all of them in memory: ``iter_ids`` streams them)."""
+        return [i for ids in self.iter_ids() for i in ids]

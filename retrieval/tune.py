@@ -136,7 +136,7 @@ def tune_index(
     sweep = _Sweep(directory, poolings, dims, gammas)
     return tune_ir(
         sweep.stash,
-        sweep.stash.ids(),
+        sweep.doc_ids,
         sweep.query_vectors,
         dev,
         test,
@@ -178,7 +178,7 @@ def tune_auto(
     rows = np.asarray(pseudo.rows, dtype=np.int64)
     result = tune_ir(
         sweep.stash,
-        sweep.stash.ids(),
+        sweep.doc_ids,
         sweep.query_vectors,
         (pseudo.queries, pseudo.qrels),
         test,
@@ -219,6 +219,7 @@ class _Sweep:
             manifest.encoder.with_pooling(info.pooling or "").check_query(replace(info, pooling=info.pooling or ""))
         self.encoder: MultiPoolingEncoder = encoder or from_info(manifest.encoder.with_pooling(self.poolings[0]))
         self._encoded: dict[int, dict[str, np.ndarray]] = {}
+        self.doc_ids = index_dir.docs().ids  # the stash's rows, looked up per hit: never every id in memory
 
     def query_vectors(self, pooling: str, queries: Queries) -> np.ndarray:
         if id(queries) not in self._encoded:  # each split once, for all poolings

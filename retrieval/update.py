@@ -15,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from retrieval import files
 from retrieval.build import WINDOW_ROWS, index_record, input_dim, write_version
-from retrieval.corpus import Corpus, CorpusSpec
+from retrieval.corpus import Corpus, CorpusSpec, id_hashes
 from retrieval.encoder import Encoder, from_info
 from retrieval.errors import ConfigError, CorpusError
 from retrieval.index import IndexSpec, check_buildable
@@ -219,16 +222,26 @@ def _encoder_for(manifest: Manifest, source: Corpus, encoder: Encoder | None) ->
 
 
 def _check_new_ids(stash: VectorStash, source: Corpus, window_rows: int, offset: int) -> None:
-    existing = set(stash.ids())
+    """Refuse ids the index already holds. Memory: 8 bytes per new id (``id_hashes``) and one stash part's ids at a
+    time; the index's ids are never all held (a set of 1M id strings is ~100 MB)."""
+
+    def new_ids() -> Iterator[list[str]]:
+        for batch in source.batches(window_rows):
+            yield [str(int(i) + offset) for i in batch.ids] if offset else batch.ids
+
+    new = np.unique(np.concatenate([id_hashes(ids) for ids in new_ids()]))
+    existing: set[str] = set()  # the index's ids whose hash is also a new id's: clashes, or equal hashes
+    for ids in stash.iter_ids():
+        existing.update(ids[j] for j in np.flatnonzero(np.isin(id_hashes(ids), new)))
     clashes: list[str] = []
     count = 0
-    for batch in source.batches(window_rows):
-        for i in batch.ids:
-            i = str(int(i) + offset) if offset else i
-            if i in existing:
-                count += 1
-                if len(clashes) < 5:
-                    clashes.append(i)
+    if existing:
+        for ids in new_ids():
+            for i in ids:
+                if i in existing:
+                    count += 1
+                    if len(clashes) < 5:
+                        clashes.append(i)
     if count:
         raise CorpusError(
             f"{count} ids of {source.path} are already in the index (first: {', '.join(clashes)}); "

@@ -9,6 +9,10 @@ at (default: this checkout), so an older commit's worktree can be timed the same
 
     python scripts/bench_oneshot.py --n 1000000                       # this checkout
     python scripts/bench_oneshot.py --n 1000000 --code /path/to/old --label before
+    python scripts/bench_oneshot.py --index indexes/realscale/realtext-100k   # an existing (real-text) index
+
+Besides wall time, each run's CPU time (user + system, from the children's rusage) is reported: on a shared
+machine it moves less with the load than the wall time does.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -88,6 +93,7 @@ def build(code: Path, work: Path, n: int) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=1_000_000, help="documents in the flat index")
+    ap.add_argument("--index", type=Path, default=None, help="search this index directory instead (e.g. real text)")
     ap.add_argument("--code", type=Path, default=benchlib.REPO, help="checkout whose `retrieval` is timed")
     ap.add_argument("--label", default="this checkout")
     ap.add_argument("--runs", type=int, default=5)
@@ -97,38 +103,49 @@ def main() -> None:
     info = benchlib.machine()
     work = args.work / args.label.replace(" ", "-")
     work.mkdir(parents=True, exist_ok=True)
-    index = build(args.code, work, args.n)
+    index = args.index.resolve() if args.index else build(args.code, work, args.n)
+    n = json.loads((index / "manifest.json").read_text())["index"]["ntotal"]
     command = ["search", QUERY, "--index", str(index), "-k", "5"]
     warm = cli(args.code, *command)
     if warm.returncode:
         raise SystemExit(f"search failed: {warm.stderr.strip()}")
-    seconds = []
+    seconds, cpu = [], []
+    load = [round(x, 2) for x in os.getloadavg()]
     for _ in range(args.runs):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         done = cli(args.code, *command)
         seconds.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)  # user + system
         assert done.returncode == 0, done.stderr
     size = sum(p.stat().st_size for p in index.iterdir() if p.is_file())
     report = {
+        "command": benchlib.command_line(),
         "machine": info,
         "label": args.label,
         "code": str(args.code),
-        "n": args.n,
-        "dim": DIM,
+        "index": str(index),
+        "n": n,
         "index_bytes": size,
         "runs_s": seconds,
         "median_s": statistics.median(seconds),
+        "cpu_s": cpu,
+        "median_cpu_s": statistics.median(cpu),
+        "loadavg_at_start": load,
         "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
     }
     out = args.out or benchlib.out_dir("oneshot")
     out.mkdir(parents=True, exist_ok=True)
-    name = f"oneshot-{args.n}-{args.label.replace(' ', '-')}"
+    name = f"oneshot-{n}-{args.label.replace(' ', '-')}"
     benchlib.write_json(out / f"{name}.json", report)
     line = (
-        f"| {args.label} | {args.n:,} | {size / 2**30:.2f} GiB | {report['median_s']:.2f} s | "
-        f"{', '.join(f'{s:.2f}' for s in seconds)} |"
+        f"| {args.label} | {n:,} | {size / 2**30:.2f} GiB | {report['median_s']:.2f} s | "
+        f"{report['median_cpu_s']:.2f} s | {', '.join(f'{s:.2f}' for s in seconds)} | {load[0]} |"
     )
-    header = "| code | N | index on disk | median | runs (s) |\n|---|---|---|---|---|\n"
+    header = (
+        "| code | N | index on disk | median wall | median CPU | runs (s) | load |\n|---|---|---|---|---|---|---|\n"
+    )
     (out / f"{name}.md").write_text(header + line + "\n")
     print(line)
 

@@ -161,6 +161,18 @@ def test_docs_table_maps_rows_to_ids_and_texts(built: tuple[Path, FakeEncoder, M
     assert texts_of(built[0] / "docs.arrow") == texts_of(corpus)
 
 
+def test_doc_ids_are_a_lazy_sequence_of_the_docs(built: tuple[Path, FakeEncoder, Manifest], corpus: Path) -> None:
+    docs = Docs(built[0] / "docs.arrow")
+    expected = pq.read_table(corpus).column("id").to_pylist()
+    ids = docs.ids
+    assert len(ids) == len(expected) and ids[0] == expected[0] and ids[-1] == expected[-1]
+    assert ids[5:9] == expected[5:9] and ids[np.int64(7)] == expected[7]
+    assert ids == expected and ids != expected[:-1] and ids != "not a sequence"
+    assert expected[3] in ids and list(ids) == expected
+    with pytest.raises(IndexError):
+        ids[len(expected)]
+
+
 def test_progress_reports_every_row(corpus: Path, tmp_path: Path) -> None:
     seen: dict[str, list[tuple[int, int]]] = {}
     build(corpus, tmp_path / "idx", progress=lambda s, n, total: seen.setdefault(s, []).append((n, total)))
@@ -503,6 +515,29 @@ def test_stash_sample(stash: tuple[VectorStash, np.ndarray]) -> None:
     assert all(len(m) == 1 for m in matches) and len({int(m[0]) for m in matches}) == 8
     np.testing.assert_array_equal(s.sample(8, seed=3), sample)  # seeded
     np.testing.assert_array_equal(s.sample(100), x)  # more than there are: all rows, in order
+
+
+def test_stash_streaming_passes_keep_no_part_mapped(stash: tuple[VectorStash, np.ndarray]) -> None:
+    """A kept memory map's pages stay in the process's resident set: a pass over the whole stash (moments, index
+    filling, a training sample) must not keep them, or a process's RSS ends up holding the stash. Re-scoring's
+    random reads do keep their maps (opened once per part)."""
+    s, x = stash
+    blocks = list(s.iter_blocks(4))
+    assert all(not isinstance(b, np.memmap) and b.base is None for b in blocks)  # copies, not views of a map
+    s.moments()
+    s.sample(8)
+    assert s._maps == {}
+    np.testing.assert_array_equal(s.read_rows(np.array([3, 12]), keep=False), x[[3, 12]])
+    assert s._maps == {}
+    s.read_rows(np.array([3, 12]))
+    assert sorted(s._maps) == [("mean", 0), ("mean", 1)]
+    np.testing.assert_array_equal(np.concatenate(list(s.iter_blocks(4))), x)  # a kept map is read, not re-opened
+
+
+def test_stash_ids_stream_part_by_part(stash: tuple[VectorStash, np.ndarray]) -> None:
+    s, _ = stash
+    assert [len(ids) for ids in s.iter_ids()] == [10, 7, 6]
+    assert s.ids() == [f"r{i}" for i in range(23)]
 
 
 def test_stash_float16(tmp_path: Path) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import write_corpus
 
+from retrieval import corpus as corpus_module
 from retrieval.corpus import Corpus, CorpusSpec
 from retrieval.errors import CorpusError
 
@@ -128,6 +131,36 @@ def test_duplicates_across_record_batches_are_found(tmp_path: Path) -> None:
     path = write_corpus(tmp_path / "c.parquet", n=10, id=[f"d{i}" for i in range(9)] + ["d0"])
     with pytest.raises(CorpusError, match="duplicate id 'd0'"):
         Corpus(CorpusSpec(path)).validate(rows=3)
+
+
+def test_equal_hashes_of_different_ids_are_not_duplicates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """validate keeps 8-byte hashes, not the ids: every hash equal forces the check onto the strings themselves."""
+    monkeypatch.setattr(corpus_module, "id_hashes", lambda ids: np.zeros(len(ids), dtype=np.int64))
+    unique = write_corpus(tmp_path / "u.parquet", n=10)
+    assert Corpus(CorpusSpec(unique)).validate(rows=3).usable == 10
+    repeated = write_corpus(tmp_path / "r.parquet", n=10, id=[f"d{i}" for i in range(7)] + ["d5", "d2", "d9"])
+    with pytest.raises(CorpusError, match="duplicate id 'd5'"):  # the first one seen twice, in row order
+        Corpus(CorpusSpec(repeated)).validate(rows=3)
+
+
+def peak_allocations(run: Callable[[], object]) -> int:
+    tracemalloc.start()
+    try:
+        run()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_validation_memory_grows_by_bytes_per_id_not_by_the_ids(tmp_path: Path) -> None:
+    """Peak Python allocations of a validation pass, at 6,000 and 60,000 rows: what grows is the ids' 8-byte
+    hashes (a few copies of them while sorting), where a set of the id strings grows by ~110 bytes per id."""
+    peaks = []
+    for n in (6_000, 60_000):
+        path = write_corpus(tmp_path / f"c{n}.parquet", n=n, id=[f"document-{i:012d}" for i in range(n)])
+        source = Corpus(CorpusSpec(path))
+        peaks.append(peak_allocations(lambda: source.validate(rows=2048)))  # noqa: B023 (called at once)
+    assert (peaks[1] - peaks[0]) / 54_000 < 40, peaks
 
 
 def test_null_ids_are_refused(tmp_path: Path) -> None:

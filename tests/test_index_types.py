@@ -20,8 +20,8 @@ from retrieval.build import build_index
 from retrieval.cli import app
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError
-from retrieval.index import REFINE_K_FACTOR, IndexSpec, _hnsw, _ivf
-from retrieval.indexdir import IndexDir
+from retrieval.index import REFINE_K_FACTOR, IndexSpec, _hnsw, _ivf, flat_vectors, load_index, search_parameters
+from retrieval.indexdir import INDEX, IndexDir
 from retrieval.metrics import knn_recall
 from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import TransformSpec
@@ -92,6 +92,31 @@ def test_recall_and_search_knobs(setup, kind: str) -> None:
     _, default_rows = searcher.search_raw(queries, SearchParams(k=10))
     _, explicit = searcher.search_raw(queries, SearchParams(k=10, **{knob: searcher.manifest.index.search[knob]}))
     assert np.array_equal(default_rows, explicit)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_searcher_maps_its_index_and_finds_what_the_index_read_whole_finds(setup, kind: str) -> None:
+    """Searchers map the index file (IO_FLAG_MMAP_IFC: flat storage is not copied into memory); every kind must
+    answer exactly as the same file read whole, and the flat fast path must scan the mapped vectors."""
+    import faiss
+
+    _, built, queries = setup
+    searcher = Searcher.load(built[kind], encoder=FakeEncoder())
+    read = load_index(built[kind] / INDEX)
+    vectors = searcher.transform.transform(queries)
+    knobs = searcher.manifest.index.search
+    got = searcher.index.search(vectors, 10, params=search_parameters(searcher.index, **knobs))
+    expected = read.search(vectors, 10, params=search_parameters(read, **knobs))
+    np.testing.assert_array_equal(got[1], expected[1])
+    np.testing.assert_array_equal(got[0], expected[0])
+    top = faiss.downcast_index(searcher.index)
+    storage = faiss.downcast_index(top.storage) if hasattr(top, "storage") else top
+    if isinstance(storage, faiss.IndexFlatCodes):
+        assert not storage.codes.is_owned  # a view of the mapped file, not a copy
+    if kind == "flat":
+        np.testing.assert_array_equal(flat_vectors(searcher.index), read.reconstruct_n(0, read.ntotal))
+        _, rows = searcher.search_raw(queries, SearchParams(k=10))
+        assert knn_recall(rows, expected[1]) == 1.0
 
 
 @pytest.mark.parametrize("kind", ["hnsw", "IVF16,Flat", "IVF8,PQ8x4np,Refine(Flat)"])

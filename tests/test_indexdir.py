@@ -142,10 +142,10 @@ def test_a_publish_between_reading_the_manifest_and_the_index_is_read_again(inde
     real = IndexDir.faiss_index
     published = []
 
-    def publish_first(self):  # type: ignore[no-untyped-def]
+    def publish_first(self, mmap=False):  # type: ignore[no-untyped-def]
         if not published:
             published.append(update.refit(index, TransformSpec(dim=5)))
-        return real(self)
+        return real(self, mmap)
 
     monkeypatch.setattr(IndexDir, "faiss_index", publish_first)
     searcher = Searcher.load(index, encoder=FakeEncoder(), verify="quick")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tracemalloc
 from pathlib import Path
 
 import faiss
@@ -180,6 +181,21 @@ def test_add_links_old_parts_unread_and_refit_verifies_what_it_reads(tmp_path, c
     IndexDir(directory).verify(Manifest.load(directory), "full")  # every recorded checksum is still true
 
 
+def test_a_searcher_keeps_its_mapped_version_while_add_and_refit_publish_new_ones(tmp_path, corpus):
+    """A Searcher maps index.faiss; add and refit write new files and swap the directory, never rewriting a
+    file in place, so an open searcher keeps answering from its version (and a writer never adds to a map)."""
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    searcher = Searcher.load(directory, FakeEncoder())
+    before = searcher.search_raw(FakeEncoder().encode(["a query about topic 3"]), SearchParams(k=5))
+    update.add(directory, CorpusSpec(more_docs(tmp_path / "more.parquet", ["new1", "new2"])), FakeEncoder())
+    update.refit(directory, TransformSpec(dim=4))
+    again = searcher.search_raw(FakeEncoder().encode(["a query about topic 3"]), SearchParams(k=5))
+    np.testing.assert_array_equal(again[1], before[1])
+    np.testing.assert_array_equal(again[0], before[0])
+    assert searcher.index.ntotal == 300 and Searcher.load(directory, FakeEncoder()).index.ntotal == 302
+
+
 def test_add_with_duplicate_ids_is_refused_and_writes_nothing(tmp_path, corpus):
     directory = tmp_path / "idx"
     build(corpus, directory)
@@ -191,6 +207,36 @@ def test_add_with_duplicate_ids_is_refused_and_writes_nothing(tmp_path, corpus):
     assert encoder.rows == 0
     assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == before
     assert not files_beside(directory)
+
+
+def test_add_finds_clashes_among_equal_hashes(tmp_path, corpus, monkeypatch):
+    """add keeps 8-byte hashes of the new ids, not the index's ids: every hash equal forces the exact check."""
+    monkeypatch.setattr(update, "id_hashes", lambda ids: np.zeros(len(ids), dtype=np.int64))
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    with pytest.raises(CorpusError, match=r"1 ids .* already in the index \(first: doc9\)"):
+        update.add(directory, CorpusSpec(more_docs(tmp_path / "clash.parquet", ["new1", "doc9"])), FakeEncoder())
+    update.add(directory, CorpusSpec(more_docs(tmp_path / "fresh.parquet", ["new1", "new2"])), FakeEncoder())
+    assert ids_of(directory)[-2:] == ["new1", "new2"]
+
+
+def test_the_clash_check_does_not_hold_the_index_ids(tmp_path):
+    """Peak Python allocations of add's id check against 6,000 and 60,000 stashed ids: one stash part's ids at a
+    time, so the peak does not grow with the index (a set of its ids would grow by ~110 bytes per id)."""
+    from retrieval.corpus import Corpus
+
+    new = Corpus(CorpusSpec(more_docs(tmp_path / "new.parquet", [f"new-{i}" for i in range(100)])))
+    peaks = []
+    for n in (6_000, 60_000):
+        stash = VectorStash.create(tmp_path / f"stash{n}", 2, ["mean"])
+        for start in range(0, n, 2_000):
+            ids = [f"document-{i:012d}" for i in range(start, start + 2_000)]
+            stash.append({"mean": np.zeros((2_000, 2), np.float32)}, ids, [""] * 2_000)
+        tracemalloc.start()
+        update._check_new_ids(stash, new, 64, 0)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] < 1.5 * peaks[0], peaks
 
 
 def test_add_refuses_mismatched_width_and_kind(tmp_path, corpus):
