@@ -10,6 +10,10 @@ at (default: this checkout), so an older commit's worktree can be timed the same
     python scripts/bench_oneshot.py --n 1000000                       # this checkout
     python scripts/bench_oneshot.py --n 1000000 --code /path/to/old --label before
     python scripts/bench_oneshot.py --index indexes/realscale/realtext-100k   # an existing (real-text) index
+    python scripts/bench_oneshot.py --n 1000000 --precision bf16 --label bf16  # the record of a bf16-encoded index
+
+``--precision`` is what the tiny MiniLM index is built with, so the grafted record says the corpus was encoded in
+fp32 or bf16 (``auto`` lets this CPU decide, as a user's build would); queries of both go through numpy_bert.
 
 Besides wall time, each run's CPU time (user + system, from the children's rusage) is reported: on a shared
 machine it moves less with the load than the wall time does.
@@ -61,7 +65,7 @@ def vectors(path: Path, n: int) -> Path:
     return path
 
 
-def build(code: Path, work: Path, n: int) -> Path:
+def build(code: Path, work: Path, n: int, precision: str = "auto") -> Path:
     """The N-row index, with the encoder record of a tiny MiniLM index built by the same code."""
     index = work / f"flat-{n}"
     if (index / "manifest.json").is_file():
@@ -76,7 +80,7 @@ def build(code: Path, work: Path, n: int) -> Path:
 
     pq.write_table(pa.table({"text": [f"a sentence about topic {i}" for i in range(50)]}), tiny_corpus)
     tiny = work / f"tiny-{abs(hash(str(code)))}"
-    done = cli(code, "index", str(tiny_corpus), "--out", str(tiny), "--overwrite")
+    done = cli(code, "index", str(tiny_corpus), "--out", str(tiny), "--overwrite", "--precision", precision)
     if done.returncode:
         raise SystemExit(f"building the tiny MiniLM index failed: {done.stderr.strip()}")
     manifest = json.loads((index / "manifest.json").read_text())
@@ -96,6 +100,7 @@ def main() -> None:
     ap.add_argument("--index", type=Path, default=None, help="search this index directory instead (e.g. real text)")
     ap.add_argument("--code", type=Path, default=benchlib.REPO, help="checkout whose `retrieval` is timed")
     ap.add_argument("--label", default="this checkout")
+    ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="of the grafted encoder")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--work", type=Path, default=Path("/tmp/retrieval-oneshot"), help="scratch, not in the repo")
     ap.add_argument("--out", type=Path, default=None)
@@ -103,7 +108,7 @@ def main() -> None:
     info = benchlib.machine()
     work = args.work / args.label.replace(" ", "-")
     work.mkdir(parents=True, exist_ok=True)
-    index = args.index.resolve() if args.index else build(args.code, work, args.n)
+    index = args.index.resolve() if args.index else build(args.code, work, args.n, args.precision)
     n = json.loads((index / "manifest.json").read_text())["index"]["ntotal"]
     command = ["search", QUERY, "--index", str(index), "-k", "5"]
     warm = cli(args.code, *command)
@@ -127,6 +132,7 @@ def main() -> None:
         "code": str(args.code),
         "index": str(index),
         "n": n,
+        "encoder_precision": json.loads((index / "manifest.json").read_text())["encoder"].get("precision_used"),
         "index_bytes": size,
         "runs_s": seconds,
         "median_s": statistics.median(seconds),

@@ -18,6 +18,7 @@ from retrieval.encoder import (  # noqa: E402
     MultiPoolingEncoder,
     TransformerEncoder,
     from_info,
+    pack_rows,
     padded_length,
     shape_batches,
 )
@@ -436,5 +437,60 @@ def test_bf16_bucketed_batches_agree_with_unbucketed(tiny_bert: Path) -> None:
     plain = TransformerEncoder(str(tiny_bert), max_length=48, batch_size=4, precision="bf16")
     plain.bucketed = False
     got, want = bucketed.encode_poolings(texts, POOLS), plain.encode_poolings(texts, POOLS)
+    for pooling in POOLS:
+        assert cosines(got[pooling], want[pooling]).min() >= 0.9999
+
+
+# ----- short texts packed several to a row ------------------------------------------------------------------
+def test_pack_rows_puts_every_text_in_one_row_within_capacity() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        lengths = [int(n) for n in rng.integers(1, 17, size=rng.integers(1, 60))]
+        rows = pack_rows(lengths, 16)
+        assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in row) <= 16 for row in rows)
+        assert len(rows) <= -(-sum(lengths) * 11 // 9 // 16) + 1  # first fit decreasing: within 11/9 of the best
+    assert pack_rows([9, 3, 8, 5, 7], 16) == [[0, 4], [2, 3, 1]]  # longest first; 3 goes where it first fits
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_rows([17], 16)
+
+
+@pytest.mark.parametrize("pooling", POOLS)
+@pytest.mark.parametrize("batch_size", [1, 4, 32])
+def test_packed_texts_get_the_vectors_they_get_alone(tiny_bert: Path, pooling: str, batch_size: int) -> None:
+    """Short texts share rows (own positions, block-diagonal attention); long ones go in padded batches: every
+    text's vector is its unpadded single forward pass's, fp32 to ATOL, in input order."""
+    texts = [*TEXTS, LONG, *[f"document number {i} about topic {i % 3}" for i in range(11)]]
+    enc = TransformerEncoder(str(tiny_bert), pooling=pooling, max_length=48, batch_size=batch_size, precision="fp32")
+    rows: list[tuple[int, ...]] = []
+    forward = enc._forward
+    enc._forward = lambda batch, hidden: rows.append(tuple(batch["input_ids"].shape)) or forward(batch, hidden)
+    got = enc.encode(texts)
+    assert enc.packing is True
+    packed_rows = sum(r for r, _ in rows)
+    assert packed_rows < len(texts) - 1  # several texts to a row: fewer rows than texts
+    np.testing.assert_allclose(got, np.stack([reference(enc, t)[pooling] for t in texts]), atol=ATOL)
+
+
+def test_a_model_that_packing_would_change_keeps_padded_batches(
+    tiny_bert: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packing is checked against single texts first: wrong position ids (as for a model whose positions start
+    elsewhere) fail the check, and the encoder keeps padded batches with the right vectors."""
+    monkeypatch.setattr(TransformerEncoder, "_position_offset", property(lambda self: 3))
+    enc = TransformerEncoder(str(tiny_bert), max_length=48, precision="fp32")
+    got = enc.encode(TEXTS)
+    assert enc.packing is False
+    np.testing.assert_allclose(got, np.stack([reference(enc, t)["mean"] for t in TEXTS]), atol=ATOL)
+
+
+def test_bf16_packed_texts_agree_with_padded_batches(tiny_bert: Path) -> None:
+    """bf16 rounds differently in a row of other texts than in a padded one: cosine >= 0.9999, as for buckets."""
+    texts = [*TEXTS, *[f"document number {i} about topic {i % 3}" for i in range(11)]]
+    packed = TransformerEncoder(str(tiny_bert), max_length=48, batch_size=4, precision="bf16")
+    padded = TransformerEncoder(str(tiny_bert), max_length=48, batch_size=4, precision="bf16")
+    padded.packing = False
+    got, want = packed.encode_poolings(texts, POOLS), padded.encode_poolings(texts, POOLS)
+    assert packed.packing is True
     for pooling in POOLS:
         assert cosines(got[pooling], want[pooling]).min() >= 0.9999
