@@ -8,6 +8,10 @@ concurrency: a forward pass over 16 short texts costs little more than over one.
 
 The searcher is read once per batch (``current()``), so a reload swaps it between batches: a batch that has
 started finishes on the version it started with.
+
+``workers`` threads take batches from the one queue, so on a machine with several cores one batch is encoded
+while another is: the encoder's forward pass and FAISS release the GIL, and a warmed-up encoder lets concurrent
+callers run side by side (it locks only its tokenizer).
 """
 
 from __future__ import annotations
@@ -75,8 +79,9 @@ class Batcher:
 
     ``current`` returns the searcher to use for the next batch. ``max_queue`` bounds the queries waiting
     (beyond it ``Overloaded`` is raised at submission). A job larger than ``max_batch`` runs as a batch of its
-    own; jobs are never split. ``setup`` runs first in the worker thread (thread-local settings such as FAISS's
-    OpenMP thread count); ``on_batch`` is called after each batch with its ``BatchStats``.
+    own; jobs are never split. ``workers`` threads process batches (one each at a time). ``setup`` runs first in
+    each worker thread (thread-local settings such as FAISS's OpenMP thread count); ``on_batch`` is called after
+    each batch with its ``BatchStats``.
     """
 
     def __init__(
@@ -87,9 +92,10 @@ class Batcher:
         max_queue: int = 1024,
         setup: Callable[[], None] | None = None,
         on_batch: Callable[[BatchStats], None] | None = None,
+        workers: int = 1,
     ):
-        if max_batch < 1 or max_wait < 0 or max_queue < 1:
-            raise ValueError("max_batch and max_queue must be positive, max_wait non-negative")
+        if max_batch < 1 or max_wait < 0 or max_queue < 1 or workers < 1:
+            raise ValueError("max_batch, max_queue and workers must be positive, max_wait non-negative")
         self.current = current
         self.max_batch = max_batch
         self.max_wait = max_wait
@@ -100,7 +106,8 @@ class Batcher:
         self._queued = 0  # queries in self._jobs
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self.workers = workers
+        self._threads: list[threading.Thread] = []
 
     # ----- submitting ------------------------------------------------------------------------------------
     def submit_search(self, texts: Sequence[str], params: SearchParams) -> Future[SearchResult]:
@@ -127,17 +134,20 @@ class Batcher:
 
     # ----- the worker ------------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="retrieval-batcher", daemon=True)
-            self._thread.start()
+        if not self._threads:
+            for i in range(self.workers):
+                thread = threading.Thread(target=self._run, name=f"retrieval-batcher-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     def stop(self, timeout: float | None = None) -> None:
-        """Refuse new work, finish what is queued, and end the worker."""
+        """Refuse new work, finish what is queued, and end the workers (``timeout``: for all of them)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         if self._setup is not None:

@@ -739,6 +739,9 @@ def serve(
         float, typer.Option(help="Micro-batching: wait this long for more queries after the first.")
     ] = DefaultServe.max_wait_ms,
     torch_threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = DefaultServe.torch_threads,
+    engine_workers: Annotated[
+        int, typer.Option(help="Engine threads, each encoding and searching one batch at a time.")
+    ] = DefaultServe.engine_workers,
     faiss_threads: Annotated[
         int, typer.Option(help="FAISS OpenMP threads in the engine.")
     ] = DefaultServe.faiss_threads,
@@ -767,6 +770,7 @@ def serve(
         max_wait_ms=max_wait_ms,
         torch_threads=torch_threads,
         faiss_threads=faiss_threads,
+        engine_workers=engine_workers,
         max_queries=max_queries,
         max_query_chars=max_query_chars,
         max_k=max_k,

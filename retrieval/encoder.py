@@ -4,7 +4,6 @@ of shapes, short texts packed several to a row, bf16, a traced single-query path
 from __future__ import annotations
 
 import copy
-import functools
 import importlib.util
 import json
 import logging
@@ -18,7 +17,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -237,20 +236,6 @@ def default_max_length(folder: Path | None, tokenizer_max: int) -> int:
     return min(int(tokenizer_max), 512)
 
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _locked(method: F) -> F:
-    """Run ``method`` holding the object's ``_lock``."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
-
-
 class TransformerEncoder:
     """A Hugging Face transformers model with a pooling head.
 
@@ -315,8 +300,9 @@ class TransformerEncoder:
         # None: "auto" on a CPU with native bf16, settled by timing the first batch of more than one text.
         self.bf16: bool | None = precision == "bf16" or (None if precision == "auto" and cpu_supports_bf16() else False)
         self._torch = torch
-        # One caller at a time: the fast tokenizer is not re-entrant ("Already borrowed") and the lazy precision
-        # and trace decisions must be taken once. FAISS, not the encoder, is where concurrent callers overlap.
+        # The fast tokenizer is not re-entrant ("Already borrowed"): it runs under this lock. The lazy decisions
+        # (precision, trace, packing) are taken once, under it too: until they are, a whole call holds it. After
+        # that (``warm_up``), forward passes of concurrent callers run side by side (torch releases the GIL).
         self._lock = threading.RLock()
         self._single_calls = 0
         self._traced: Any = None  # (traced module, bf16) for single texts; False once no trace passed its check
@@ -350,15 +336,19 @@ class TransformerEncoder:
         """Settle the lazy state now, not on a user's first request: precision "auto" (timed on a padded batch)
         and the single-text trace."""
         with self._lock:
-            if self.bf16 is None:
+            if self.bf16 is None or self.packing is None:
                 self.encode(["a short warm-up text", "a somewhat longer warm-up text, to time a padded batch"])
             if self._traced is None:
                 self._traced = self._trace()
 
+    @property
+    def settled(self) -> bool:
+        """Whether every lazy decision is taken, so concurrent calls may run their forward passes side by side."""
+        return self.bf16 is not None and self.packing is not None and self._traced is not None
+
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         return self.encode_poolings(texts, (self.pooling,))[self.pooling]
 
-    @_locked
     def encode_poolings(
         self,
         texts: Sequence[str],
@@ -366,17 +356,27 @@ class TransformerEncoder:
         on_batch: Callable[[int], None] | None = None,
     ) -> dict[str, np.ndarray]:
         """Vectors for each pooling in one forward pass per batch; ``on_batch(n)`` after each batch."""
+        if self.settled:
+            return self._encode_poolings(texts, poolings, on_batch)
+        with self._lock:
+            return self._encode_poolings(texts, poolings, on_batch)
+
+    def _encode_poolings(
+        self, texts: Sequence[str], poolings: Sequence[str], on_batch: Callable[[int], None] | None
+    ) -> dict[str, np.ndarray]:
         torch = self._torch
         out = {p: np.empty((len(texts), self.dim), dtype=np.float32) for p in poolings}
         if not texts:
             return out
         if len(texts) == 1:
-            self._single_calls += 1
-            if self._single_calls >= TRACE_AFTER and self._traced is None:
-                self._traced = self._trace()
+            if self._traced is None:
+                self._single_calls += 1
+                if self._single_calls >= TRACE_AFTER:
+                    self._traced = self._trace()
             if self._traced:
                 return self._encode_single(texts[0], poolings, out)
-        tokens = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
+        with self._lock:
+            tokens = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
         lengths = [len(ids) for ids in tokens["input_ids"]]
         want_hidden = "first-last-avg" in poolings
         capacity = min(PACK_TOKENS, self.max_length)
@@ -411,12 +411,13 @@ class TransformerEncoder:
 
     def _padded(self, tokens: Any, rows: Sequence[int], width: int | None = None) -> Any:
         """Rows of the tokenised texts as one batch of tensors, padded to ``width`` (None: to the longest)."""
-        return self.tokenizer.pad(
-            {key: [tokens[key][i] for i in rows] for key in tokens.keys()},
-            padding="max_length" if width else "longest",
-            max_length=width,
-            return_tensors="pt",
-        )
+        with self._lock:
+            return self.tokenizer.pad(
+                {key: [tokens[key][i] for i in rows] for key in tokens.keys()},
+                padding="max_length" if width else "longest",
+                max_length=width,
+                return_tensors="pt",
+            )
 
     # ----- packed rows --------------------------------------------------------------------------------------
     def _encode_packed(
@@ -607,7 +608,8 @@ class TransformerEncoder:
     def _encode_single(self, text: str, poolings: Sequence[str], out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self._torch
         traced, bf16 = self._traced
-        ids = self.tokenizer([text], truncation=True, max_length=self.max_length, return_tensors="pt")["input_ids"]
+        with self._lock:
+            ids = self.tokenizer([text], truncation=True, max_length=self.max_length, return_tensors="pt")["input_ids"]
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             first, last = traced(ids)
         for p in poolings:

@@ -464,7 +464,12 @@ def describe(service: Service) -> dict[str, Any]:
             "max_queue": options.max_queue,
         },
         "batching": {"max_batch": options.max_batch, "max_wait_ms": options.max_wait_ms},
-        "threads": {"torch": options.torch_threads, "faiss": options.faiss_threads, "cpus": os.cpu_count()},
+        "threads": {
+            "torch": options.torch_threads,
+            "faiss": options.faiss_threads,
+            "engine_workers": options.engine_workers,
+            "cpus": os.cpu_count(),
+        },
     }
     if not service.ready:
         return {"ready": False, "index": None, "server": server}

@@ -48,6 +48,8 @@ class ServeOptions:
     # 2-core machine at load average 10-12: ratios, not absolutes.)
     torch_threads: int = 1
     faiss_threads: int = 1
+    # Engine workers: batches processed at once, each on one torch thread and one FAISS thread.
+    engine_workers: int = 1
     # Limits of one request: queries in a batch request, characters of one query, hits per query.
     max_queries: int = 64
     max_query_chars: int = 2000
@@ -65,6 +67,7 @@ class ServeOptions:
         positive = {
             "torch_threads": self.torch_threads,
             "faiss_threads": self.faiss_threads,
+            "engine_workers": self.engine_workers,
             "max_batch": self.max_batch,
             "max_queries": self.max_queries,
             "max_query_chars": self.max_query_chars,
@@ -134,6 +137,7 @@ class Service:
             max_queue=options.max_queue,
             setup=self._engine_thread_setup,
             on_batch=self._batch_done,
+            workers=options.engine_workers,
         )
 
     # ----- state -----------------------------------------------------------------------------------------

@@ -494,3 +494,50 @@ def test_bf16_packed_texts_agree_with_padded_batches(tiny_bert: Path) -> None:
     assert packed.packing is True
     for pooling in POOLS:
         assert cosines(got[pooling], want[pooling]).min() >= 0.9999
+
+
+def test_a_warmed_up_encoder_runs_concurrent_callers_side_by_side(tiny_bert: Path) -> None:
+    """After warm_up only the tokenizer is locked: two threads are inside the model at once (a barrier in the
+    forward pass, which the old whole-call lock deadlocked), and 4 threads x 20 calls give the serial vectors."""
+    import threading
+
+    enc = TransformerEncoder(str(tiny_bert), max_length=48, precision="fp32")
+    enc.warm_up()
+    assert enc.settled
+    texts = [*TEXTS, LONG]
+    want = {t: enc.encode([t, "topic 9"])[0] for t in texts}
+    barrier = threading.Barrier(2, timeout=30)
+    forward = enc._forward
+
+    def forward_at_the_barrier(batch: dict, hidden: bool) -> object:
+        barrier.wait()
+        return forward(batch, hidden)
+
+    enc._forward = forward_at_the_barrier  # type: ignore[method-assign]
+    got: dict[int, np.ndarray] = {}
+    threads = [threading.Thread(target=lambda i=i: got.update({i: enc.encode([texts[i], "topic 9"])})) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not barrier.broken and sorted(got) == [0, 1]
+    enc._forward = forward  # type: ignore[method-assign]
+
+    errors: list[BaseException] = []
+
+    def hammer(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(20):
+                text = texts[rng.integers(len(texts))]
+                np.testing.assert_allclose(enc.encode([text, "topic 9"])[0], want[text], atol=ATOL)
+                np.testing.assert_allclose(enc.encode([text])[0], want[text], atol=ATOL)
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    workers = [threading.Thread(target=hammer, args=(seed,)) for seed in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(120)
+    assert not errors, errors[0]

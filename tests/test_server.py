@@ -350,6 +350,39 @@ def test_the_engine_batches_waiting_jobs_and_answers_each_as_alone(index: Path) 
     assert sizes[0] == 8 and sum(sizes) == 17 and max(sizes) <= 8  # 12 singles, one 3-query job, one 2-text embed
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_engine_workers_process_batches_side_by_side(index: Path, workers: int) -> None:
+    """Two workers hold two batches at once (both wait at a barrier inside encode); one worker holds one, so its
+    second batch can only start after the first left the barrier by timing out."""
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    queries = ("document number 1 about topic 1", "document number 2 about topic 2")
+    want = [searcher.search(q, SearchParams(k=1))[0].id for q in queries]
+    barrier = threading.Barrier(2, timeout=2 if workers == 1 else 30)
+    encode = searcher.encode
+    met: list[bool] = []
+
+    def encode_at_the_barrier(texts: list[str]) -> np.ndarray:
+        try:
+            barrier.wait()
+            met.append(True)
+        except threading.BrokenBarrierError:
+            met.append(False)
+        return encode(texts)
+
+    searcher.encode = encode_at_the_barrier  # type: ignore[method-assign]
+    batcher = Batcher(lambda: searcher, max_batch=1, workers=workers)
+    futures = [batcher.submit_search([q], SearchParams(k=1)) for q in queries]
+    batcher.start()
+    try:
+        hits = [future.result(60).hits[0][0].id for future in futures]
+    finally:
+        batcher.stop(timeout=10)
+    assert hits == want
+    assert met == ([True, True] if workers == 2 else [False, False])
+    with pytest.raises(ValueError, match="workers"):
+        Batcher(lambda: searcher, workers=0)
+
+
 def test_a_full_queue_is_refused_and_a_stopped_engine_takes_nothing(index: Path) -> None:
     searcher = Searcher.load(index, encoder=FakeEncoder())
     batcher = Batcher(lambda: searcher, max_queue=4)
