@@ -1,14 +1,15 @@
 """Load test of `retrieval serve` on 127.0.0.1: throughput, latency percentiles, errors and server memory at 1, 4,
 16 and 64 concurrent clients (flat and HNSW indexes of 100k real documents, all-MiniLM-L6-v2, 384 -> 128); then
 16 clients while `retrieval add` publishes new documents twice. Also the measurements behind the service's
-defaults: torch x FAISS threads, micro-batch size B x wait T, and how much of the GIL tokenising holds.
+defaults: torch x FAISS threads, engine workers, micro-batch size B x wait T, and how much of the GIL tokenising
+holds.
 
 Each phase starts its own server process (`python -m retrieval serve ... --port <free>`), waits for /ready, runs
 an asyncio + aiohttp load generator for a fixed time (every client sends one request at a time: a closed loop),
 and kills the server at the end. Nothing is sent anywhere but 127.0.0.1; every loop is bounded in time.
 
     python scripts/bench_serve.py --phases build                     # the indexes, once (cached in --work)
-    flock /work/bench.lock python scripts/bench_serve.py --phases gil,threads,batching
+    flock /work/bench.lock python scripts/bench_serve.py --phases gil,threads,batching,workers
     flock /work/bench.lock python scripts/bench_serve.py --phases load,reload
     python scripts/bench_serve.py --phases report                    # merges the phases' JSON: md + png
 
@@ -38,7 +39,7 @@ import pyarrow.parquet as pq
 
 DATA = benchlib.REPO.parent / "shared" / "data"
 CLIENTS = (1, 4, 16, 64)
-PHASES = ("build", "gil", "threads", "batching", "load", "reload", "report")
+PHASES = ("build", "gil", "threads", "batching", "workers", "load", "reload", "report")
 
 
 # ----- the server process ------------------------------------------------------------------------------------
@@ -320,6 +321,12 @@ def batching(args: argparse.Namespace, log: Path) -> dict[str, Any]:
     return {"seconds_each": args.sweep_seconds, "rows": sweep(args, configs, log)}
 
 
+def workers(args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    """Engine workers (batches processed at once) on the flat index, each with one torch and one FAISS thread."""
+    configs = [{"server": {"engine_workers": w}, "clients": [1, 16]} for w in (1, 2)]
+    return {"seconds_each": args.sweep_seconds, "rows": sweep(args, configs, log)}
+
+
 def load(args: argparse.Namespace, log: Path) -> dict[str, Any]:
     queries = load_queries()
     out: dict[str, Any] = {"seconds_each": args.seconds, "kinds": {}}
@@ -520,6 +527,25 @@ def report(out: Path) -> None:
             ),
             "",
         ]
+    if "workers" in merged:
+        lines += [
+            "## Engine workers (flat, B 32, T 0, 1 torch and 1 FAISS thread each)",
+            "",
+            benchlib.md_table(
+                merged["workers"]["result"]["rows"],
+                [
+                    ("engine_workers", "workers"),
+                    ("clients", "clients"),
+                    ("qps", "QPS"),
+                    ("p50_ms", "p50 ms"),
+                    ("p99_ms", "p99 ms"),
+                    ("mean_batch", "mean batch"),
+                    ("errors", "errors"),
+                    ("loadavg", "load avg"),
+                ],
+            ),
+            "",
+        ]
     if "batching" in merged:
         lines += [
             "## Micro-batch size B x wait T (flat, 1 torch thread, 1 FAISS thread)",
@@ -646,7 +672,7 @@ def plot(merged: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--phases", default="build,gil,threads,batching,load,reload,report")
+    ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--corpus", type=Path, default=benchlib.REPO / "indexes" / "bench" / "serve-100k.parquet")
     ap.add_argument("--work", type=Path, default=benchlib.REPO / "indexes" / "bench")
     ap.add_argument(
@@ -678,6 +704,7 @@ def main() -> None:
             "gil": lambda: gil(args),
             "threads": lambda: threads(args, log),
             "batching": lambda: batching(args, log),
+            "workers": lambda: workers(args, log),
             "load": lambda: load(args, log),
             "reload": lambda: reload(args, log),
         }[phase]
