@@ -12,6 +12,7 @@ and kills the server at the end. Nothing is sent anywhere but 127.0.0.1; every l
     flock /work/bench.lock python scripts/bench_serve.py --phases gil,threads,batching,workers
     flock /work/bench.lock python scripts/bench_serve.py --phases load,reload
     python scripts/bench_serve.py --phases report                    # merges the phases' JSON: md + png
+    python scripts/bench_serve.py --phases load --kinds flat --code ../old-checkout --out results/serve/before
 
 Queries are real: SciFact test claims and STS-B test sentences. Results go to results/serve/.
 """
@@ -40,6 +41,7 @@ import pyarrow.parquet as pq
 DATA = benchlib.REPO.parent / "shared" / "data"
 CLIENTS = (1, 4, 16, 64)
 RSS_FIELDS = {"rss": "VmRSS", "anon": "RssAnon", "file": "RssFile"}
+CODE = benchlib.REPO  # the checkout whose `retrieval serve` runs (--code: an older one, for a before/after)
 PHASES = ("build", "gil", "threads", "batching", "workers", "load", "reload", "report")
 
 
@@ -52,12 +54,12 @@ class Server:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         command = [sys.executable, "-m", "retrieval", "serve", str(index), "--port", str(self.port), *options]
-        env = {**os.environ, "PYTHONPATH": str(benchlib.REPO)}
+        env = {**os.environ, "PYTHONPATH": str(CODE)}
         self.log = log
         with log.open("ab") as out:
             out.write(f"\n$ {' '.join(command)}\n".encode())
             out.flush()
-            self.proc = subprocess.Popen(command, cwd=benchlib.REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(command, cwd=CODE, env=env, stdout=out, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 300) -> None:
@@ -333,7 +335,7 @@ def workers(args: argparse.Namespace, log: Path) -> dict[str, Any]:
 def load(args: argparse.Namespace, log: Path) -> dict[str, Any]:
     queries = load_queries()
     out: dict[str, Any] = {"seconds_each": args.seconds, "kinds": {}}
-    for kind in ("flat", "hnsw"):
+    for kind in args.kinds.split(","):
         server = Server(args.work / f"serve-{kind}", log, "--watch-interval", "0")
         try:
             server.wait_ready()
@@ -693,7 +695,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0, help="each load level and the reload phase")
     ap.add_argument("--sweep-seconds", type=float, default=12.0, help="each threads / batching configuration")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--kinds", default="flat,hnsw", help="indexes the load phase serves")
+    ap.add_argument("--code", type=Path, default=None, help="run this checkout's server (default: this one)")
     args = ap.parse_args()
+    if args.code is not None:
+        global CODE
+        CODE = args.code.resolve()
     out = args.out or benchlib.out_dir("serve")
     out.mkdir(parents=True, exist_ok=True)
     log = out / "raw" / "server.log"
