@@ -1,0 +1,125 @@
+"""Packed rows vs padded batches: what packing short texts several to a row saves the encoder, on real text.
+
+Batches of real queries (SciFact test claims and STS-B test sentences: what the server's engine encodes) and a
+corpus of short real sentences (STS-B train), all-MiniLM-L6-v2 on one torch thread, three ways in the same run,
+cells interleaved: packed (the default: ``retrieval.encoder.PACK_TOKENS``), padded (``encoder.packing = False``:
+length-sorted batches, each padded to a length bucket of its longest text), and one text at a time (the traced
+single-text path a lone query takes). Reported: milliseconds per text, median over repeats, and the largest
+difference between the packed and the padded vectors.
+
+    python scripts/bench_packing.py                   # results/packing/bench_packing.{json,md}
+    python scripts/bench_packing.py --repeats 5 --precision fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+DATA = benchlib.REPO.parent / "shared" / "data"
+
+
+def queries() -> list[str]:
+    scifact = pq.read_table(DATA / "scifact" / "queries-test.parquet").column("text").to_pylist()
+    sts = pq.read_table(DATA / "sts" / "stsb-test.parquet").column("sentence1").to_pylist()
+    return [q for q in scifact + sts if q and q.strip()]
+
+
+def sentences(n: int) -> list[str]:
+    texts = pq.read_table(DATA / "sts" / "stsb-train.parquet").column("sentence1").to_pylist()
+    return [t for t in texts if t and t.strip()][:n]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="all-MiniLM-L6-v2")
+    ap.add_argument("--precision", default="auto")
+    ap.add_argument("--batch-sizes", default="4,16,32")
+    ap.add_argument("--sentences", type=int, default=1024, help="STS-B train sentences encoded as one corpus call")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    import torch
+
+    from retrieval.encoder import PACK_TOKENS, EncoderSpec
+
+    torch.set_num_threads(1)
+    info = benchlib.machine()
+    encoder = EncoderSpec(args.model, precision=args.precision).load()
+    encoder.warm_up()
+    pool = queries()
+    rng = np.random.default_rng(args.seed)
+
+    def timed(texts: list[str], way: str) -> tuple[float, np.ndarray]:
+        encoder.packing = way == "packed"
+        start = time.perf_counter()
+        if way == "singles":
+            vectors = np.concatenate([encoder.encode([text]) for text in texts])
+        else:
+            vectors = encoder.encode(texts)
+        seconds = time.perf_counter() - start
+        encoder.packing = True
+        return seconds * 1000 / len(texts), vectors
+
+    cases = [(f"{b} queries", b) for b in (int(x) for x in args.batch_sizes.split(","))]
+    cases.append((f"{args.sentences} STS-B sentences", 0))
+    rows = []
+    for label, size in cases:
+        ms: dict[str, list[float]] = {"packed": [], "padded": [], "singles": []}
+        diff = 0.0
+        for _ in range(args.repeats if size else max(1, args.repeats // 3)):
+            texts = [pool[i] for i in rng.integers(len(pool), size=size)] if size else sentences(args.sentences)
+            got = {}
+            for way in ("packed", "padded", "singles") if size else ("packed", "padded"):
+                cost, got[way] = timed(texts, way)
+                ms[way].append(cost)
+            diff = max(diff, float(np.abs(got["packed"] - got["padded"]).max()))
+        row = {"case": label, **{f"{w}_ms": statistics.median(v) for w, v in ms.items() if v}, "max_abs_diff": diff}
+        row["padded_over_packed"] = row["padded_ms"] / row["packed_ms"]
+        rows.append(row)
+        print(row, file=sys.stderr, flush=True)
+    report = {
+        "command": benchlib.command_line(),
+        "machine": info,
+        "model": args.model,
+        "precision_used": encoder.info().precision_used,
+        "pack_tokens": PACK_TOKENS,
+        "rows": rows,
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+    }
+    out = args.out or benchlib.out_dir("packing")
+    out.mkdir(parents=True, exist_ok=True)
+    benchlib.write_json(out / "bench_packing.json", report)
+    table = benchlib.md_table(
+        rows,
+        [
+            ("case", "texts"),
+            ("packed_ms", "packed ms/text"),
+            ("padded_ms", "padded ms/text"),
+            ("singles_ms", "one at a time ms/text"),
+            ("padded_over_packed", "padded / packed"),
+            ("max_abs_diff", "max |packed - padded|"),
+        ],
+    )
+    text = (
+        f"# Packed rows vs padded batches\n\nCommand: `{report['command']}`; {args.model}, "
+        f"{report['precision_used']}, 1 torch thread; machine {info['cpu']}, load average {info['loadavg_at_start']} "
+        f"at start, {report['loadavg_at_end']} at end.\n\n{table}\n"
+    )
+    (out / "bench_packing.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
