@@ -739,6 +739,7 @@ def serve(
         float, typer.Option(help="Micro-batching: wait this long for more queries after the first.")
     ] = DefaultServe.max_wait_ms,
     torch_threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = DefaultServe.torch_threads,
+    blas_threads: Annotated[int, typer.Option(help="numpy BLAS threads (flat scans).")] = DefaultServe.blas_threads,
     engine_workers: Annotated[
         int, typer.Option(help="Engine threads, each encoding and searching one batch at a time.")
     ] = DefaultServe.engine_workers,
@@ -770,6 +771,7 @@ def serve(
         max_wait_ms=max_wait_ms,
         torch_threads=torch_threads,
         faiss_threads=faiss_threads,
+        blas_threads=blas_threads,
         engine_workers=engine_workers,
         max_queries=max_queries,
         max_query_chars=max_query_chars,

@@ -23,7 +23,7 @@ import json
 import logging
 import math
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
 
@@ -154,11 +154,9 @@ class NumpyBert:
 
 def _one_blas_thread() -> AbstractContextManager[object]:
     """One BLAS thread for a query's small products: two threads took 10x longer on a busy 2-core machine (a
-    thread waits for the other at every product). threadpoolctl sets it where it is installed; else as it is."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return nullcontext()
+    thread waits for the other at every product)."""
+    from threadpoolctl import threadpool_limits
+
     return threadpool_limits(1, user_api="blas")
 
 

@@ -467,6 +467,7 @@ def describe(service: Service) -> dict[str, Any]:
         "threads": {
             "torch": options.torch_threads,
             "faiss": options.faiss_threads,
+            "blas": options.blas_threads,
             "engine_workers": options.engine_workers,
             "cpus": os.cpu_count(),
         },

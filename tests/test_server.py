@@ -3,6 +3,7 @@ a refused corrupt version, and micro-batching that batches concurrent requests w
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -429,3 +430,28 @@ def test_serve_refuses_bad_options_in_one_line_before_starting(
     argv = [a.format(index=index, missing=tmp_path / "missing") for a in args]
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 1 and message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_engine_runs_with_the_blas_threads_asked(index: Path, threads: int) -> None:
+    """Every BLAS the process has loaded (numpy's, FAISS's) runs as many threads as asked in the engine thread,
+    where the flat scans' products run (OpenBLAS's spinning threads took the core the forward pass needed)."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    encoder = FakeEncoder()
+    encode = encoder.encode
+    seen: list[set[int]] = []
+
+    def spy(texts: Any) -> Any:
+        seen.append({pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"})
+        return encode(texts)
+
+    encoder.encode = spy  # type: ignore[method-assign]
+    with threadpool_limits(None):  # whatever the service sets is undone after the test
+        service = Service(index, ServeOptions(watch_interval=0, blas_threads=threads), encoder=encoder)
+        test_client = TestClient(create_app(service))
+        with test_client:
+            wait_ready(test_client)
+            assert test_client.post("/embed", json={"inputs": ["a text"]}).status_code == 200
+            assert test_client.get("/info").json()["server"]["threads"]["blas"] == threads
+    assert seen and seen[-1] == {min(threads, os.cpu_count() or 1)}
