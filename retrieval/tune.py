@@ -64,6 +64,8 @@ class Trial:
     dev: dict[str, float]
     test: dict[str, float] = field(default_factory=dict)
     search_ms: float | None = None
+    # the tuning metric per dev query (every candidate's in the same query order), for ``pick_one_se``; not saved
+    dev_per_query: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def dim(self) -> int:
@@ -110,10 +112,31 @@ def pick(trials: Sequence[Trial], metric: str) -> Trial:
     )
 
 
-def choose(trials: list[Trial], metric: str) -> TuneResult:
-    """The choice among scored trials: the best (``pick``), the raw baseline of its pooling, and the best
-    full-dimension candidate of that pooling (re-scoring's scorer)."""
+def pick_one_se(trials: Sequence[Trial], metric: str) -> Trial:
+    """The one-standard-error rule (Breiman et al. 1984), for a noisy dev split such as pseudo-queries: of the
+    best's (``pick``) pooling, the gentlest candidate (raw, then more dimensions, then a smaller gamma) whose
+    paired mean loss to the best, query by query (``dev_per_query``), is within one standard error of that loss.
+    The best itself always qualifies; without per-query scores this is ``pick``."""
     best = pick(trials, metric)
+    if best.dev_per_query is None or len(best.dev_per_query) < 2:
+        return best
+    n = len(best.dev_per_query)
+    eligible = [best]
+    for t in trials:
+        if t.candidate.pooling != best.candidate.pooling or t.dev_per_query is None or t is best:
+            continue
+        if len(t.dev_per_query) != n:
+            raise ValueError(f"{t.candidate.label}: {len(t.dev_per_query)} per-query scores, the best has {n}")
+        loss = best.dev_per_query - t.dev_per_query
+        if loss.mean() <= loss.std(ddof=1) / np.sqrt(n) + 1e-12:
+            eligible.append(t)
+    return min(eligible, key=lambda t: (t.candidate.whiten, -t.dim, t.candidate.gamma or 0.0))
+
+
+def choose(trials: list[Trial], metric: str, rule: Callable[[Sequence[Trial], str], Trial] = pick) -> TuneResult:
+    """The choice among scored trials: ``rule``'s (``pick``: the best; ``pick_one_se`` for a noisy dev split), the
+    raw baseline of its pooling, and the best full-dimension candidate of that pooling (re-scoring's scorer)."""
+    best = rule(trials, metric)
     pooling = best.candidate.pooling
     raw = next((t for t in trials if not t.candidate.whiten and t.candidate.pooling == pooling), None)
     full = [t for t in trials if raw is not None and t.candidate.pooling == pooling and t.dim == raw.dim]
@@ -238,12 +261,14 @@ def tune_ir(
     depth: int = 100,
     on_trial: Callable[[Trial], None] | None = None,
     dev_positives: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    rule: Callable[[Sequence[Trial], str], Trial] = pick,
 ) -> TuneResult:
     """Evaluate every candidate on dev (and test), choose on dev only. ``query_vectors(pooling, queries)``
     returns raw query vectors: queries are encoded, the corpus never is (it comes from the stash).
 
     ``dev_positives[pooling] = (rows, raw vectors)``: for the dev queries only, these stash rows are replaced by
-    these vectors (pseudo-queries' positives, re-encoded without the query); test sees the stash as it is."""
+    these vectors (pseudo-queries' positives, re-encoded without the query); test sees the stash as it is.
+    ``rule`` picks from the dev scores (``pick_one_se`` also reads each trial's per-query dev ``metric``)."""
     splits = {"dev": dev} | ({"test": test} if test is not None else {})
     moments = {p: stash.moments(p) for p in dict.fromkeys(str(c.pooling) for c in grid)}
     raw_queries = {(p, name): query_vectors(p, split[0]) for p in moments for name, split in splits.items()}
@@ -273,15 +298,22 @@ def tune_ir(
             if search_ms is None:
                 search_ms = _single_query_ms(docs, queries["dev"]) * len(stash) / len(docs)
             start += len(docs)
-        scores = {
-            name: evaluate_run(to_run(split[0].ids, *tops[name].result(), doc_ids), split[1]).metrics
+        results = {
+            name: evaluate_run(to_run(split[0].ids, *tops[name].result(), doc_ids), split[1])
             for name, split in splits.items()
         }
-        trial = Trial(cand, dev=scores["dev"], test=scores.get("test", {}), search_ms=search_ms)
+        per_query = np.array([q[metric] for q in results["dev"].per_query.values()], dtype=np.float64)
+        trial = Trial(
+            cand,
+            dev=results["dev"].metrics,
+            test=results["test"].metrics if "test" in results else {},
+            search_ms=search_ms,
+            dev_per_query=per_query,
+        )
         trials.append(trial)
         if on_trial:
             on_trial(trial)
-    return choose(trials, metric)
+    return choose(trials, metric, rule)
 
 
 def _single_query_ms(docs: np.ndarray, queries: np.ndarray) -> float:
