@@ -36,7 +36,8 @@ DEFAULT_GAMMAS = (0.0, DEFAULT_GAMMA, 0.5, 0.75, 1.0)  # PCA, the default, stron
 TIMING_QUERIES = 30  # single-query flat searches timed per candidate
 AUTO_QUERIES = 1000  # pseudo-queries of `tune --auto` (its sampled documents are the only ones encoded again).
 # SciFact, MiniLM, 40 random draws: the choice on 1000 was within 0.5% of the train-qrels choice on train in 100%
-# of draws, on 300 in 82% (on test: 95% and 45%; README, "Label-free tuning")
+# of draws, on 300 in 82% (on test: 95% and 45%; README, "Label-free tuning"). The choice is ``pick_one_se``'s:
+# checked on dev data only (SciFact train qrels, STS-B dev, STS12-16; bench_quality.py --one-se-dev)
 MIN_AUTO_QUERIES = 20
 
 
@@ -91,6 +92,7 @@ class TuneResult:
     corpus_rows_encoded: int = 0
     dev_source: str = "dev split"  # what the choice was made on: a labelled dev split, or pseudo-queries
     scorer: Trial | None = None  # the best full-dimension candidate of the chosen pooling: re-scoring's scorer
+    rule: str = "best"  # how ``best`` was picked from the dev scores: "best" (``pick``) or "one-SE" (``pick_one_se``)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -100,6 +102,7 @@ class TuneResult:
             "corpus_rows_encoded": self.corpus_rows_encoded,
             "dev_source": self.dev_source,
             "scorer": self.scorer.to_dict() if self.scorer else None,
+            "rule": self.rule,
             "trials": [t.to_dict() for t in self.trials],
         }
 
@@ -140,7 +143,9 @@ def choose(trials: list[Trial], metric: str, rule: Callable[[Sequence[Trial], st
     pooling = best.candidate.pooling
     raw = next((t for t in trials if not t.candidate.whiten and t.candidate.pooling == pooling), None)
     full = [t for t in trials if raw is not None and t.candidate.pooling == pooling and t.dim == raw.dim]
-    return TuneResult(metric, trials, best, raw, scorer=pick(full, metric) if full else None)
+    names: dict[Callable[[Sequence[Trial], str], Trial], str] = {pick: "best", pick_one_se: "one-SE"}
+    name = names.get(rule, getattr(rule, "__name__", "custom"))
+    return TuneResult(metric, trials, best, raw, scorer=pick(full, metric) if full else None, rule=name)
 
 
 # ----- IR ---------------------------------------------------------------------------------------------------
@@ -181,7 +186,9 @@ def tune_auto(
     progress: Progress = no_progress,
     encoder: MultiPoolingEncoder | None = None,
 ) -> TuneResult:
-    """Tune without qrels: pseudo-queries made from the index's own documents (``pseudo``) are the dev split.
+    """Tune without qrels: pseudo-queries made from the index's own documents (``pseudo``) are the dev split, and
+    the choice is the one-standard-error rule's (``pick_one_se``): pseudo-queries are a noisy stand-in for real
+    ones, so a gentler candidate that is not measurably worse on them is preferred to the nominal best.
 
     Only the sampled documents are encoded again (without their query sentence), once for every pooling;
     ``test``, if given, is reported as usual and never used to choose. ``encoder``: one already loaded (it must
@@ -209,6 +216,7 @@ def tune_auto(
         metric,
         on_trial=lambda t: progress("tune", 1, len(sweep.grid)),
         dev_positives={p: (rows, encoded[p]) for p in sweep.poolings},
+        rule=pick_one_se,
     )
     result.corpus_rows_encoded = len(pseudo)
     result.dev_source = f"{len(pseudo)} pseudo-queries (seed {seed})"

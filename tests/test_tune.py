@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import FakeEncoder, write_corpus
 
+from retrieval import tune as tune_module
 from retrieval.build import build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.encoder import EncoderInfo
@@ -404,6 +405,25 @@ def test_tune_auto_chooses_on_pseudo_queries_encoding_only_their_documents(auto_
     assert {label: by[label] for label in expected} == pytest.approx(expected, abs=1e-4)  # rank-based: stable
     assert result.best.candidate == Candidate("mean", 32, 1.0) and result.raw is not None
     assert result.scorer is not None and result.scorer.dim == 32  # the best full-rank candidate re-scores
+    # the choice is the one-SE rule's, on each trial's per-query dev scores (one per pseudo-query, averaging to dev)
+    for t in result.trials:
+        assert t.dev_per_query is not None and len(t.dev_per_query) == 40
+        assert t.dev_per_query.mean() == pytest.approx(t.dev["nDCG@10"], abs=1e-12)
+    assert result.best is pick_one_se(result.trials, "nDCG@10")
+
+
+def test_tune_auto_picks_by_the_one_se_rule(auto_index, monkeypatch) -> None:
+    directory, encoder = auto_index
+    seen = []
+
+    def worst(trials: Sequence[Trial], metric: str) -> Trial:  # what no other rule would choose
+        seen.append(metric)
+        return min(trials, key=lambda t: t.dev[metric])
+
+    monkeypatch.setattr(tune_module, "pick_one_se", worst)
+    result = tune_auto(directory, 40, 3, None, ["mean"], [32, 8], [0.0, 1.0], encoder=encoder)
+    assert seen == ["nDCG@10"] and result.best.candidate == Candidate("mean", 8, 0.0)
+    assert result.scorer is not None and result.scorer.candidate == Candidate("mean", 32, 1.0)  # still the best
 
 
 def test_tune_auto_refuses_a_corpus_too_short_to_split(ir_index) -> None:
