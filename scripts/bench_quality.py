@@ -10,9 +10,9 @@ JSON). Columns:
 * tuned with labels: the ``tune`` grid (3 poolings x dims x gammas, raw included) chosen on SciFact train qrels,
   as ``--apply`` would leave the index (re-scored by the chosen full-dimension scorer when reduced); STS-B: chosen
   on STS-B dev; STS12-16 have no dev split: the STS-B dev choice, fitted on each year's sentences;
-* tuned without labels: the same grid chosen on pseudo-queries (``tune --auto``: AUTO_QUERIES sentences taken out
-  of sampled documents, seed 0, as applied); STS: pseudo-queries made from the task's own sentences (no gold
-  score).
+* tuned without labels: the same grid chosen on pseudo-queries as ``tune --auto`` chooses (AUTO_QUERIES sentences
+  taken out of sampled documents, seed 0, the one-SE rule, as applied); STS: pseudo-queries made from the task's
+  own sentences (no gold score).
 
 Also: the label-free choice over many draws of pseudo-queries (how often it lands within 0.5% of the labelled
 choice on SciFact test), SciFact by k for PCA / full whitening / the default gamma, and FAISS's PCAW against ours.
@@ -164,8 +164,7 @@ def scifact(model: str, pool: int) -> dict[str, Any]:
     on_train = {s.label: train.evaluate(s)[0]["nDCG@10"] for s in specs}
     labelled = choose([Trial(s, dev={"nDCG@10": on_train[s.label]}) for s in specs], "nDCG@10")
     pseudo = basket.pseudo_task("scifact", model, AUTO_QUERIES, 0)  # the pseudo-queries `tune --auto` makes
-    on_pseudo = {s.label: pseudo.evaluate(s)[0]["nDCG@10"] for s in specs}
-    auto = choose([Trial(s, dev={"nDCG@10": on_pseudo[s.label]}) for s in specs], "nDCG@10")
+    on_pseudo, auto = auto_choice(pseudo, specs)
     raw = on_test["mean raw"]
     third = TransformSpec(dim=d // 3, pooling="mean")
     third_metrics = test.evaluate(third, (0, RESCORE_DEPTH))
@@ -188,6 +187,12 @@ def scifact(model: str, pool: int) -> dict[str, Any]:
     if pool:
         out["draws"] = draws(model, specs, on_train, on_test, labelled, pool)
     return out
+
+
+def auto_choice(pseudo: basket.IrTask, specs: list[TransformSpec]) -> tuple[dict[str, float], TuneResult]:
+    """Each candidate's nDCG@10 on the pseudo-queries, and the choice as `tune --auto` makes it (``pick_one_se``)."""
+    trials = per_query_trials(specs, per_query_matrix(pseudo, specs))
+    return {t.candidate.label: t.dev["nDCG@10"] for t in trials}, choose(trials, "nDCG@10", pick_one_se)
 
 
 def draws(
@@ -229,10 +234,13 @@ def draws(
 def rule_choice(rule: str, specs: list[TransformSpec], per_query: np.ndarray) -> TransformSpec:
     """The label-free choice from per-query pseudo-query scores (candidates x queries) under ``rule``: "best"
     (``pick``, what labelled tuning does) or "one-SE gentlest" (``pick_one_se``, the one-standard-error rule)."""
-    trials = [
-        Trial(s, dev={"nDCG@10": float(v.mean())}, dev_per_query=v) for s, v in zip(specs, per_query, strict=True)
-    ]
+    trials = per_query_trials(specs, per_query)
     return choose(trials, "nDCG@10", pick if rule == "best" else pick_one_se).best.candidate
+
+
+def per_query_trials(specs: list[TransformSpec], per_query: np.ndarray) -> list[Trial]:
+    """Trials scored by mean nDCG@10, with the per-query scores (candidates x queries) ``pick_one_se`` reads."""
+    return [Trial(s, dev={"nDCG@10": float(v.mean())}, dev_per_query=v) for s, v in zip(specs, per_query, strict=True)]
 
 
 def by_k(test: basket.IrTask, d: int) -> list[dict[str, Any]]:
@@ -282,8 +290,8 @@ def sts(model: str) -> dict[str, Any]:
     out: dict[str, Any] = {"labelled_choice": labelled.label, "sets": {}}
     for task in test_tasks:
         pseudo = basket.sts_pseudo_task(task, AUTO_QUERIES, 0)
-        on_pseudo = {s.label: pseudo.evaluate(s)[0]["nDCG@10"] for s in specs}
-        auto = choose([Trial(s, dev={"nDCG@10": on_pseudo[s.label]}) for s in specs], "nDCG@10").best.candidate
+        on_pseudo, auto_result = auto_choice(pseudo, specs)
+        auto = auto_result.best.candidate
         scores = {
             "raw": task.evaluate(TransformSpec.raw("mean")),
             "default": task.evaluate(TransformSpec(pooling="mean")),
