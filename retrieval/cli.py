@@ -619,7 +619,8 @@ def tune(
         bool,
         typer.Option(
             help="No qrels: choose on pseudo-queries made from the index's own documents (a sentence taken out "
-            "is the query, the rest of its document the one relevant hit)."
+            "is the query, the rest of its document the one relevant hit), by the one-standard-error rule: the "
+            "gentlest candidate (raw, more dimensions, smaller gamma) within one standard error of the best."
         ),
     ] = False,
     auto_queries: Annotated[int, typer.Option(help="--auto: how many pseudo-queries.")] = AUTO_QUERIES,
@@ -690,7 +691,8 @@ def _report_tuning(result: Any, folder: Path | None) -> None:
     from retrieval.plots import plot_tuning
 
     metric = result.metric
-    table = Table(title=f"tuning: chosen on dev by {metric}", title_justify="left")
+    rule = " (one-SE rule: the gentlest within one standard error of the best)" if result.rule == "one-SE" else ""
+    table = Table(title=f"tuning: chosen on dev by {metric}{rule}", title_justify="left")
     for name in ("candidate", f"dev {metric}", f"test {metric}", "search ms"):
         table.add_column(name, justify="left" if name == "candidate" else "right")
     for trial in result.trials:

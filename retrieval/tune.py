@@ -36,7 +36,8 @@ DEFAULT_GAMMAS = (0.0, DEFAULT_GAMMA, 0.5, 0.75, 1.0)  # PCA, the default, stron
 TIMING_QUERIES = 30  # single-query flat searches timed per candidate
 AUTO_QUERIES = 1000  # pseudo-queries of `tune --auto` (its sampled documents are the only ones encoded again).
 # SciFact, MiniLM, 40 random draws: the choice on 1000 was within 0.5% of the train-qrels choice on train in 100%
-# of draws, on 300 in 82% (on test: 95% and 45%; README, "Label-free tuning")
+# of draws, on 300 in 82% (on test: 95% and 45%; README, "Label-free tuning"). The choice is ``pick_one_se``'s:
+# checked on dev data only (SciFact train qrels, STS-B dev, STS12-16; bench_quality.py --one-se-dev)
 MIN_AUTO_QUERIES = 20
 
 
@@ -64,6 +65,8 @@ class Trial:
     dev: dict[str, float]
     test: dict[str, float] = field(default_factory=dict)
     search_ms: float | None = None
+    # the tuning metric per dev query (every candidate's in the same query order), for ``pick_one_se``; not saved
+    dev_per_query: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def dim(self) -> int:
@@ -89,6 +92,7 @@ class TuneResult:
     corpus_rows_encoded: int = 0
     dev_source: str = "dev split"  # what the choice was made on: a labelled dev split, or pseudo-queries
     scorer: Trial | None = None  # the best full-dimension candidate of the chosen pooling: re-scoring's scorer
+    rule: str = "best"  # how ``best`` was picked from the dev scores: "best" (``pick``) or "one-SE" (``pick_one_se``)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +102,7 @@ class TuneResult:
             "corpus_rows_encoded": self.corpus_rows_encoded,
             "dev_source": self.dev_source,
             "scorer": self.scorer.to_dict() if self.scorer else None,
+            "rule": self.rule,
             "trials": [t.to_dict() for t in self.trials],
         }
 
@@ -110,14 +115,37 @@ def pick(trials: Sequence[Trial], metric: str) -> Trial:
     )
 
 
-def choose(trials: list[Trial], metric: str) -> TuneResult:
-    """The choice among scored trials: the best (``pick``), the raw baseline of its pooling, and the best
-    full-dimension candidate of that pooling (re-scoring's scorer)."""
+def pick_one_se(trials: Sequence[Trial], metric: str) -> Trial:
+    """The one-standard-error rule (Breiman et al. 1984), for a noisy dev split such as pseudo-queries: of the
+    best's (``pick``) pooling, the gentlest candidate (raw, then more dimensions, then a smaller gamma) whose
+    paired mean loss to the best, query by query (``dev_per_query``), is within one standard error of that loss.
+    The best itself always qualifies; without per-query scores this is ``pick``."""
     best = pick(trials, metric)
+    if best.dev_per_query is None or len(best.dev_per_query) < 2:
+        return best
+    n = len(best.dev_per_query)
+    eligible = [best]
+    for t in trials:
+        if t.candidate.pooling != best.candidate.pooling or t.dev_per_query is None or t is best:
+            continue
+        if len(t.dev_per_query) != n:
+            raise ValueError(f"{t.candidate.label}: {len(t.dev_per_query)} per-query scores, the best has {n}")
+        loss = best.dev_per_query - t.dev_per_query
+        if loss.mean() <= loss.std(ddof=1) / np.sqrt(n) + 1e-12:
+            eligible.append(t)
+    return min(eligible, key=lambda t: (t.candidate.whiten, -t.dim, t.candidate.gamma or 0.0))
+
+
+def choose(trials: list[Trial], metric: str, rule: Callable[[Sequence[Trial], str], Trial] = pick) -> TuneResult:
+    """The choice among scored trials: ``rule``'s (``pick``: the best; ``pick_one_se`` for a noisy dev split), the
+    raw baseline of its pooling, and the best full-dimension candidate of that pooling (re-scoring's scorer)."""
+    best = rule(trials, metric)
     pooling = best.candidate.pooling
     raw = next((t for t in trials if not t.candidate.whiten and t.candidate.pooling == pooling), None)
     full = [t for t in trials if raw is not None and t.candidate.pooling == pooling and t.dim == raw.dim]
-    return TuneResult(metric, trials, best, raw, scorer=pick(full, metric) if full else None)
+    names: dict[Callable[[Sequence[Trial], str], Trial], str] = {pick: "best", pick_one_se: "one-SE"}
+    name = names.get(rule, getattr(rule, "__name__", "custom"))
+    return TuneResult(metric, trials, best, raw, scorer=pick(full, metric) if full else None, rule=name)
 
 
 # ----- IR ---------------------------------------------------------------------------------------------------
@@ -158,7 +186,9 @@ def tune_auto(
     progress: Progress = no_progress,
     encoder: MultiPoolingEncoder | None = None,
 ) -> TuneResult:
-    """Tune without qrels: pseudo-queries made from the index's own documents (``pseudo``) are the dev split.
+    """Tune without qrels: pseudo-queries made from the index's own documents (``pseudo``) are the dev split, and
+    the choice is the one-standard-error rule's (``pick_one_se``): pseudo-queries are a noisy stand-in for real
+    ones, so a gentler candidate that is not measurably worse on them is preferred to the nominal best.
 
     Only the sampled documents are encoded again (without their query sentence), once for every pooling;
     ``test``, if given, is reported as usual and never used to choose. ``encoder``: one already loaded (it must
@@ -186,6 +216,7 @@ def tune_auto(
         metric,
         on_trial=lambda t: progress("tune", 1, len(sweep.grid)),
         dev_positives={p: (rows, encoded[p]) for p in sweep.poolings},
+        rule=pick_one_se,
     )
     result.corpus_rows_encoded = len(pseudo)
     result.dev_source = f"{len(pseudo)} pseudo-queries (seed {seed})"
@@ -238,12 +269,14 @@ def tune_ir(
     depth: int = 100,
     on_trial: Callable[[Trial], None] | None = None,
     dev_positives: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    rule: Callable[[Sequence[Trial], str], Trial] = pick,
 ) -> TuneResult:
     """Evaluate every candidate on dev (and test), choose on dev only. ``query_vectors(pooling, queries)``
     returns raw query vectors: queries are encoded, the corpus never is (it comes from the stash).
 
     ``dev_positives[pooling] = (rows, raw vectors)``: for the dev queries only, these stash rows are replaced by
-    these vectors (pseudo-queries' positives, re-encoded without the query); test sees the stash as it is."""
+    these vectors (pseudo-queries' positives, re-encoded without the query); test sees the stash as it is.
+    ``rule`` picks from the dev scores (``pick_one_se`` also reads each trial's per-query dev ``metric``)."""
     splits = {"dev": dev} | ({"test": test} if test is not None else {})
     moments = {p: stash.moments(p) for p in dict.fromkeys(str(c.pooling) for c in grid)}
     raw_queries = {(p, name): query_vectors(p, split[0]) for p in moments for name, split in splits.items()}
@@ -273,15 +306,22 @@ def tune_ir(
             if search_ms is None:
                 search_ms = _single_query_ms(docs, queries["dev"]) * len(stash) / len(docs)
             start += len(docs)
-        scores = {
-            name: evaluate_run(to_run(split[0].ids, *tops[name].result(), doc_ids), split[1]).metrics
+        results = {
+            name: evaluate_run(to_run(split[0].ids, *tops[name].result(), doc_ids), split[1])
             for name, split in splits.items()
         }
-        trial = Trial(cand, dev=scores["dev"], test=scores.get("test", {}), search_ms=search_ms)
+        per_query = np.array([q[metric] for q in results["dev"].per_query.values()], dtype=np.float64)
+        trial = Trial(
+            cand,
+            dev=results["dev"].metrics,
+            test=results["test"].metrics if "test" in results else {},
+            search_ms=search_ms,
+            dev_per_query=per_query,
+        )
         trials.append(trial)
         if on_trial:
             on_trial(trial)
-    return choose(trials, metric)
+    return choose(trials, metric, rule)
 
 
 def _single_query_ms(docs: np.ndarray, queries: np.ndarray) -> float:

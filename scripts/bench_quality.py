@@ -10,9 +10,9 @@ JSON). Columns:
 * tuned with labels: the ``tune`` grid (3 poolings x dims x gammas, raw included) chosen on SciFact train qrels,
   as ``--apply`` would leave the index (re-scored by the chosen full-dimension scorer when reduced); STS-B: chosen
   on STS-B dev; STS12-16 have no dev split: the STS-B dev choice, fitted on each year's sentences;
-* tuned without labels: the same grid chosen on pseudo-queries (``tune --auto``: AUTO_QUERIES sentences taken out
-  of sampled documents, seed 0, as applied); STS: pseudo-queries made from the task's own sentences (no gold
-  score).
+* tuned without labels: the same grid chosen on pseudo-queries as ``tune --auto`` chooses (AUTO_QUERIES sentences
+  taken out of sampled documents, seed 0, the one-SE rule, as applied); STS: pseudo-queries made from the task's
+  own sentences (no gold score).
 
 Also: the label-free choice over many draws of pseudo-queries (how often it lands within 0.5% of the labelled
 choice on SciFact test), SciFact by k for PCA / full whitening / the default gamma, and FAISS's PCAW against ours.
@@ -23,6 +23,11 @@ Every choice is made on dev or pseudo data, never on test. Data is encoded once 
     python scripts/bench_quality.py --models all-MiniLM-L6-v2
     python scripts/bench_quality.py --draw-models all-MiniLM-L6-v2   # the draws for MiniLM only
     python scripts/bench_quality.py --combine a/quality.json b/quality.json   # per-model runs as one report
+    python scripts/bench_quality.py --one-se-dev --models all-MiniLM-L6-v2   # only: the pick rules on dev data
+
+``--one-se-dev`` measures only the check of the label-free pick rules ("best" against the one-standard-error
+rule) on dev data, never on a test split: SciFact train qrels, STS-B dev and STS12-16 (used as dev). Writes
+one-se-dev.json and one-se-dev.md.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +51,24 @@ import benchlib  # noqa: E402
 from retrieval.encoder import POOLINGS, resolve_model
 from retrieval.indexdir import RESCORE_DEPTH
 from retrieval.moments import RunningMoments
-from retrieval.tune import AUTO_QUERIES, DEFAULT_GAMMAS, Trial, TuneResult, candidates, choose, default_dims
+from retrieval.tune import (
+    AUTO_QUERIES,
+    DEFAULT_GAMMAS,
+    Trial,
+    TuneResult,
+    candidates,
+    choose,
+    default_dims,
+    pick,
+    pick_one_se,
+)
 from retrieval.whitening import DEFAULT_GAMMA, TransformSpec, Whitening, l2_normalize
 
 DRAWS = 40  # random draws of pseudo-queries from the pool, per size
 POOL = 2000  # pseudo-queries encoded once per model for the draws
 DRAW_SIZES = (300, 1000)  # a few hundred, and AUTO_QUERIES
 TARGET = 0.995  # label-free within 0.5% of the labelled choice
+RULES = ("best", "one-SE gentlest")  # how the label-free choice is picked from the pseudo-query scores
 
 
 def main() -> None:
@@ -70,9 +87,17 @@ def main() -> None:
         type=Path,
         help="measure nothing: merge the models of these quality.json files (runs of one model each) into one report",
     )
+    ap.add_argument(
+        "--one-se-dev",
+        action="store_true",
+        help="measure only the pick rules on dev data (SciFact train, STS-B dev, STS12-16): one-se-dev.json/.md",
+    )
     args = ap.parse_args()
     if args.combine:
         write(combine(args.combine), args.out)
+        return
+    if args.one_se_dev:
+        one_se_dev_report(args.models.split(","), args.pool or POOL, args.out)
         return
     report: dict[str, Any] = {"machine": benchlib.machine(torch_too=True), "command": benchlib.command_line()}
     report["defaults"] = {"gamma": DEFAULT_GAMMA, "rescore_depth": RESCORE_DEPTH, "auto_queries": AUTO_QUERIES}
@@ -139,8 +164,7 @@ def scifact(model: str, pool: int) -> dict[str, Any]:
     on_train = {s.label: train.evaluate(s)[0]["nDCG@10"] for s in specs}
     labelled = choose([Trial(s, dev={"nDCG@10": on_train[s.label]}) for s in specs], "nDCG@10")
     pseudo = basket.pseudo_task("scifact", model, AUTO_QUERIES, 0)  # the pseudo-queries `tune --auto` makes
-    on_pseudo = {s.label: pseudo.evaluate(s)[0]["nDCG@10"] for s in specs}
-    auto = choose([Trial(s, dev={"nDCG@10": on_pseudo[s.label]}) for s in specs], "nDCG@10")
+    on_pseudo, auto = auto_choice(pseudo, specs)
     raw = on_test["mean raw"]
     third = TransformSpec(dim=d // 3, pooling="mean")
     third_metrics = test.evaluate(third, (0, RESCORE_DEPTH))
@@ -165,6 +189,12 @@ def scifact(model: str, pool: int) -> dict[str, Any]:
     return out
 
 
+def auto_choice(pseudo: basket.IrTask, specs: list[TransformSpec]) -> tuple[dict[str, float], TuneResult]:
+    """Each candidate's nDCG@10 on the pseudo-queries, and the choice as `tune --auto` makes it (``pick_one_se``)."""
+    trials = per_query_trials(specs, per_query_matrix(pseudo, specs))
+    return {t.candidate.label: t.dev["nDCG@10"] for t in trials}, choose(trials, "nDCG@10", pick_one_se)
+
+
 def draws(
     model: str,
     specs: list[TransformSpec],
@@ -177,23 +207,17 @@ def draws(
     land within 0.5% of the labelled choice (on train, the dev side, and on test)?"""
     task = basket.pseudo_task("scifact", model, pool, 7)
     print(f"{model}: {len(task.queries)} pseudo-queries for the draws...", file=sys.stderr)
-    per_query = np.stack([task.per_query(s) for s in specs])  # candidates x queries
+    per_query = per_query_matrix(task, specs)
     rng = np.random.default_rng(0)
     label = labelled.best.candidate.label
     out: dict[str, Any] = {"pool": len(task.queries), "draws": DRAWS, "labelled_choice": label, "sizes": {}}
-    for rule in ("best", "one-SE gentlest"):
+    for rule in RULES:
         out["sizes"][rule] = {}
         for size in DRAW_SIZES:
             choices = []
             for _ in range(DRAWS):
                 rows = rng.choice(per_query.shape[1], size=min(size, per_query.shape[1]), replace=False)
-                sample = per_query[:, rows]
-                scores = sample.mean(axis=1)
-                trials = [Trial(s, dev={"nDCG@10": float(v)}) for s, v in zip(specs, scores, strict=True)]
-                best = choose(trials, "nDCG@10").best.candidate
-                if rule != "best":
-                    best = one_se_gentlest(specs, sample, specs.index(best))
-                choices.append(best.label)
+                choices.append(rule_choice(rule, specs, per_query[:, rows]).label)
             test_ratio = np.array([on_test[c]["nDCG@10"] / on_test[label]["nDCG@10"] for c in choices])
             train_ratio = np.array([on_train[c] / on_train[label] for c in choices])
             out["sizes"][rule][size] = {
@@ -207,15 +231,16 @@ def draws(
     return out
 
 
-def one_se_gentlest(specs: list[TransformSpec], per_query: np.ndarray, best: int) -> TransformSpec:
-    """The one-standard-error rule (Breiman et al. 1984): of the best's pooling, the gentlest candidate (raw, then
-    more dimensions, then a smaller gamma) whose paired mean loss to the best is within one standard error."""
-    n = per_query.shape[1]
-    diff = per_query[best][None, :] - per_query
-    within = diff.mean(axis=1) <= diff.std(axis=1, ddof=1) / np.sqrt(n) + 1e-12
-    pooling = specs[best].pooling
-    eligible = [s for s, ok in zip(specs, within, strict=True) if ok and s.pooling == pooling]
-    return min(eligible, key=lambda s: (bool(s.whiten), -(s.dim or 0), s.gamma or 0.0))
+def rule_choice(rule: str, specs: list[TransformSpec], per_query: np.ndarray) -> TransformSpec:
+    """The label-free choice from per-query pseudo-query scores (candidates x queries) under ``rule``: "best"
+    (``pick``, what labelled tuning does) or "one-SE gentlest" (``pick_one_se``, the one-standard-error rule)."""
+    trials = per_query_trials(specs, per_query)
+    return choose(trials, "nDCG@10", pick if rule == "best" else pick_one_se).best.candidate
+
+
+def per_query_trials(specs: list[TransformSpec], per_query: np.ndarray) -> list[Trial]:
+    """Trials scored by mean nDCG@10, with the per-query scores (candidates x queries) ``pick_one_se`` reads."""
+    return [Trial(s, dev={"nDCG@10": float(v.mean())}, dev_per_query=v) for s, v in zip(specs, per_query, strict=True)]
 
 
 def by_k(test: basket.IrTask, d: int) -> list[dict[str, Any]]:
@@ -265,8 +290,8 @@ def sts(model: str) -> dict[str, Any]:
     out: dict[str, Any] = {"labelled_choice": labelled.label, "sets": {}}
     for task in test_tasks:
         pseudo = basket.sts_pseudo_task(task, AUTO_QUERIES, 0)
-        on_pseudo = {s.label: pseudo.evaluate(s)[0]["nDCG@10"] for s in specs}
-        auto = choose([Trial(s, dev={"nDCG@10": on_pseudo[s.label]}) for s in specs], "nDCG@10").best.candidate
+        on_pseudo, auto_result = auto_choice(pseudo, specs)
+        auto = auto_result.best.candidate
         scores = {
             "raw": task.evaluate(TransformSpec.raw("mean")),
             "default": task.evaluate(TransformSpec(pooling="mean")),
@@ -282,6 +307,160 @@ def sts(model: str) -> dict[str, Any]:
             "auto_sweep": on_pseudo,
         }
     return out
+
+
+# ----- the pick rules on dev data ---------------------------------------------------------------------------
+def one_se_dev_report(models: list[str], pool: int, out: Path) -> None:
+    report: dict[str, Any] = {"machine": benchlib.machine(torch_too=True), "command": benchlib.command_line()}
+    report |= {"auto_queries": AUTO_QUERIES, "draws": DRAWS, "pool": pool, "target": TARGET, "models": {}}
+    for model in models:
+        if resolve_model(model) is None:
+            print(f"skipping {model}: not installed (see DEVELOPERS.md)", file=sys.stderr)
+            continue
+        start = time.perf_counter()
+        report["models"][model] = {"scifact_train": one_se_scifact(model, pool), "sts": one_se_sts(model, pool)}
+        report["models"][model]["seconds"] = round(time.perf_counter() - start, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "one-se-dev.json").write_text(json.dumps(basket.jsonable(report), indent=1))
+    (out / "one-se-dev.md").write_text(one_se_markdown(report))
+    print(one_se_markdown(report))
+    print(f"command: {report['command']}")
+
+
+def per_query_matrix(task: basket.IrTask, specs: list[TransformSpec]) -> np.ndarray:
+    """nDCG@10 per query (candidates x queries, in ``task.queries`` order). Pseudo-queries have one relevant
+    document each: then it is 1 / log2(1 + its rank) in the top 10 of the same exact ranking ``task.per_query``
+    scores (which is equal, and far slower: it goes through ``evaluate_run`` query by query)."""
+    row = {d: i for i, d in enumerate(task.doc_ids)}
+    rels = [task.qrels.get(q, {}) for q in task.queries.ids]
+    if not all(len(r) == 1 and next(iter(r.values())) > 0 for r in rels):
+        return np.stack([task.per_query(s) for s in specs])
+    positive = np.array([row[next(iter(r))] for r in rels])
+    gain = 1.0 / np.log2(np.arange(2, 12))
+    return np.stack([((task.ranking(s)[:, :10] == positive[:, None]) * gain).sum(axis=1) for s in specs])
+
+
+def rule_study(
+    specs: list[TransformSpec], pool: np.ndarray, default: np.ndarray, value: Callable[[str], float]
+) -> dict[str, Any]:
+    """Both rules on the same DRAWS draws of AUTO_QUERIES pseudo-queries from ``pool`` (candidates x queries), and
+    on ``default`` (the draw `tune --auto` makes: AUTO_QUERIES, seed 0); each choice judged by ``value(label)``."""
+    rng = np.random.default_rng(0)
+    n = pool.shape[1]
+    draws = [rng.choice(n, size=min(AUTO_QUERIES, n), replace=False) for _ in range(DRAWS)]
+    out: dict[str, Any] = {}
+    for rule in RULES:
+        choices = [rule_choice(rule, specs, pool[:, rows]).label for rows in draws]
+        chosen = rule_choice(rule, specs, default).label
+        out[rule] = {
+            "choices": dict(Counter(choices).most_common()),
+            "values": [value(c) for c in choices],
+            "default_choice": chosen,
+            "default": value(chosen),
+        }
+    return out
+
+
+def one_se_scifact(model: str, pool: int) -> dict[str, Any]:
+    """SciFact, judged on the train qrels (the dev split): each label-free choice as a share of the train choice."""
+    train = basket.scifact_task(model, "train")
+    specs = grid(train.dim)
+    print(f"{model}: SciFact train, {len(specs)} candidates...", file=sys.stderr)
+    on_train = {s.label: train.evaluate(s)[0]["nDCG@10"] for s in specs}
+    labelled = choose([Trial(s, dev={"nDCG@10": on_train[s.label]}) for s in specs], "nDCG@10").best.candidate.label
+    pool_task = basket.pseudo_task("scifact", model, pool, 7)
+    default_task = basket.pseudo_task("scifact", model, AUTO_QUERIES, 0)
+    study = rule_study(
+        specs,
+        per_query_matrix(pool_task, specs),
+        per_query_matrix(default_task, specs),
+        lambda label: on_train[label] / on_train[labelled],
+    )
+    return {
+        "labelled_choice": labelled,
+        "labelled": on_train[labelled],
+        "raw": on_train["mean raw"],
+        "pool": len(pool_task.queries),
+        "rules": study,
+        "sweep_train": on_train,
+    }
+
+
+def one_se_sts(model: str, pool: int) -> dict[str, Any]:
+    """STS-B dev and STS12-16 as dev sets: the choice made on pseudo-queries from each set's own (fit) sentences,
+    judged by Spearman x100 ("all") against the labels; the labelled reference is the STS-B dev choice."""
+    tasks = basket.sts_tasks(model, "dev")  # STS-B dev (fit on train + dev sentences), then STS12-16
+    specs = grid(tasks[0].dim)
+    on_dev = {s.label: tasks[0].evaluate(s)["all"] for s in specs}
+    labelled = choose([Trial(s, dev={"all": on_dev[s.label]}) for s in specs], "all").best.candidate
+    out: dict[str, Any] = {"labelled_choice": labelled.label, "sets": {}}
+    for task in tasks:
+        print(f"{model}: {task.name}, {len(specs)} candidates...", file=sys.stderr)
+        spearman = {s.label: task.evaluate(s)["all"] for s in specs}
+        pool_task = basket.sts_pseudo_task(task, pool, 7)
+        default_task = basket.sts_pseudo_task(task, AUTO_QUERIES, 0)
+        out["sets"][task.name] = {
+            "raw": spearman["mean raw"],
+            "labelled": spearman[labelled.label],
+            "pool": len(pool_task.queries),
+            "rules": rule_study(
+                specs, per_query_matrix(pool_task, specs), per_query_matrix(default_task, specs), spearman.__getitem__
+            ),
+        }
+    return out
+
+
+def one_se_markdown(report: dict[str, Any]) -> str:
+    lines = [benchlib.machine_md(report["machine"]), "", f"Command: `{report['command']}`", ""]
+    n, draws = report["auto_queries"], report["draws"]
+    for model, res in report["models"].items():
+        sf = res["scifact_train"]
+        lines += [
+            f"### {model}: SciFact, judged on the train qrels (dev)",
+            "",
+            f"Train-qrels choice: {sf['labelled_choice']} (train nDCG@10 {sf['labelled']:.4f}; mean raw "
+            f"{sf['raw']:.4f}). Label-free choices as % of it: the `--auto` draw ({n} pseudo-queries, seed 0), and "
+            f"{draws} draws of {n} from a pool of {sf['pool']} (seed 7).",
+            "",
+            "| rule | seed 0: choice, % | draws: median %, min %, share >= 99.5% | draws: choices (count) |",
+            "|---|---|---|---|",
+        ]
+        for rule, r in sf["rules"].items():
+            v = np.array(r["values"])
+            choices = ", ".join(f"{c} ({k})" for c, k in r["choices"].items())
+            lines.append(
+                f"| {rule} | {r['default_choice']}, {r['default']:.2%} | {np.median(v):.2%}, {v.min():.2%}, "
+                f"{(v >= report['target'] - 1e-12).mean():.0%} | {choices} |"
+            )
+        sts_res = res["sts"]
+        lines += [
+            "",
+            f"### {model}: STS as dev, Spearman x100 (all)",
+            "",
+            f"Labelled reference: the STS-B dev choice ({sts_res['labelled_choice']}; on STS-B dev itself it is "
+            f"in-sample). Label-free: pseudo-queries from each set's own sentences, seed 0 ({n}), and {draws} draws "
+            f"of {n} from a pool (seed 7). Points vs raw / vs labelled.",
+            "",
+            "| set | raw | labelled | rule | seed 0: choice, score (vs raw, vs labelled) | draws: median vs raw, "
+            "min vs raw, median vs labelled | one-SE - best per draw: median, min, max | draws: choices (count) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, s in sts_res["sets"].items():
+            raw, lab = s["raw"], s["labelled"]
+            best_v = np.array(s["rules"]["best"]["values"])
+            for rule, r in s["rules"].items():
+                v = np.array(r["values"])
+                d = v - best_v
+                paired = f"{np.median(d):+.2f}, {d.min():+.2f}, {d.max():+.2f}" if rule != "best" else "-"
+                top = list(r["choices"].items())[:3]
+                choices = ", ".join(f"{c} ({k})" for c, k in top) + (" ..." if len(r["choices"]) > 3 else "")
+                lines.append(
+                    f"| {name} | {raw:.2f} | {lab:.2f} | {rule} | {r['default_choice']}, {r['default']:.2f} "
+                    f"({r['default'] - raw:+.2f}, {r['default'] - lab:+.2f}) | {np.median(v) - raw:+.2f}, "
+                    f"{v.min() - raw:+.2f}, {np.median(v) - lab:+.2f} | {paired} | {choices} |"
+                )
+        lines.append("")
+    return "\n".join(lines) + "\n"
 
 
 # ----- report -----------------------------------------------------------------------------------------------

@@ -340,7 +340,8 @@ def test_tune_auto_chooses_without_qrels(
     assert report["dev_source"] == "30 pseudo-queries (seed 0)" and report["corpus_rows_encoded"] == 30
     assert len(report["trials"]) == 1 + 2 * 2 and all(0 <= t["dev"]["nDCG@10"] <= 1 for t in report["trials"])
     best = report["best"]
-    assert best["dev"]["nDCG@10"] == max(t["dev"]["nDCG@10"] for t in report["trials"])
+    assert report["rule"] == "one-SE" and "one-SE" in result.stdout  # the gentlest within one SE of the best
+    assert best["dev"]["nDCG@10"] <= max(t["dev"]["nDCG@10"] for t in report["trials"])
     assert "(dev: 30 pseudo-queries (seed 0))" in result.stdout
     new = Manifest.load(tmp_path / "idx").transform
     assert (new.k, new.spec.whiten) == (best["dim"], best["whiten"])  # --apply wrote the choice

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import FakeEncoder, write_corpus
 
+from retrieval import tune as tune_module
 from retrieval.build import build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.encoder import EncoderInfo
@@ -24,7 +25,7 @@ from retrieval.indexdir import IndexDir
 from retrieval.metrics import Qrels, evaluate_run, sts_scores
 from retrieval.pseudo import make_pseudo_queries
 from retrieval.stash import VectorStash
-from retrieval.tune import Trial, TuneResult, candidates, pick, tune_auto, tune_ir, tune_sts
+from retrieval.tune import Trial, TuneResult, candidates, pick, pick_one_se, tune_auto, tune_ir, tune_sts
 from retrieval.whitening import RawTransform, TransformSpec, Whitening, l2_normalize
 
 EPSILON = TransformSpec().epsilon
@@ -64,6 +65,53 @@ def test_pick_prefers_the_best_then_smaller_dim_then_smaller_gamma() -> None:
     # raw can win: best score, or a tie at the same dimension (no transform is simpler than one)
     assert not pick([trial(16, None, 0.6), trial(8, 0.25, 0.55)], "m").candidate.whiten
     assert not pick([trial(16, 0.0, 0.6), trial(16, None, 0.6)], "m").candidate.whiten
+
+
+def per_query_trial(pooling: str, dim: int, gamma: float | None, hits: np.ndarray) -> Trial:
+    return Trial(Candidate(pooling, dim, gamma), dev={"m": float(hits.mean())}, dev_per_query=hits.astype(float))
+
+
+def test_pick_one_se_takes_the_gentlest_candidate_within_one_standard_error_of_the_best() -> None:
+    rng = np.random.default_rng(5)
+    best = rng.random(400) < 0.6
+    # paired loss to the best: 8 of 400 queries lost (mean 0.02, one SE 0.007): not within
+    worse = best.copy()
+    worse[np.flatnonzero(best)[:8]] = False
+    # 1 query lost: mean loss 1/400 and its SE exactly 1/400 too: on the boundary, which counts as within
+    close = best.copy()
+    close[np.flatnonzero(best)[0]] = False
+    strongest = per_query_trial("mean", 8, 1.0, best)
+    trials = [
+        strongest,
+        per_query_trial("mean", 32, None, worse),  # raw, but clearly worse
+        per_query_trial("mean", 16, 0.5, close),
+        per_query_trial("mean", 16, 0.25, close),  # as close, gentler (smaller gamma) at the same dimension
+        per_query_trial("mean", 8, 0.0, close),  # smaller gamma, but fewer dimensions than the 16s
+        per_query_trial("cls", 32, None, best),  # as good, but not the best's pooling
+    ]
+    assert pick(trials, "m") is strongest
+    assert pick_one_se(trials, "m").candidate == Candidate("mean", 16, 0.25)
+    # raw within one SE is gentler than any whitening
+    trials.append(per_query_trial("mean", 32, None, close))
+    assert pick_one_se(trials, "m").candidate == Candidate("mean", 32, None)
+    # the order of the trials does not matter
+    assert pick_one_se(trials[::-1], "m").candidate == Candidate("mean", 32, None)
+
+
+def test_pick_one_se_keeps_the_best_when_the_others_are_clearly_worse() -> None:
+    rng = np.random.default_rng(6)
+    best = rng.random(400) < 0.6
+    worse = best.copy()
+    worse[np.flatnonzero(best)[:8]] = False  # 2 points below, 3 standard errors
+    mixed = best.copy()
+    mixed[np.flatnonzero(best)[:20]] = False
+    mixed[np.flatnonzero(~best)[:10]] = True  # wins some queries, loses more: 2.5 points below in all
+    strongest = per_query_trial("mean", 8, 1.0, best)
+    trials = [per_query_trial("mean", 32, None, worse), per_query_trial("mean", 16, 0.5, mixed), strongest]
+    assert pick_one_se(trials, "m") is strongest
+    # without per-query scores (labelled tuning's trials) it is ``pick``
+    plain = [trial(16, None, 0.59), trial(8, 1.0, 0.6)]
+    assert pick_one_se(plain, "m") is pick(plain, "m") is plain[1]
 
 
 # ----- IR --------------------------------------------------------------------------------------------------
@@ -357,6 +405,25 @@ def test_tune_auto_chooses_on_pseudo_queries_encoding_only_their_documents(auto_
     assert {label: by[label] for label in expected} == pytest.approx(expected, abs=1e-4)  # rank-based: stable
     assert result.best.candidate == Candidate("mean", 32, 1.0) and result.raw is not None
     assert result.scorer is not None and result.scorer.dim == 32  # the best full-rank candidate re-scores
+    # the choice is the one-SE rule's, on each trial's per-query dev scores (one per pseudo-query, averaging to dev)
+    for t in result.trials:
+        assert t.dev_per_query is not None and len(t.dev_per_query) == 40
+        assert t.dev_per_query.mean() == pytest.approx(t.dev["nDCG@10"], abs=1e-12)
+    assert result.best is pick_one_se(result.trials, "nDCG@10")
+
+
+def test_tune_auto_picks_by_the_one_se_rule(auto_index, monkeypatch) -> None:
+    directory, encoder = auto_index
+    seen = []
+
+    def worst(trials: Sequence[Trial], metric: str) -> Trial:  # what no other rule would choose
+        seen.append(metric)
+        return min(trials, key=lambda t: t.dev[metric])
+
+    monkeypatch.setattr(tune_module, "pick_one_se", worst)
+    result = tune_auto(directory, 40, 3, None, ["mean"], [32, 8], [0.0, 1.0], encoder=encoder)
+    assert seen == ["nDCG@10"] and result.best.candidate == Candidate("mean", 8, 0.0)
+    assert result.scorer is not None and result.scorer.candidate == Candidate("mean", 32, 1.0)  # still the best
 
 
 def test_tune_auto_refuses_a_corpus_too_short_to_split(ir_index) -> None:
