@@ -1,10 +1,10 @@
-"""Dynamic micro-batching: one worker thread encodes and searches together whatever queries are waiting.
+"""Dynamic micro-batching: a worker thread encodes and searches together whatever queries are waiting.
 
-Concurrent requests would otherwise serialise on the encoder (it takes one caller at a time) and each pay a
-whole forward pass for one text. The worker instead takes the queued jobs, up to ``max_batch`` queries,
-waiting at most ``max_wait`` seconds after the first for more to arrive, encodes all their texts in one call
-and searches each group of jobs that asked the same knobs in one FAISS call. Throughput then grows with
-concurrency: a forward pass over 16 short texts costs little more than over one.
+Concurrent requests would otherwise each pay a whole forward pass and a whole scan for one text. The worker
+instead takes the queued jobs, up to ``max_batch`` queries, waiting at most ``max_wait`` seconds after the
+first for more to arrive, encodes all their texts in one call (short texts packed several to a row, so a batch
+costs its tokens, not its padding) and searches each group of jobs that asked the same knobs in one FAISS call
+(one matrix product for the batch instead of one pass over the index per query).
 
 The searcher is read once per batch (``current()``), so a reload swaps it between batches: a batch that has
 started finishes on the version it started with.
