@@ -517,65 +517,27 @@ def report(out: Path) -> None:
             f"{r['found']['top10']:.1%} ({r['found']['queries']} queried).",
             "",
         ]
-    if "threads" in merged:
-        lines += [
-            "## torch x FAISS threads (flat, B 32, T 0)",
-            "",
-            benchlib.md_table(
-                merged["threads"]["result"]["rows"],
-                [
-                    ("torch_threads", "torch"),
-                    ("faiss_threads", "FAISS"),
-                    ("clients", "clients"),
-                    ("qps", "QPS"),
-                    ("p50_ms", "p50 ms"),
-                    ("p99_ms", "p99 ms"),
-                    ("max_ms", "max ms"),
-                    ("errors", "errors"),
-                    ("loadavg", "load avg"),
-                ],
-            ),
-            "",
-        ]
-    if "workers" in merged:
-        lines += [
-            "## Engine workers (flat, B 32, T 0, 1 torch and 1 FAISS thread each)",
-            "",
-            benchlib.md_table(
-                merged["workers"]["result"]["rows"],
-                [
-                    ("engine_workers", "workers"),
-                    ("clients", "clients"),
-                    ("qps", "QPS"),
-                    ("p50_ms", "p50 ms"),
-                    ("p99_ms", "p99 ms"),
-                    ("mean_batch", "mean batch"),
-                    ("errors", "errors"),
-                    ("loadavg", "load avg"),
-                ],
-            ),
-            "",
-        ]
-    if "batching" in merged:
-        lines += [
-            "## Micro-batch size B x wait T (flat, 1 torch thread, 1 FAISS thread)",
-            "",
-            benchlib.md_table(
-                merged["batching"]["result"]["rows"],
-                [
-                    ("max_batch", "B"),
-                    ("max_wait_ms", "T ms"),
-                    ("clients", "clients"),
-                    ("qps", "QPS"),
-                    ("p50_ms", "p50 ms"),
-                    ("p99_ms", "p99 ms"),
-                    ("mean_batch", "mean batch"),
-                    ("errors", "errors"),
-                    ("loadavg", "load avg"),
-                ],
-            ),
-            "",
-        ]
+    latency = [("clients", "clients"), ("qps", "QPS"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms")]
+    sweeps = {
+        "threads": (
+            "torch x FAISS threads (flat, B 32, T 0)",
+            [("torch_threads", "torch"), ("faiss_threads", "FAISS"), *latency, ("max_ms", "max ms")],
+        ),
+        "workers": (
+            "Engine workers (flat, B 32, T 0, 1 torch and 1 FAISS thread each)",
+            [("engine_workers", "workers"), *latency, ("mean_batch", "mean batch")],
+        ),
+        "batching": (
+            "Micro-batch size B x wait T (flat, 1 torch thread, 1 FAISS thread)",
+            [("max_batch", "B"), ("max_wait_ms", "T ms"), *latency, ("mean_batch", "mean batch")],
+        ),
+    }
+    for phase, (title, columns) in sweeps.items():
+        if phase in merged:
+            table = benchlib.md_table(
+                merged[phase]["result"]["rows"], [*columns, ("errors", "errors"), ("loadavg", "load avg")]
+            )
+            lines += [f"## {title}", "", table, ""]
     if "gil" in merged:
         g = merged["gil"]["result"]
         lines += [
