@@ -418,6 +418,8 @@ def test_concurrent_http_requests_are_batched(index: Path) -> None:
         (["serve", "{index}", "--port", "70000"], "--port"),
         (["serve", "{index}", "--max-batch", "0"], "--max-batch"),
         (["serve", "{index}", "--max-wait-ms", "-1"], "--max-wait-ms"),
+        (["serve", "{index}", "--engine-workers", "0"], "--engine-workers"),
+        (["serve", "{index}", "--blas-threads", "-2"], "--blas-threads"),
     ],
 )
 def test_serve_refuses_bad_options_in_one_line_before_starting(
