@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 KINDS = ("flat", "hnsw", "ivf")
 REFINE_K_FACTOR = 16  # a Refine(...) step re-ranks 16 k candidates of the compressed index exactly
 MAX_KNOB = 1 << 24  # no count-like knob (lists, beam widths, training rows) is sensible beyond this
+ADD_CHUNK_BYTES = 1 << 25  # a flat index read for adding comes from its file 32 MiB at a time
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,42 @@ def load_index(path: Path, mmap: bool = False) -> faiss.Index:
         return faiss.read_index(str(path), flags)
     except RuntimeError as err:
         raise IndexDirError(f"cannot read FAISS index {path}: it is corrupt; rebuild with --overwrite") from err
+
+
+def load_for_adding(path: Path, rows: int) -> faiss.Index:
+    """Read a saved index that ``rows`` more rows will be added to, holding its vectors once.
+
+    A flat index read whole and then appended to holds its vectors twice for a moment: FAISS grows the array by
+    copying it, so ``add`` would peak at about twice the index. Here a flat index's vectors go from the file,
+    a chunk at a time, into an array that already has room for the new rows (a vector's capacity survives
+    shrinking it), so later ``add`` calls never move it. The file is read, not mapped: its pages stay in the
+    page cache, not in this process. A flat index's vectors are the last bytes of its file (FAISS's layout);
+    the first and last rows are checked against the mapped index, and any other kind is read whole (IVF
+    appends list by list, so no whole copy; HNSW's storage would need its graph copied out of the mapping too).
+    """
+    import faiss
+
+    mapped = load_index(path, mmap=True)
+    flat: Any = faiss.downcast_index(mapped)
+    if type(flat) not in (faiss.IndexFlat, faiss.IndexFlatIP, faiss.IndexFlatL2) or not flat.ntotal:
+        return load_index(path)
+    n, d = flat.ntotal, flat.d
+    grown = faiss.IndexFlat(d, flat.metric_type)
+    grown.codes.resize((n + rows) * flat.code_size)  # allocated once, for every row it will hold
+    grown.codes.resize(0)
+    chunk = np.empty((max(1, ADD_CHUNK_BYTES // flat.code_size), d), dtype=np.float32)
+    with open(path, "rb") as f:
+        f.seek(path.stat().st_size - n * flat.code_size)
+        for start in range(0, n, len(chunk)):
+            block = chunk[: min(len(chunk), n - start)]
+            if f.readinto(block.data.cast("B")) != block.nbytes:
+                raise IndexDirError(f"cannot read FAISS index {path}: it is truncated; rebuild with --overwrite")
+            for row in {0, n - 1} & {start, start + len(block) - 1}:
+                if not np.array_equal(block[row - start], flat.reconstruct(row)):
+                    log.warning("%s: vectors not where FAISS keeps them; reading the index whole", path)
+                    return load_index(path)
+            grown.add(block)
+    return grown
 
 
 def _hnsw(index: faiss.Index) -> Any:

@@ -330,6 +330,12 @@ class IndexDir:
 
         return load_index(self.path / INDEX, mmap)
 
+    def faiss_index_for_adding(self, rows: int) -> Any:
+        """The FAISS index, in memory, with room for ``rows`` more where its kind allows (``index.load_for_adding``)."""
+        from retrieval.index import load_for_adding
+
+        return load_for_adding(self.path / INDEX, rows)
+
     def docs(self) -> Docs:
         return Docs(self.path / DOCS)
 

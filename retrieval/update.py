@@ -178,7 +178,7 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
         if manifest.has_rescorer:
             link_from(work, old, RESCORE)
         with timer.stage("load"):
-            faiss_index = old.faiss_index()
+            faiss_index = old.faiss_index_for_adding(report.usable)  # the vectors once, not twice
         ingest = Ingest(grown, encoder, manifest.transform.pooling, report.usable, progress)
         with timer.stage("encode"):
             for batch in source.batches(window_rows):

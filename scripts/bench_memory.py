@@ -19,6 +19,14 @@ index alone, never with the stash or with N x queries.
 
     python scripts/bench_memory.py --index indexes/realscale/realtext-100k --index indexes/realscale/joined \\
         --code . --code /tmp/scale-before
+
+Sizes that could not be encoded in time: ``--vectors-from DIR --rows 100000,1000000`` builds indexes of
+precomputed vectors (``.npy``) from DIR's stashed real vectors, the rows beyond DIR's count being its rows again
+plus a little noise (memory does not depend on the values), and measures the commands that take vectors
+(index, add of ``--add-rows`` rows, refit):
+
+    python scripts/bench_memory.py --vectors-from indexes/bench/serve-flat --rows 100000,1000000 \\
+        --commands add --code . --code /tmp/before --out results/realtext
 """
 
 from __future__ import annotations
@@ -96,11 +104,40 @@ def pseudo_queries(chunk: Path, work: Path, n: int) -> tuple[Path, Path]:
     return queries, qrels
 
 
+def vector_indexes(source: Path, sizes: list[int], add_rows: int, work: Path) -> list[Path]:
+    """An index of precomputed vectors per size (raw, flat, with a stash), built from ``source``'s stash, plus
+    ``extra.npy`` (``add_rows`` rows that no index holds) for ``add``."""
+    from retrieval.indexdir import IndexDir
+
+    real = np.concatenate(list(IndexDir(source).stash().iter_blocks())).astype(np.float32)
+    rng = np.random.default_rng(0)
+
+    def rows(n: int, noisy_from: int) -> np.ndarray:
+        picked = real[np.arange(n) % len(real)]
+        noise = rng.standard_normal(picked.shape, dtype=np.float32)
+        noise[:noisy_from] = 0
+        picked += 0.05 * noise
+        return picked / np.linalg.norm(picked, axis=1, keepdims=True)
+
+    np.save(work / "extra.npy", rows(add_rows, 0))
+    built = []
+    for n in sizes:
+        out = work / f"vectors-index-{n}"
+        if not (work / f"vectors-{n}.npy").is_file():
+            np.save(work / f"vectors-{n}.npy", rows(n, len(real)))
+        if not (out / "manifest.json").is_file():
+            peak_rss(["index", str(work / f"vectors-{n}.npy"), "--out", str(out), "--overwrite"], benchlib.REPO)
+        built.append(out)
+    return built
+
+
 def measure(directory: Path, code: Path, label: str, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     from retrieval.indexdir import IndexDir
 
     manifest = IndexDir(directory).manifest()
     n = manifest.n
+    if not manifest.encoder.encodes_text:
+        return measure_vectors(directory, code, label, args, work)
     queries, qrels = pseudo_queries(args.chunk, work, args.queries)
     extra = work / "extra.parquet"
     pq.write_table(pq.read_table(args.extra).slice(0, args.add_rows), extra)
@@ -129,6 +166,34 @@ def measure(directory: Path, code: Path, label: str, args: argparse.Namespace, w
             argv = ["search", QUERY, "--index", str(copy), "-k", "10", "--json"]
         print(f"   {label} N={n:,}: {command} ...", end="", flush=True)
         result = peak_rss(argv, code)
+        print(f" {result['peak_rss_mib']:,.0f} MiB, {result['seconds']:.0f} s", flush=True)
+        results.append({"code": label, "n": n, "command": command, **sizes, **result})
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.rmtree(work / "built", ignore_errors=True)
+    return results
+
+
+def measure_vectors(
+    directory: Path, code: Path, label: str, args: argparse.Namespace, work: Path
+) -> list[dict[str, Any]]:
+    """``measure`` for an index of precomputed vectors: the commands that take vectors, on a hard-linked copy."""
+    from retrieval.indexdir import IndexDir
+
+    manifest = IndexDir(directory).manifest()
+    n, copy = manifest.n, work / f"copy-{manifest.n}"
+    sizes = {"index_mib": manifest.files["index.faiss"]["bytes"] / 2**20}
+    sizes["stash_mib"] = (manifest.stash.bytes if manifest.stash else 0) / 2**20
+    argvs = {
+        "index": ["index", str(work / f"vectors-{n}.npy"), "--out", str(work / "built"), "--overwrite"],
+        "add": ["add", str(copy), str(work / "extra.npy")],
+        "refit": ["refit", str(copy), "--dim", "128"],
+    }
+    results = []
+    for command in [c for c in args.commands if c in argvs]:
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(directory, copy, copy_function=os.link)
+        print(f"   {label} N={n:,}: {command} ...", end="", flush=True)
+        result = peak_rss(argvs[command], code)
         print(f" {result['peak_rss_mib']:,.0f} MiB, {result['seconds']:.0f} s", flush=True)
         results.append({"code": label, "n": n, "command": command, **sizes, **result})
     shutil.rmtree(copy, ignore_errors=True)
@@ -168,7 +233,9 @@ def main() -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n", 2)[2],
     )
-    ap.add_argument("--index", type=Path, action="append", required=True, help="index directories (repeatable)")
+    ap.add_argument("--index", type=Path, action="append", default=[], help="index directories (repeatable)")
+    ap.add_argument("--vectors-from", type=Path, default=None, help="build vector indexes from this one's stash")
+    ap.add_argument("--rows", default="100000,1000000", help="their sizes (with --vectors-from)")
     ap.add_argument("--code", type=Path, action="append", default=None, help="checkouts to run (default: this one)")
     ap.add_argument("--label", action="append", default=None, help="a name per --code (default: its folder)")
     ap.add_argument("--commands", default=",".join(COMMANDS), help="subset (default: %(default)s)")
@@ -185,6 +252,11 @@ def main() -> None:
     info = benchlib.machine()
     benchlib.print_machine(info)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.vectors_from is not None:
+        sizes = [int(n) for n in args.rows.split(",")]
+        args.index += vector_indexes(args.vectors_from, sizes, args.add_rows, args.work)
+    if not args.index:
+        ap.error("give --index, or --vectors-from")
     results = []
     for directory in args.index:
         for code, label in zip(codes, labels, strict=True):

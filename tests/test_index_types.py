@@ -15,12 +15,22 @@ from conftest import FakeEncoder, write_corpus
 from typer.testing import CliRunner
 
 import retrieval.build
+import retrieval.index
 import retrieval.search
 from retrieval.build import build_index
 from retrieval.cli import app
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError
-from retrieval.index import REFINE_K_FACTOR, IndexSpec, _hnsw, _ivf, flat_vectors, load_index, search_parameters
+from retrieval.index import (
+    REFINE_K_FACTOR,
+    IndexSpec,
+    _hnsw,
+    _ivf,
+    flat_vectors,
+    load_for_adding,
+    load_index,
+    search_parameters,
+)
 from retrieval.indexdir import INDEX, IndexDir
 from retrieval.metrics import knn_recall
 from retrieval.search import Searcher, SearchParams
@@ -117,6 +127,53 @@ def test_a_searcher_maps_its_index_and_finds_what_the_index_read_whole_finds(set
         np.testing.assert_array_equal(flat_vectors(searcher.index), read.reconstruct_n(0, read.ntotal))
         _, rows = searcher.search_raw(queries, SearchParams(k=10))
         assert knn_recall(rows, expected[1]) == 1.0
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_an_index_read_for_adding_has_the_same_vectors_and_room_for_the_new_rows(
+    setup, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``add`` reads the index with ``load_for_adding``: a flat index's vectors come from the file in chunks (7 rows
+    here, so the last chunk is partial) into an array sized for the new rows too, which adding them never moves
+    (moving it is the copy that made ``add`` peak at twice the index; growing chunk by chunk alone would
+    leave room for ~1,600 rows, not 2,000); other kinds are read whole."""
+    import faiss
+
+    monkeypatch.setattr(retrieval.index, "ADD_CHUNK_BYTES", 7 * 16 * 4)
+    _, built, queries = setup
+    path = built[kind] / INDEX
+    grown, read = load_for_adding(path, N), load_index(path)  # room for as many again
+    assert grown.ntotal == read.ntotal == N
+    vectors = np.tile(np.asarray(queries, dtype=np.float32), (N // len(queries), 1))
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    if kind != "flat":
+        assert type(faiss.downcast_index(grown)) is type(faiss.downcast_index(read))
+        return
+    assert grown.metric_type == faiss.METRIC_INNER_PRODUCT and grown.codes.is_owned
+    np.testing.assert_array_equal(grown.reconstruct_n(0, N), read.reconstruct_n(0, N))
+    where = int(grown.codes.data())
+    grown.add(vectors[: N // 2])
+    grown.add(vectors[N // 2 :])
+    assert int(grown.codes.data()) == where  # N rows fitted in the room made for them: no copy
+    read.add(vectors)
+    np.testing.assert_array_equal(grown.search(vectors[:100], 10)[1], read.search(vectors[:100], 10)[1])
+
+
+def test_a_flat_file_laid_out_unexpectedly_is_read_whole(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The vectors are looked for at the end of the file (FAISS's layout) and their first and last rows checked;
+    when they are not there (here: bytes after them), the index is read whole rather than wrongly."""
+    import faiss
+
+    x = np.random.default_rng(0).standard_normal((100, 8)).astype(np.float32)
+    index = faiss.IndexFlatIP(8)
+    index.add(x)
+    path = tmp_path / "index.faiss"
+    faiss.write_index(index, str(path))
+    with open(path, "ab") as f:
+        f.write(b"\0" * 32)
+    grown = load_for_adding(path, 10)
+    np.testing.assert_array_equal(grown.reconstruct_n(0, 100), x)
+    assert "reading the index whole" in caplog.text
 
 
 @pytest.mark.parametrize("kind", ["hnsw", "IVF16,Flat", "IVF8,PQ8x4np,Refine(Flat)"])
