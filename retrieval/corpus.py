@@ -287,9 +287,9 @@ class Corpus:
     ) -> Iterator[tuple[list[str], list[str | None], pa.RecordBatch]]:
         """(ids, texts, record batch) of windows ``start`` to ``stop`` (exclusive) of ``rows`` rows each."""
         stop = self.windows(rows) if stop is None else stop
-        if self._array is not None:  # a window of the memory-mapped array stands in for the record batch
+        if self._array is not None:  # a window of the array stands in for the record batch
             for first in range(start * rows, min(stop * rows, self.num_rows), rows):
-                window = np.asarray(self._array[first : first + rows], dtype=np.float32)
+                window = self._npy_window(first, rows)
                 yield [str(i) for i in range(first, first + len(window))], [""] * len(window), window  # type: ignore[misc]
             return
         offset = 0  # the global number of each file's first window
@@ -312,6 +312,18 @@ class Corpus:
         if any(v is None for v in ids):
             raise CorpusError(f"column {self.id_column!r} of {source.path} has null ids; every row needs an id")
         return ids  # type: ignore[return-value]
+
+    def _npy_window(self, first: int, rows: int) -> np.ndarray:
+        """Rows ``first`` to ``first + rows`` of the .npy file as float32, read rather than taken from the mapping:
+        mapped pages, once touched, stay in this process, so a build would end holding the whole file."""
+        array = self._array
+        assert isinstance(array, np.memmap)
+        count, dim = min(rows, len(array) - first), array.shape[1]
+        if not array.flags.c_contiguous:  # saved in Fortran order: a row is not contiguous in the file
+            return np.asarray(array[first : first + count], dtype=np.float32)
+        offset = array.offset + first * dim * array.dtype.itemsize
+        window = np.fromfile(self.path, dtype=array.dtype, count=count * dim, offset=offset)
+        return window.reshape(count, dim).astype(np.float32, copy=False)
 
     def _usable(self, texts: list[str | None], rb: pa.RecordBatch) -> np.ndarray:
         if self._array is not None:

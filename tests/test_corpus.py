@@ -330,3 +330,36 @@ def test_fingerprint_changes_with_content(tmp_path: Path) -> None:
     fa, fb, fc = (Corpus(CorpusSpec(p)).fingerprint() for p in (a, b, c))
     assert fa == fb != fc
     assert len(fa) == 64
+
+
+def _mapped_rss_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int16])
+def test_npy_windows_are_the_rows_as_float32_and_are_read_not_kept_mapped(tmp_path: Path, order: str, dtype) -> None:
+    """A .npy corpus is read window by window (the last one partial), any float or integer dtype, C or Fortran
+    order. C-order windows are read from the file, not taken from its mapping: mapped pages, once touched, stay
+    in the process, and a 1M-row build from a .npy ended holding the whole 1.5 GB file (3.0 MiB per 1,000 rows
+    instead of the index's 1.5)."""
+    values = np.random.default_rng(0).standard_normal((2000, 64)) * 100
+    path = tmp_path / "v.npy"
+    np.save(path, np.asarray(values, dtype=dtype, order=order))
+    source = Corpus(CorpusSpec(path))
+    batches = list(source.batches(300))
+    assert [len(b.ids) for b in batches] == [300] * 6 + [200]
+    got = np.concatenate([b.vectors for b in batches])
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.asarray(values, dtype=dtype).astype(np.float32))
+    assert [b.ids[0] for b in batches[:2]] == ["0", "300"]
+    if order == "C" and Path("/proc/self/smaps").is_file():
+        assert _mapped_rss_kib(path.resolve()) <= 8  # at most the header's page, not the 2000 rows read
