@@ -101,6 +101,7 @@ def main() -> None:
         return
     report: dict[str, Any] = {"machine": benchlib.machine(torch_too=True), "command": benchlib.command_line()}
     report["defaults"] = {"gamma": DEFAULT_GAMMA, "rescore_depth": RESCORE_DEPTH, "auto_queries": AUTO_QUERIES}
+    report["defaults"]["auto_rule"] = "one-SE gentlest (pick_one_se)"
     report["models"] = {}
     for model in args.models.split(","):
         if resolve_model(model) is None:
@@ -124,11 +125,18 @@ def combine(paths: list[Path]) -> dict[str, Any]:
     """One report from per-model runs made with the same defaults (refused otherwise): the first run's machine,
     every run's command."""
     reports = [json.loads(p.read_text()) for p in paths]
-    if any(r["defaults"] != reports[0]["defaults"] for r in reports):
+    same = [{k: v for k, v in r["defaults"].items() if k != "auto_rule"} for r in reports]  # the rule: per model
+    if any(d != same[0] for d in same):
         raise SystemExit("these runs used different defaults: they do not belong in one table")
-    models = {m: res for r in reports for m, res in r["models"].items()}
+    models = {m: {"run": run_of(r), **res} for r in reports for m, res in r["models"].items()}
     command = "; ".join(r["command"] for r in reports) + f"; {benchlib.command_line()}"
     return {**reports[0], "command": command, "models": models}
+
+
+def run_of(report: dict[str, Any]) -> dict[str, Any]:
+    """Where a model's figures come from, for a combined report: its run's command, CPU and label-free rule."""
+    rule = report["defaults"].get("auto_rule", "best (the rule before one-SE)")
+    return {"command": report["command"], "cpu_flags": report["machine"].get("cpu_flags"), "auto_rule": rule}
 
 
 def grid(d: int) -> list[TransformSpec]:
@@ -484,6 +492,13 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "SciFact test nDCG@10; STS Spearman x100 (all). In brackets: relative to raw. Choices are made on dev "
         "splits (SciFact train, STS-B dev) or pseudo-queries, never on test.",
+        "",
+        *[
+            f"- {short(model)}: `{res['run']['command']}`; CPU flags {' '.join(res['run']['cpu_flags'] or [])}; "
+            f"label-free rule: {res['run']['auto_rule']}"
+            for model, res in report["models"].items()
+            if "run" in res
+        ],
         "",
         "| model | set | raw | default (no --dim) | --dim d/3 | --dim d/3, re-scored | tuned with labels | "
         "tuned without labels |",
