@@ -183,15 +183,15 @@ def search_worker(cfg: dict[str, Any]) -> dict[str, Any]:
         if kind == "ivf":
             grid = [g for g in grid if g <= searcher.manifest.index.faiss["nlist"]]
         for value in grid:
-            params = SearchParams(k=K, **{name: value})
-            batch(SearchParams(k=K, **{name: value}))  # warm: pages of the map, FAISS's buffers
+            params = SearchParams(k=K, rescore=0, **{name: value})  # the index alone, not its default re-scoring
+            batch(params)  # warm: pages of the map, FAISS's buffers
             seconds, rows = batch(params)
             point = {name: value, "recall_same": knn_recall(rows, same, K), "recall_raw": knn_recall(rows, truth, K)}
             curve.append(point | {"batch_ms_per_query": 1000 * seconds / len(raw)})
             knob = {name: value}
             if point["recall_same"] >= RECALL_TARGET:
                 break
-    params = SearchParams(k=K, **knob)
+    params = SearchParams(k=K, rescore=0, **knob)
     batch(params)
     runs = [batch(params) for _ in range(3)]
     rows = runs[0][1]
@@ -295,10 +295,11 @@ def report(
         [
             f"# Scale: {n:,} real MiniLM vectors, flat / HNSW / IVF at full and reduced dims\n\n`{data['command']}`",
             benchlib.machine_md(info),
-            f"Index: `{args.index}` (real text, `scripts/make_realscale.py`); {rows[0]['batch_queries']} held-out "
-            f"queries from the same corpus. Transform: the library's gamma at each k (k = {d}: whitening, no "
-            f"reduction). HNSW: M={args.hnsw_m}, efConstruction={args.hnsw_ef_construction}. IVF: the library's "
-            "defaults (nlist ~4 sqrt(N), 50 training rows per list).",
+            f"Index: `{args.index}` (real text: `{Path(corpus_of(args.index)).name}`); "
+            f"{rows[0]['batch_queries']} held-out queries from the same corpus. Transform: the library's gamma at "
+            f"each k (k = {d}: no reduction, so the raw vectors, as `--dim {d}` builds). HNSW: M={args.hnsw_m}, "
+            f"efConstruction={args.hnsw_ef_construction}. IVF: the library's defaults (nlist ~4 sqrt(N), 50 "
+            "training rows per list).",
             f"## Search (knob: the smallest reaching recall@10 >= {RECALL_TARGET} in the index's own space)",
             benchlib.md_table(
                 rows,
@@ -348,6 +349,12 @@ def report(
     (out / "bench_scale.md").write_text(md + "\n")
     print("\n" + md)
     print(f"\nwrote {out}/bench_scale.json, .md, .png")
+
+
+def corpus_of(directory: Path) -> str:
+    from retrieval.indexdir import IndexDir
+
+    return IndexDir(directory).manifest().corpus.path
 
 
 def main() -> None:
