@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from retrieval.errors import IndexDirError
+from retrieval.files import touch_pages
 
 SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string())])
 
@@ -46,6 +47,20 @@ class Docs:
 
     def __len__(self) -> int:
         return len(self._ids)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._ids.nbytes + self._texts.nbytes)
+
+    def prefault(self) -> int:
+        """Make every page of the ids and texts resident (hits would bring them in one request at a time)."""
+        return sum(
+            touch_pages(buffer)
+            for column in (self._ids, self._texts)
+            for chunk in column.chunks
+            for buffer in chunk.buffers()
+            if buffer is not None
+        )
 
     def _locate(self, row: int) -> tuple[int, int]:
         if not 0 <= row < len(self):

@@ -220,3 +220,26 @@ def link_or_copy(src: Path | str, dst: Path | str) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
+
+
+PAGE = 4096
+
+
+def touch_pages(data: np.ndarray | memoryview | bytes) -> int:
+    """Read one byte of every page of ``data`` (a memory map): its pages become resident in this process now,
+    not at the first requests that need them. Returns the bytes covered."""
+    view = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+    if view.size:
+        int(view[::PAGE].max())
+    return int(view.size)
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

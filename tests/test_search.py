@@ -12,7 +12,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 import pytest
-from conftest import FakeEncoder, write_corpus
+from conftest import FakeEncoder, mapped_rss_kib, write_corpus
 
 from retrieval import home
 from retrieval.build import build_index
@@ -260,3 +260,30 @@ def test_flat_vectors_outlive_the_index_object(index_dir: Path) -> None:
     # the view must keep the FAISS index alive, not point into freed memory
     np.testing.assert_array_equal(view, expected)
     assert flat_vectors(faiss.IndexHNSWFlat(4, 8, faiss.METRIC_INNER_PRODUCT)) is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads /proc/self/smaps")
+def test_warm_up_makes_docs_and_stash_resident_within_its_budget(tmp_path: Path, monkeypatch) -> None:
+    """A served index starts at the memory it keeps: warm-up reads every page of the docs and (when the index
+    re-scores) the stash, which requests would otherwise bring in a few rows at a time (the serve benchmark's RSS
+    grew 30% in its first minute that way); not when they would take more than a share of the free memory.
+    (Files this small come in whole at a few touches, the kernel mapping large folios around each fault, so the
+    test checks what warm-up read and that the maps are resident, not a cold contrast.)"""
+    import retrieval.search
+
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=3000)
+    build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "idx", TransformSpec(dim=4))
+    parts = [p.resolve() for p in IndexDir(tmp_path / "idx").stash().files() if p.suffix == ".npy"]
+    docs = (tmp_path / "idx" / "docs.arrow").resolve()
+    stash_bytes = sum(p.stat().st_size for p in parts)
+
+    searcher = Searcher.load(tmp_path / "idx", encoder=FakeEncoder())
+    assert searcher.manifest.rescoring.depth > 0
+    touched = searcher.warm_up()
+    assert touched >= 0.95 * (stash_bytes + docs.stat().st_size)  # npy headers and Arrow metadata aside
+    assert sum(mapped_rss_kib(p) for p in parts) >= stash_bytes // 1024 - 8
+    assert mapped_rss_kib(docs) >= searcher.docs.nbytes // 1024 - 8
+    assert Searcher.load(tmp_path / "idx", encoder=FakeEncoder()).warm_up(prefault=False) == 0
+
+    monkeypatch.setattr(retrieval.search, "available_memory", lambda: 1 << 20)  # 1 MiB free: over the share
+    assert Searcher.load(tmp_path / "idx", encoder=FakeEncoder()).warm_up() == 0
