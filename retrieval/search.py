@@ -18,7 +18,7 @@ import numpy as np
 
 from retrieval.encoder import Encoder, from_info
 from retrieval.errors import ConfigError
-from retrieval.files import available_memory
+from retrieval.files import available_memory, touch_pages
 from retrieval.index import flat_vectors, search_parameters
 from retrieval.indexdir import Loaded, Verify, load
 from retrieval.scan import FlatScan
@@ -124,17 +124,16 @@ class Searcher:
         if self._scan is not None:
             probe = l2_normalize(np.random.default_rng(0).normal(size=(64, self.transform.dim_out)))
             self._scan.search(probe, 10)
-        pooling = self.manifest.transform.pooling
-        rescores = self.manifest.stash is not None and self.manifest.rescoring.depth > 0
-        if self.manifest.stash is not None:
-            for _ in self.stash().iter_parts(pooling):  # opens each part's memory map
-                pass
+        parts = []
+        if self.manifest.stash is not None:  # opens each part's memory map
+            parts = list(self.stash().iter_parts(self.manifest.transform.pooling))
+        rescored = parts if self.manifest.rescoring.depth > 0 else []
         touched = 0
         if prefault:
-            size = self.docs.nbytes + (self.stash().mapped_bytes(pooling) if rescores else 0)
+            size = self.docs.nbytes + sum(part.nbytes for part in rescored)
             available = available_memory()
             if available is not None and size <= PREFAULT_SHARE * available:
-                touched = self.docs.prefault() + (self.stash().prefault(pooling) if rescores else 0)
+                touched = self.docs.prefault() + sum(touch_pages(part) for part in rescored)
                 log.info("%s: %d MiB of docs and stash made resident", self.directory, touched >> 20)
             else:
                 log.info("%s: %d MiB of docs and stash left to load on demand", self.directory, size >> 20)

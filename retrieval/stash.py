@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from retrieval.errors import ConfigError, IndexDirError
-from retrieval.files import inside, sha256, touch_pages, write_atomic
+from retrieval.files import inside, sha256, write_atomic
 from retrieval.moments import RunningMoments
 
 STASH_FORMAT = 2
@@ -233,15 +233,6 @@ class VectorStash:
         pooling = self.check_pooling(pooling)
         for number in range(len(self._parts)):
             yield self._map(pooling, number)
-
-    def mapped_bytes(self, pooling: str | None = None) -> int:
-        """The size of the vectors that ``iter_parts`` maps (what ``prefault`` reads)."""
-        pooling = self.check_pooling(pooling)
-        return sum((self.root / part.vectors[pooling]).stat().st_size for part in self._parts)
-
-    def prefault(self, pooling: str | None = None) -> int:
-        """Make every kept part's pages resident (re-scoring would bring them in one request at a time)."""
-        return sum(touch_pages(part) for part in self.iter_parts(pooling))
 
     def iter_blocks(self, block_rows: int = BLOCK_ROWS, pooling: str | None = None) -> Iterator[np.ndarray]:
         """float32 blocks (copies) of at most ``block_rows`` rows, in row order, never crossing a part. A streaming
