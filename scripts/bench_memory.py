@@ -135,63 +135,17 @@ def measure(directory: Path, code: Path, label: str, args: argparse.Namespace, w
     from retrieval.indexdir import IndexDir
 
     manifest = IndexDir(directory).manifest()
-    n = manifest.n
-    if not manifest.encoder.encodes_text:
-        return measure_vectors(directory, code, label, args, work)
-    queries, qrels = pseudo_queries(args.chunk, work, args.queries)
-    extra = work / "extra.parquet"
-    pq.write_table(pq.read_table(args.extra).slice(0, args.add_rows), extra)
-    copy = work / f"copy-{n}"
-    sizes = {"index_mib": manifest.files["index.faiss"]["bytes"] / 2**20}
-    sizes["stash_mib"] = (manifest.stash.bytes if manifest.stash else 0) / 2**20
-    results = []
-    for command in args.commands:
-        if copy.exists():
-            shutil.rmtree(copy)
-        shutil.copytree(directory, copy, copy_function=os.link)  # writers publish new files: the source is safe
-        if command == "index":
-            corpus = vectors_corpus(directory, work / f"vectors-{n}.parquet")
-            argv = ["index", str(corpus), "--vectors-column", "vec", "--id-column", "id"]
-            argv += ["--out", str(work / "built"), "--overwrite"]
-        elif command == "add":
-            argv = ["add", str(copy), str(extra), "--id-column", "id", "--title-column", "title"]
-        elif command == "refit":
-            argv = ["refit", str(copy), "--dim", "128"]
-        elif command == "tune":
-            argv = ["tune", str(copy), "--queries", str(queries), "--qrels", str(qrels), "--dims", "128"]
-            argv += ["--gammas", "0.25"]
-        elif command == "eval ir":
-            argv = ["eval", "ir", str(copy), "--queries", str(queries), "--qrels", str(qrels)]
-        else:
-            argv = ["search", QUERY, "--index", str(copy), "-k", "10", "--json"]
-        print(f"   {label} N={n:,}: {command} ...", end="", flush=True)
-        result = peak_rss(argv, code)
-        print(f" {result['peak_rss_mib']:,.0f} MiB, {result['seconds']:.0f} s", flush=True)
-        results.append({"code": label, "n": n, "command": command, **sizes, **result})
-    shutil.rmtree(copy, ignore_errors=True)
-    shutil.rmtree(work / "built", ignore_errors=True)
-    return results
-
-
-def measure_vectors(
-    directory: Path, code: Path, label: str, args: argparse.Namespace, work: Path
-) -> list[dict[str, Any]]:
-    """``measure`` for an index of precomputed vectors: the commands that take vectors, on a hard-linked copy."""
-    from retrieval.indexdir import IndexDir
-
-    manifest = IndexDir(directory).manifest()
     n, copy = manifest.n, work / f"copy-{manifest.n}"
+    if manifest.encoder.encodes_text:
+        argvs = text_commands(directory, copy, args, work)
+    else:
+        argvs = vector_commands(n, copy, work)
     sizes = {"index_mib": manifest.files["index.faiss"]["bytes"] / 2**20}
     sizes["stash_mib"] = (manifest.stash.bytes if manifest.stash else 0) / 2**20
-    argvs = {
-        "index": ["index", str(work / f"vectors-{n}.npy"), "--out", str(work / "built"), "--overwrite"],
-        "add": ["add", str(copy), str(work / "extra.npy")],
-        "refit": ["refit", str(copy), "--dim", "128"],
-    }
     results = []
-    for command in [c for c in args.commands if c in argvs]:
+    for command in [c for c in args.commands if c in argvs]:  # an index of vectors takes no text queries
         shutil.rmtree(copy, ignore_errors=True)
-        shutil.copytree(directory, copy, copy_function=os.link)
+        shutil.copytree(directory, copy, copy_function=os.link)  # writers publish new files: the source is safe
         print(f"   {label} N={n:,}: {command} ...", end="", flush=True)
         result = peak_rss(argvs[command], code)
         print(f" {result['peak_rss_mib']:,.0f} MiB, {result['seconds']:.0f} s", flush=True)
@@ -199,6 +153,37 @@ def measure_vectors(
     shutil.rmtree(copy, ignore_errors=True)
     shutil.rmtree(work / "built", ignore_errors=True)
     return results
+
+
+def text_commands(directory: Path, copy: Path, args: argparse.Namespace, work: Path) -> dict[str, list[str]]:
+    """Each command's arguments on a copy of a text index: pseudo-queries for tune and eval, extra rows for add."""
+    from retrieval.indexdir import IndexDir
+
+    queries, qrels = pseudo_queries(args.chunk, work, args.queries)
+    extra = work / "extra.parquet"
+    pq.write_table(pq.read_table(args.extra).slice(0, args.add_rows), extra)
+    argvs = {
+        "add": ["add", str(copy), str(extra), "--id-column", "id", "--title-column", "title"],
+        "refit": ["refit", str(copy), "--dim", "128"],
+        "tune": ["tune", str(copy), "--queries", str(queries), "--qrels", str(qrels), "--dims", "128"]
+        + ["--gammas", "0.25"],
+        "eval ir": ["eval", "ir", str(copy), "--queries", str(queries), "--qrels", str(qrels)],
+        "search": ["search", QUERY, "--index", str(copy), "-k", "10", "--json"],
+    }
+    if "index" in args.commands:  # the directory's rows as a parquet of vectors: written only when needed
+        corpus = vectors_corpus(directory, work / f"vectors-{IndexDir(directory).manifest().n}.parquet")
+        argvs["index"] = ["index", str(corpus), "--vectors-column", "vec", "--id-column", "id"]
+        argvs["index"] += ["--out", str(work / "built"), "--overwrite"]
+    return argvs
+
+
+def vector_commands(n: int, copy: Path, work: Path) -> dict[str, list[str]]:
+    """The commands that take precomputed vectors, on a copy of an index of them (``vector_indexes``)."""
+    return {
+        "index": ["index", str(work / f"vectors-{n}.npy"), "--out", str(work / "built"), "--overwrite"],
+        "add": ["add", str(copy), str(work / "extra.npy")],
+        "refit": ["refit", str(copy), "--dim", "128"],
+    }
 
 
 def table(results: list[dict[str, Any]]) -> str:
