@@ -93,3 +93,39 @@ def test_importing_retrieval_shortens_the_openmp_spin_unless_the_user_set_it() -
         [sys.executable, "-c", code], env=env | {"GOMP_SPINCOUNT": "7"}, capture_output=True, text=True, check=True
     )
     assert mine.stdout.strip() == "7"
+
+
+def misaligned(matrix: np.ndarray) -> np.ndarray:
+    """The same values one byte off alignment, as FAISS's header leaves a flat index mapped from its file."""
+    raw = np.zeros(matrix.nbytes + 1, dtype=np.uint8)
+    view = np.frombuffer(raw.data, dtype=np.uint8, count=matrix.nbytes, offset=1).view(matrix.dtype)
+    view = view.reshape(matrix.shape)
+    view[...] = matrix
+    return view
+
+
+def test_tiles_of_a_misaligned_matrix_are_aligned_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy multiplies misaligned arrays with its own loops, not BLAS (8x slower): every tile must be aligned."""
+    monkeypatch.setattr(scan_module, "TILE_BYTES", 4 * 16 * 300)  # 300-row tiles of 16 dims
+    matrix = unit(np.random.default_rng(3), 1000, 16)
+    for source in (matrix, misaligned(matrix)):
+        seen = []
+        for first, tile in scan_module.tiles(source, 50, 1000):
+            assert tile.flags.aligned and tile.flags.c_contiguous
+            np.testing.assert_array_equal(tile, matrix[first : first + len(tile)])
+            seen.append((first, len(tile)))
+        assert seen == [(50, 300), (350, 300), (650, 300), (950, 50)]
+    assert not misaligned(matrix).flags.aligned  # the test really fed a misaligned matrix
+
+
+def test_batches_over_a_misaligned_matrix_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scan_module, "TILE_BYTES", 4 * 48 * 700)  # tiles that do not divide the blocks
+    monkeypatch.setattr(scan_module, "SCORE_BLOCK_BYTES", 4 * 16 * 5000)
+    rng = np.random.default_rng(8)
+    matrix, queries = unit(rng, 12_345, 48), unit(rng, 16, 48)
+    scan = FlatScan(misaligned(matrix), threads=2)
+    reference = queries.astype(np.float64) @ matrix.astype(np.float64).T
+    for nq in (2, 16):  # the sliced scans and the numpy product
+        scores, rows = scan.search(queries[:nq], 20)
+        np.testing.assert_allclose(scores, -np.sort(-reference[:nq], axis=1)[:, :20], atol=SCORE_ATOL)
+        np.testing.assert_allclose(np.take_along_axis(reference[:nq], rows, axis=1), scores, atol=SCORE_ATOL)
