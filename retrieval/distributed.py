@@ -128,6 +128,21 @@ class PassStats:
         return dataclasses.asdict(self)
 
 
+def init_local(ray: Any, attempts: int = 2, **options: Any) -> Any:
+    """``ray.init(**options)`` for a Ray on this machine, tried again when it gives up waiting for its own
+    raylet: Ray allows a fixed 30 s for the raylet to register with the GCS, which a loaded machine (a CI box
+    running other jobs) can exceed while nothing is wrong."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return ray.init(**options)
+        except Exception as err:  # Ray raises a bare Exception for this one
+            if attempt == attempts or "timed out during startup" not in str(err):
+                raise
+            log.warning("Ray's node did not start in time (%s); starting it again", err)
+            ray.shutdown()
+    raise AssertionError("unreachable")
+
+
 class RayEngine:
     """Runs a build's corpus passes on Ray Data (see the module docstring); pass it to ``build_index``.
 
@@ -191,7 +206,8 @@ class RayEngine:
         # Unix socket paths are limited to ~107 bytes: the session folder must sit under a short path.
         short = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 32 else "/tmp"
         self._started = Path(tempfile.mkdtemp(prefix="ray-", dir=short))
-        ray.init(
+        init_local(
+            ray,
             num_cpus=os.cpu_count() or 1,
             include_dashboard=False,
             object_store_memory=OBJECT_STORE_BYTES,

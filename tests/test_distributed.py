@@ -38,7 +38,7 @@ ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 from retrieval.build import BuildOptions, build_index  # noqa: E402
 from retrieval.cli import app  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
-from retrieval.distributed import RayEngine, RayOptions, plan, window_rows  # noqa: E402
+from retrieval.distributed import RayEngine, RayOptions, init_local, plan, window_rows  # noqa: E402
 from retrieval.encoder import EncoderSpec  # noqa: E402
 from retrieval.errors import ConfigError, CorpusError, ModelError  # noqa: E402
 from retrieval.index import IndexSpec  # noqa: E402
@@ -116,8 +116,13 @@ def cluster() -> Iterator[str]:
     env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
-    context = ray.init(
-        num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, _temp_dir=str(folder), log_to_driver=False
+    context = init_local(
+        ray,
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=256 << 20,
+        _temp_dir=str(folder),
+        log_to_driver=False,
     )
     try:
         yield context.address_info["gcs_address"]
@@ -323,6 +328,35 @@ def test_cli_starts_its_own_ray_and_stops_it(folder: Path, tmp_path: Path, tiny_
     assert ray_built == local
     refused = CliRunner().invoke(app, [*args, "--workers", "2"])
     assert refused.exit_code == 1 and "--workers are for --engine ray" in refused.output
+
+
+class SlowRay:
+    """Stands in for the ``ray`` module: its first ``timeouts`` starts fail as Ray's do on a loaded machine."""
+
+    def __init__(self, timeouts: int, message: str = "The current node timed out during startup."):
+        self.timeouts, self.message = timeouts, message
+        self.calls: list[str] = []
+
+    def init(self, **options: object) -> dict[str, object]:
+        self.calls.append("init")
+        if self.calls.count("init") <= self.timeouts:
+            raise Exception(self.message)  # what Ray's node.py raises
+        return options
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+
+def test_a_local_ray_that_starts_too_slowly_is_started_once_more() -> None:
+    slow = SlowRay(timeouts=1)
+    assert init_local(slow, num_cpus=2) == {"num_cpus": 2}
+    assert slow.calls == ["init", "shutdown", "init"]
+    with pytest.raises(Exception, match="timed out during startup"):  # twice: the error is the caller's
+        init_local(SlowRay(timeouts=2))
+    other = SlowRay(timeouts=1, message="object store too small")
+    with pytest.raises(Exception, match="object store"):  # any other failure is not retried
+        init_local(other)
+    assert other.calls == ["init"]
 
 
 def test_precision_auto_is_settled_once_on_the_driver(tiny_bert: Path) -> None:
