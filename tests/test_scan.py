@@ -41,7 +41,7 @@ def test_matches_the_exact_reference(threads: int, nq: int) -> None:
 @pytest.mark.parametrize("path", ["numpy", "faiss", None])
 def test_batches_match_the_exact_reference_on_either_path(path: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches (>= FEW_QUERIES) go to numpy's blocked product or FAISS's knn; None: the first batch times both."""
-    monkeypatch.setattr(scan_module, "SCORE_BLOCK_BYTES", 4 * 50 * 1000)  # 1,000-row blocks, the last of 300
+    monkeypatch.setattr(scan_module, "TILE_BYTES", 4 * 48 * 1000)  # 1,000-row tiles, the last of 300
     rng = np.random.default_rng(5)
     matrix, queries = unit(rng, 20_300, 48), unit(rng, 50, 48)
     scan = FlatScan(matrix, threads=2)
@@ -67,11 +67,14 @@ def test_k_larger_than_a_slice_and_than_the_matrix() -> None:
     assert rows.shape == (1, 9000) and set(rows[0].tolist()) == set(range(9000))
 
 
-def test_ties_come_back_lower_row_first_across_slices() -> None:
+@pytest.mark.parametrize("nq", [1, 8])  # the sliced scans, the tiled product
+def test_ties_come_back_lower_row_first(nq: int) -> None:
     matrix = np.zeros((10_000, 4), dtype=np.float32)
     matrix[:, 0] = 1.0  # every row scores the same
-    scores, rows = FlatScan(matrix, threads=2).search(np.array([[1, 0, 0, 0]], dtype=np.float32), 5)
-    assert rows[0].tolist() == [0, 1, 2, 3, 4]
+    scan = FlatScan(matrix, threads=2)
+    scan.batch_path = "numpy"
+    scores, rows = scan.search(np.tile(np.array([[1, 0, 0, 0]], dtype=np.float32), (nq, 1)), 5)
+    assert rows.tolist() == [[0, 1, 2, 3, 4]] * nq
     np.testing.assert_array_equal(scores, 1.0)
 
 
@@ -120,7 +123,6 @@ def test_tiles_of_a_misaligned_matrix_are_aligned_copies(monkeypatch: pytest.Mon
 
 def test_batches_over_a_misaligned_matrix_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scan_module, "TILE_BYTES", 4 * 48 * 700)  # tiles that do not divide the blocks
-    monkeypatch.setattr(scan_module, "SCORE_BLOCK_BYTES", 4 * 16 * 5000)
     rng = np.random.default_rng(8)
     matrix, queries = unit(rng, 12_345, 48), unit(rng, 16, 48)
     scan = FlatScan(misaligned(matrix), threads=2)
