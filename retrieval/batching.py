@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from retrieval.autothreads import ThreadChooser
 from retrieval.errors import RetrievalError
 from retrieval.search import Hit, Searcher, SearchParams
 
@@ -81,7 +82,8 @@ class Batcher:
     (beyond it ``Overloaded`` is raised at submission). A job larger than ``max_batch`` runs as a batch of its
     own; jobs are never split. ``workers`` threads process batches (one each at a time). ``setup`` runs first in
     each worker thread (thread-local settings such as FAISS's OpenMP thread count); ``on_batch`` is called after
-    each batch with its ``BatchStats``.
+    each batch with its ``BatchStats``. ``threads``: a ``ThreadChooser`` that sets torch's thread count before
+    each batch's encoding and is told how long the encoding took.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class Batcher:
         setup: Callable[[], None] | None = None,
         on_batch: Callable[[BatchStats], None] | None = None,
         workers: int = 1,
+        threads: ThreadChooser | None = None,
     ):
         if max_batch < 1 or max_wait < 0 or max_queue < 1 or workers < 1:
             raise ValueError("max_batch, max_queue and workers must be positive, max_wait non-negative")
@@ -107,6 +110,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._stopping = False
         self.workers = workers
+        self.threads = threads
         self._threads: list[threading.Thread] = []
 
     # ----- submitting ------------------------------------------------------------------------------------
@@ -189,7 +193,11 @@ class Batcher:
         texts = [text for job in live for text in job.texts]
         try:
             searcher = self.current()
+            chosen = self.threads.choose(len(texts)) if self.threads is not None and texts else None
+            began = time.perf_counter()
             raw = searcher.encode(texts) if texts else np.empty((0, 0), np.float32)
+            if chosen is not None and self.threads is not None:
+                self.threads.record(len(texts), chosen, time.perf_counter() - began)
         except BaseException as err:  # noqa: BLE001 - every waiting caller must hear of it, whatever it was
             if not isinstance(err, RetrievalError):
                 log.exception("a batch of %d queries failed to encode", len(texts))

@@ -722,6 +722,17 @@ def _report_tuning(result: Any, folder: Path | None) -> None:
 DefaultServe = ServeOptions()
 
 
+def _threads_option(value: str, name: str) -> int | str:
+    """auto, or a whole number (range checked by ServeOptions)."""
+    value = value.strip().lower()
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"`{name}` must be auto or a positive integer (got {value!r})", name) from None
+
+
 @app.command()
 @user_errors
 def serve(
@@ -740,7 +751,9 @@ def serve(
     max_wait_ms: Annotated[
         float, typer.Option(help="Micro-batching: wait this long for more queries after the first.")
     ] = DefaultServe.max_wait_ms,
-    torch_threads: Annotated[int, typer.Option(help="torch intra-op threads.")] = DefaultServe.torch_threads,
+    torch_threads: Annotated[
+        str, typer.Option(help="torch intra-op threads, or auto: the engine times its batches and keeps the faster.")
+    ] = str(DefaultServe.torch_threads),
     blas_threads: Annotated[int, typer.Option(help="numpy BLAS threads (flat scans).")] = DefaultServe.blas_threads,
     engine_workers: Annotated[
         int, typer.Option(help="Engine threads, each encoding and searching one batch at a time.")
@@ -771,7 +784,7 @@ def serve(
     options = ServeOptions(
         max_batch=max_batch,
         max_wait_ms=max_wait_ms,
-        torch_threads=torch_threads,
+        torch_threads=_threads_option(torch_threads, "torch_threads"),
         faiss_threads=faiss_threads,
         blas_threads=blas_threads,
         engine_workers=engine_workers,

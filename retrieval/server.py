@@ -466,6 +466,7 @@ def describe(service: Service) -> dict[str, Any]:
         "batching": {"max_batch": options.max_batch, "max_wait_ms": options.max_wait_ms},
         "threads": {
             "torch": options.torch_threads,
+            "torch_auto": service.threads.describe() if service.threads is not None else None,
             "faiss": options.faiss_threads,
             "blas": options.blas_threads,
             "engine_workers": options.engine_workers,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from retrieval.autothreads import ThreadChooser
 from retrieval.batching import Batcher, BatchStats
 from retrieval.encoder import Encoder
 from retrieval.errors import ConfigError, RetrievalError
@@ -41,12 +42,13 @@ class ServeOptions:
     # B: see README "Serving" (B = 1, no batching, to 64; 16 and 64 clients).
     max_batch: int = 32
     max_wait_ms: float = 0.0
-    # Threads of torch's intra-op pool (process-wide) and of FAISS's OpenMP pool in the engine thread. One each:
-    # two torch threads wait at every OpenMP barrier for a core that the event loop, the clients and other
-    # processes also want (1 client: 6 QPS, p99 379 ms, against 50 QPS, p99 30 ms; 16 clients 17 against 64 QPS);
-    # two FAISS threads: 1 client p99 69 against 30 ms, 16 clients 51 against 64 QPS. (Measured on the shared
-    # 2-core machine at load average 10-12: ratios, not absolutes.)
-    torch_threads: int = 1
+    # Threads of torch's intra-op pool (process-wide): "auto" measures (retrieval/autothreads.py). Neither fixed
+    # count wins everywhere: on the quiet 2-core machine two threads answered more (HNSW 100k: 16 clients 161 vs
+    # 130 QPS), with three other busy processes far less (1 client 13 vs 32 QPS; at load average 10-12 on the
+    # shared machine: 6 vs 50). "auto" needs one engine worker (the setting is the whole process's).
+    # FAISS's OpenMP pool in the engine thread: one; two FAISS threads: 1 client p99 69 against 30 ms, 16 clients
+    # 51 against 64 QPS (flat; HNSW 16 clients 108 vs 130 QPS).
+    torch_threads: int | str = "auto"
     faiss_threads: int = 1
     # Threads of numpy's BLAS (process-wide), which runs the flat scan's matrix product for batches of 4-19
     # queries (retrieval/scan.py). OpenBLAS's threads spin after each product, taking the core the forward pass
@@ -68,8 +70,17 @@ class ServeOptions:
     verify: Verify = "full"
 
     def check(self) -> None:
+        if self.torch_threads == "auto":
+            if self.engine_workers != 1:
+                raise ConfigError(
+                    "`torch_threads` auto measures one engine worker's batches: give a number with `engine_workers`",
+                    "torch_threads",
+                )
+        elif isinstance(self.torch_threads, str) or isinstance(self.torch_threads, bool) or self.torch_threads < 1:
+            raise ConfigError(
+                f"`torch_threads` must be auto or a positive integer (got {self.torch_threads!r})", "torch_threads"
+            )
         positive = {
-            "torch_threads": self.torch_threads,
             "faiss_threads": self.faiss_threads,
             "blas_threads": self.blas_threads,
             "engine_workers": self.engine_workers,
@@ -135,6 +146,8 @@ class Service:
         self.loaded_at: str | None = None
         self.reloads = {"ok": 0, "failed": 0}  # loads, the first one included
         self.on_batch = on_batch  # called with each batch's BatchStats (the app's metrics set it)
+        self._torch_encoder = False  # the serving version encodes with torch (its thread count is ours to set)
+        self.threads = ThreadChooser(self._set_torch_threads) if options.torch_threads == "auto" else None
         self.batcher = Batcher(
             self.searcher,
             max_batch=options.max_batch,
@@ -143,6 +156,7 @@ class Service:
             setup=self._engine_thread_setup,
             on_batch=self._batch_done,
             workers=options.engine_workers,
+            threads=self.threads,
         )
 
     # ----- state -----------------------------------------------------------------------------------------
@@ -239,10 +253,17 @@ class Service:
                 log.warning("the new version of %s uses another encoder: loading it", self.directory)
                 encoder = None
         if encoder is None and manifest.encoder.kind == "transformers":
-            set_torch_threads(self.options.torch_threads)
+            threads = self.options.torch_threads
+            set_torch_threads(threads if isinstance(threads, int) else 1)  # auto starts at one, then measures
         searcher = Searcher.load(self.directory, encoder=encoder, verify=self.options.verify)
         searcher.warm_up()
+        self._torch_encoder = searcher.manifest.encoder.kind == "transformers"
         return searcher
+
+    def _set_torch_threads(self, threads: int) -> None:
+        """What ``--torch-threads auto`` applies before a batch: nothing for encoders that are not torch's."""
+        if self._torch_encoder:
+            set_torch_threads(threads)
 
     def _engine_thread_setup(self) -> None:
         set_faiss_threads(self.options.faiss_threads)

@@ -300,12 +300,12 @@ def sweep(args: argparse.Namespace, configs: list[dict[str, Any]], log: Path) ->
     rows = []
     for config in configs:
         options = [f"--{key.replace('_', '-')}={value}" for key, value in config["server"].items()]
-        server = Server(args.work / "serve-flat", log, "--watch-interval", "0", *options)
+        server = Server(args.work / f"serve-{args.sweep_kind}", log, "--watch-interval", "0", *options)
         try:
             server.wait_ready()
             for clients in config["clients"]:
                 result = drive(server, queries, clients, args.sweep_seconds)
-                rows.append({**config["server"], **result})
+                rows.append({"kind": args.sweep_kind, **config["server"], **result})
                 print(json.dumps(rows[-1]), file=sys.stderr)
         finally:
             server.stop()
@@ -313,11 +313,31 @@ def sweep(args: argparse.Namespace, configs: list[dict[str, Any]], log: Path) ->
 
 
 def threads(args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    """torch threads 1, 2 and auto (the engine measures), FAISS threads 1 and 2."""
     configs = [
         {"server": {"torch_threads": t, "faiss_threads": f}, "clients": [1, 16]}
-        for t, f in ((1, 1), (2, 1), (1, 2), (2, 2))
+        for t, f in ((1, 1), (2, 1), ("auto", 1), (1, 2))
     ]
-    return {"seconds_each": args.sweep_seconds, "rows": sweep(args, configs, log)}
+    return {"seconds_each": args.sweep_seconds, "hogs": args.hogs, "rows": sweep(args, configs, log)}
+
+
+class Hogs:
+    """``n`` busy-looping processes at normal priority while a phase runs: the shared machine's other jobs,
+    reproducibly. Stopped (killed) on leaving, whatever happened."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Hogs:
+        for _ in range(self.n):
+            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
 
 
 def batching(args: argparse.Namespace, log: Path) -> dict[str, Any]:
@@ -518,18 +538,18 @@ def report(out: Path) -> None:
             "",
         ]
     latency = [("clients", "clients"), ("qps", "QPS"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms")]
-    sweeps = {
+    sweeps = {  # rows from before --sweep-kind have no "kind": they served the flat index
         "threads": (
-            "torch x FAISS threads (flat, B 32, T 0)",
-            [("torch_threads", "torch"), ("faiss_threads", "FAISS"), *latency, ("max_ms", "max ms")],
+            "torch x FAISS threads (B 32, T 0; torch auto: the engine measures)",
+            [("kind", "index"), ("torch_threads", "torch"), ("faiss_threads", "FAISS"), *latency, ("max_ms", "max ms")],
         ),
         "workers": (
-            "Engine workers (flat, B 32, T 0, 1 torch and 1 FAISS thread each)",
-            [("engine_workers", "workers"), *latency, ("mean_batch", "mean batch")],
+            "Engine workers (B 32, T 0, 1 torch and 1 FAISS thread each)",
+            [("kind", "index"), ("engine_workers", "workers"), *latency, ("mean_batch", "mean batch")],
         ),
         "batching": (
-            "Micro-batch size B x wait T (flat, 1 torch thread, 1 FAISS thread)",
-            [("max_batch", "B"), ("max_wait_ms", "T ms"), *latency, ("mean_batch", "mean batch")],
+            "Micro-batch size B x wait T (1 torch thread, 1 FAISS thread)",
+            [("kind", "index"), ("max_batch", "B"), ("max_wait_ms", "T ms"), *latency, ("mean_batch", "mean batch")],
         ),
     }
     for phase, (title, columns) in sweeps.items():
@@ -537,7 +557,9 @@ def report(out: Path) -> None:
             table = benchlib.md_table(
                 merged[phase]["result"]["rows"], [*columns, ("errors", "errors"), ("loadavg", "load avg")]
             )
-            lines += [f"## {title}", "", table, ""]
+            hogs = merged[phase]["result"].get("hogs")
+            beside = f" ({hogs} busy processes beside the server)" if hogs else ""
+            lines += [f"## {title}{beside}", "", table, ""]
     if "gil" in merged:
         g = merged["gil"]["result"]
         lines += [
@@ -658,7 +680,9 @@ def main() -> None:
     ap.add_argument("--sweep-seconds", type=float, default=12.0, help="each threads / batching configuration")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--kinds", default="flat,hnsw", help="indexes the load phase serves")
+    ap.add_argument("--sweep-kind", default="flat", choices=("flat", "hnsw"), help="index the sweeps serve")
     ap.add_argument("--code", type=Path, default=None, help="run this checkout's server (default: this one)")
+    ap.add_argument("--hogs", type=int, default=0, help="busy processes competing for the cores during each phase")
     args = ap.parse_args()
     if args.code is not None:
         global CODE
@@ -686,7 +710,8 @@ def main() -> None:
             "load": lambda: load(args, log),
             "reload": lambda: reload(args, log),
         }[phase]
-        result = runner()
+        with Hogs(args.hogs):
+            result = runner()
         part = {
             "command": benchlib.command_line(),
             "machine": info,

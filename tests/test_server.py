@@ -19,9 +19,11 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from retrieval import update  # noqa: E402
+from retrieval.autothreads import ThreadChooser  # noqa: E402
 from retrieval.batching import Batcher, Overloaded  # noqa: E402
 from retrieval.build import build_index  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
+from retrieval.errors import ConfigError  # noqa: E402
 from retrieval.indexdir import INDEX  # noqa: E402
 from retrieval.search import Searcher, SearchParams  # noqa: E402
 from retrieval.server import create_app  # noqa: E402
@@ -122,6 +124,8 @@ def test_health_ready_info_and_the_page(client: TestClient) -> None:
     assert index["gamma"] == DEFAULT_GAMMA and index["index_kind"] == "flat" and index["generation"] == 1
     assert "dims" in index["summary"] and index["summary"]["rows (N)"] == "300"
     assert info["server"]["last_reload_error"] is None and info["server"]["limits"]["max_k"] == 100
+    threads = info["server"]["threads"]
+    assert threads["torch"] == "auto" and threads["torch_auto"]["choices"][0] == 1  # the default: measured
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "textContent" in page.text and "innerHTML" not in page.text
@@ -384,6 +388,45 @@ def test_engine_workers_process_batches_side_by_side(index: Path, workers: int) 
         Batcher(lambda: searcher, workers=0)
 
 
+def test_the_engine_lets_its_thread_chooser_time_each_encoding(index: Path) -> None:
+    """--torch-threads auto: the chooser picks before each batch's encoding and is told what it cost."""
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    encode = searcher.encode
+
+    def slow_encode(texts: list[str]) -> np.ndarray:
+        time.sleep(0.01)
+        return encode(texts)
+
+    searcher.encode = slow_encode  # type: ignore[method-assign]
+    applied: list[int] = []
+    chooser = ThreadChooser(applied.append, (1, 2))
+    timed: list[tuple[int, int, float]] = []
+    record = chooser.record
+    chooser.record = lambda q, t, s: (timed.append((q, t, s)), record(q, t, s))  # type: ignore[method-assign]
+    batcher = Batcher(lambda: searcher, max_batch=4, threads=chooser)
+    futures = [
+        batcher.submit_search([f"document number {i} about topic {i % 7}"], SearchParams(k=1)) for i in range(16)
+    ]
+    batcher.start()
+    try:
+        assert [f.result(10).hits[0][0].id for f in futures] == [f"doc{i}" for i in range(16)]
+    finally:
+        batcher.stop(timeout=10)
+    assert [q for q, _, _ in timed] == [4, 4, 4, 4]  # one timing per batch, of its queries
+    assert [t for _, t, _ in timed] == [1, 1, 1, 2] and applied == [1, 2]  # each setting measured in turn
+    assert all(0.01 <= s < 5 for _, _, s in timed)
+    assert chooser.describe()["ms_per_query"]["4-7"]["1"] >= 2.5  # 10 ms for 4 queries
+
+
+def test_auto_torch_threads_need_one_engine_worker() -> None:
+    with pytest.raises(ConfigError, match="engine_workers"):
+        ServeOptions(engine_workers=2).check()
+    ServeOptions(engine_workers=2, torch_threads=1).check()
+    for bad in (0, "two", True):
+        with pytest.raises(ConfigError, match="torch_threads"):
+            ServeOptions(torch_threads=bad).check()
+
+
 def test_a_full_queue_is_refused_and_a_stopped_engine_takes_nothing(index: Path) -> None:
     searcher = Searcher.load(index, encoder=FakeEncoder())
     batcher = Batcher(lambda: searcher, max_queue=4)
@@ -420,6 +463,9 @@ def test_concurrent_http_requests_are_batched(index: Path) -> None:
         (["serve", "{index}", "--max-wait-ms", "-1"], "--max-wait-ms"),
         (["serve", "{index}", "--engine-workers", "0"], "--engine-workers"),
         (["serve", "{index}", "--blas-threads", "-2"], "--blas-threads"),
+        (["serve", "{index}", "--torch-threads", "many"], "--torch-threads"),
+        (["serve", "{index}", "--torch-threads", "0"], "--torch-threads"),
+        (["serve", "{index}", "--engine-workers", "2"], "--torch-threads"),  # auto needs one worker
     ],
 )
 def test_serve_refuses_bad_options_in_one_line_before_starting(

@@ -1,0 +1,102 @@
+"""Choosing torch's thread count while serving, by measuring it: ``--torch-threads auto``.
+
+Neither fixed setting is right on a 2-core machine. Quiet, two torch threads answered more (HNSW, 100k MiniLM
+index: 77 vs 66 QPS at one client, 161 vs 130 at sixteen); with three other busy processes, two threads wait
+at every OpenMP barrier for a core that is elsewhere, and answered less (13 vs 32 QPS at one client, 36 vs 51 at
+sixteen; results/serve/). So the engine times its own encodes and keeps whichever setting was faster lately.
+
+Batches are compared only with batches of about the same size (the cost of a query falls as batches grow), in
+size classes 1, 2-3, 4-7, 8+. Each setting's estimate for a class is the median of its last ``SAMPLES``
+timings, and the lower estimate wins. A setting with fewer timings, or none in the last ``EXPLORE_S`` seconds,
+is tried on the next batch of that class: the setting in use follows a change of load within a couple of
+batches, the others are re-measured once per ``EXPLORE_S``, which bounds what exploring costs.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EXPLORE_S = 5.0  # a setting not timed for this long (for a size class) is tried again
+SAMPLES = 3  # timings per setting and size class: the estimate is their median
+SIZE_CLASSES = 4  # 1, 2-3, 4-7, 8+ queries
+CLASS_NAMES = {1: "1", 2: "2-3", 3: "4-7", 4: "8+"}
+
+
+def default_choices(cpus: int | None = None) -> tuple[int, ...]:
+    """1 thread, half the cores, all of them (duplicates dropped): (1, 2) on 2 cores, (1, 4, 8) on 8."""
+    cpus = max(1, cpus if cpus is not None else os.cpu_count() or 1)
+    return tuple(sorted({1, max(1, cpus // 2), cpus}))
+
+
+def size_class(queries: int) -> int:
+    return min(max(1, queries).bit_length(), SIZE_CLASSES)
+
+
+class ThreadChooser:
+    """``choose(queries)`` before a batch (applies the setting through ``apply`` when it changes and returns
+    it); ``record(queries, threads, seconds)`` after. Safe to call from several threads, though a process-wide
+    setting is only meaningful with one engine worker."""
+
+    def __init__(
+        self,
+        apply: Callable[[int], None],
+        choices: Sequence[int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.choices = tuple(choices) if choices else default_choices()
+        if not self.choices or min(self.choices) < 1:
+            raise ValueError("thread choices must be positive")
+        self._apply = apply
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._timings: dict[tuple[int, int], deque[tuple[float, float]]] = {}
+        self.current: int | None = None  # the setting applied last
+        self.switches = 0
+
+    def choose(self, queries: int) -> int:
+        with self._lock:
+            threads = self._pick(size_class(queries), self._clock())
+            if threads != self.current:
+                self._apply(threads)
+                self.switches += self.current is not None
+                self.current = threads
+            return threads
+
+    def record(self, queries: int, threads: int, seconds: float) -> None:
+        if queries < 1 or seconds < 0:
+            return
+        with self._lock:
+            key = (size_class(queries), threads)
+            self._timings.setdefault(key, deque(maxlen=SAMPLES)).append((self._clock(), seconds / queries))
+
+    def _pick(self, cls: int, now: float) -> int:
+        estimates = {}
+        for threads in self.choices:
+            timings = self._timings.get((cls, threads), deque())
+            if len(timings) < SAMPLES or now - timings[-1][0] > EXPLORE_S:
+                return threads  # not measured enough, or not lately: try it
+            estimates[threads] = statistics.median(seconds for _, seconds in timings)
+        return min(self.choices, key=estimates.__getitem__)
+
+    def describe(self) -> dict[str, Any]:
+        """For /info: the choices, the setting in use, switches so far, and each setting's estimate in
+        milliseconds per query by batch size ({"8+": {"1": 8.1, "2": 6.2}, ...})."""
+        with self._lock:
+            recent: dict[str, dict[str, float]] = {}
+            for cls, name in CLASS_NAMES.items():
+                for threads in self.choices:
+                    if timings := self._timings.get((cls, threads)):
+                        median = statistics.median(seconds for _, seconds in timings)
+                        recent.setdefault(name, {})[str(threads)] = round(1000 * median, 3)
+            return {
+                "choices": list(self.choices),
+                "current": self.current,
+                "switches": self.switches,
+                "ms_per_query": recent,
+            }

@@ -1,0 +1,89 @@
+"""--torch-threads auto: the chooser keeps the setting that encoded faster lately, per batch size."""
+
+from __future__ import annotations
+
+import pytest
+
+from retrieval.autothreads import EXPLORE_S, SAMPLES, ThreadChooser, default_choices, size_class
+
+
+class Machine:
+    """A fake clock and a fake encoder whose seconds per query depend on the thread count (and can change)."""
+
+    def __init__(self, per_query: dict[int, float]):
+        self.now = 0.0
+        self.per_query = per_query
+        self.applied: list[int] = []
+
+    def batch(self, chooser: ThreadChooser, queries: int, gap: float = 0.05) -> int:
+        threads = chooser.choose(queries)
+        seconds = self.per_query[threads] * queries
+        self.now += seconds + gap
+        chooser.record(queries, threads, seconds)
+        return threads
+
+
+def chooser_on(machine: Machine, choices: tuple[int, ...] = (1, 2)) -> ThreadChooser:
+    return ThreadChooser(machine.applied.append, choices, clock=lambda: machine.now)
+
+
+def test_each_setting_is_measured_then_the_faster_kept() -> None:
+    machine = Machine({1: 0.010, 2: 0.006})
+    chooser = chooser_on(machine)
+    used = [machine.batch(chooser, 8) for _ in range(20)]
+    assert used[: 2 * SAMPLES] == [1] * SAMPLES + [2] * SAMPLES  # each tried SAMPLES times first
+    assert set(used[2 * SAMPLES :]) == {2}
+    assert machine.applied == [1, 2]  # applied only when it changes
+    assert chooser.describe()["ms_per_query"]["8+"] == {"1": 10.0, "2": 6.0}
+
+
+def test_a_change_of_load_is_followed_within_a_window() -> None:
+    machine = Machine({1: 0.010, 2: 0.006})  # quiet: two threads faster
+    chooser = chooser_on(machine)
+    for _ in range(50):
+        machine.batch(chooser, 8)
+    assert chooser.current == 2
+    machine.per_query = {1: 0.020, 2: 0.080}  # other processes took the cores: one thread now faster
+    started = machine.now
+    used = []
+    while machine.now - started < 3 * EXPLORE_S:
+        used.append(machine.batch(chooser, 8))
+    assert used[:4].count(2) == 2  # two slow batches outvote the quiet ones: one thread from then on ...
+    assert used[4:].count(2) <= 3  # ... but for one try per EXPLORE_S
+    assert len(used) > 50
+    machine.per_query = {1: 0.010, 2: 0.006}  # quiet again: back to two threads once re-measured
+    started = machine.now
+    back = []
+    while machine.now - started < (SAMPLES + 1) * EXPLORE_S:
+        back.append(machine.batch(chooser, 8))
+    assert back[-20:].count(2) >= 19  # two fresh fast timings (one per EXPLORE_S) were enough
+
+
+def test_exploring_costs_a_few_batches_per_window() -> None:
+    machine = Machine({1: 0.004, 2: 0.040})  # the other setting is 10x slower: exploring it must stay rare
+    chooser = chooser_on(machine)
+    used = []
+    while machine.now < 20 * EXPLORE_S:
+        used.append(machine.batch(chooser, 4))
+    periods = machine.now / EXPLORE_S
+    assert periods - 2 <= used.count(2) - SAMPLES <= periods + 1  # once per EXPLORE_S after the first SAMPLES
+    assert used.count(2) / len(used) < 0.02
+
+
+def test_batch_sizes_are_compared_only_with_their_own_class() -> None:
+    machine = Machine({1: 0.010, 2: 0.006})
+    chooser = chooser_on(machine)
+    for _ in range(20):
+        machine.batch(chooser, 16)
+    assert chooser.current == 2
+    assert chooser.choose(1) == 1  # single queries have not been timed yet: measured on their own
+    assert [size_class(n) for n in (1, 2, 3, 4, 7, 8, 500)] == [1, 2, 2, 3, 3, 4, 4]
+
+
+def test_choices() -> None:
+    assert default_choices(1) == (1,) and default_choices(2) == (1, 2) and default_choices(8) == (1, 4, 8)
+    machine = Machine({1: 0.01})
+    chooser = chooser_on(machine, choices=(1,))
+    assert {machine.batch(chooser, 3) for _ in range(10)} == {1} and machine.applied == [1]
+    with pytest.raises(ValueError):
+        ThreadChooser(machine.applied.append, (0, 2))
