@@ -68,6 +68,11 @@ class ThreadChooser:
                 self.current = threads
             return threads
 
+    def forget_applied(self) -> None:
+        """The thread count was changed behind the chooser's back: apply its choice again at the next batch."""
+        with self._lock:
+            self.current = None
+
     def record(self, queries: int, threads: int, seconds: float) -> None:
         if queries < 1 or seconds < 0:
             return

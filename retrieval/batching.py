@@ -59,10 +59,11 @@ class EmbedResult:
 @dataclass
 class _Job:
     texts: list[str]
-    params: SearchParams | None  # None: an embedding job
+    params: SearchParams | None  # None: an embedding job (or a call)
     transformed: bool
     future: Future[Any]
     enqueued: float = field(default_factory=time.perf_counter)
+    call: Callable[[], Any] | None = None  # a function to run in an engine thread (``Batcher.call``)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,15 @@ class Batcher:
 
     def submit_embed(self, texts: Sequence[str], transformed: bool = False) -> Future[EmbedResult]:
         return self._submit(_Job(list(texts), None, transformed, Future()))
+
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run ``fn`` in an engine thread, before the next batch there: for what must happen in the thread that
+        encodes (thread-local settings, warming them up)."""
+        return self._submit(_Job([], None, False, Future(), call=fn))
+
+    @property
+    def running(self) -> bool:
+        return bool(self._threads) and not self._stopping
 
     def _submit(self, job: _Job) -> Future[Any]:
         with self._cond:
@@ -190,6 +200,15 @@ class Batcher:
     def _process(self, jobs: list[_Job]) -> None:
         start = time.perf_counter()
         live = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        for job in live:
+            if job.call is not None:
+                try:
+                    job.future.set_result(job.call())
+                except BaseException as err:  # noqa: BLE001 - handed to the caller
+                    job.future.set_exception(err)
+        live = [job for job in live if job.call is None]
+        if not live:
+            return
         texts = [text for job in live for text in job.texts]
         try:
             searcher = self.current()

@@ -104,6 +104,12 @@ class ServeOptions:
             raise ConfigError(f"`verify` must be full, quick or none (got {self.verify!r})", "verify")
 
 
+# What the engine encodes at each torch thread count before /ready (``Service._warm_thread_counts``): a full
+# batch of short texts of mixed lengths, packed as real queries are.
+WARM_TEXTS = [f"warm-up query {i}: " + " ".join(["retrieval"] * (i % 24)) for i in range(32)]
+WARM_TIMEOUT_S = 300.0
+
+
 class NotReady(RetrievalError):
     """No index version is loaded yet (HTTP 503)."""
 
@@ -258,7 +264,19 @@ class Service:
         searcher = Searcher.load(self.directory, encoder=encoder, verify=self.options.verify)
         searcher.warm_up()
         self._torch_encoder = searcher.manifest.encoder.kind == "transformers"
+        if encoder is None and self._torch_encoder and self.threads is not None and self.batcher.running:
+            self.batcher.call(lambda: self._warm_thread_counts(searcher)).result(WARM_TIMEOUT_S)
         return searcher
+
+    def _warm_thread_counts(self, searcher: Searcher) -> None:
+        """In the engine thread, with a newly loaded encoder: encode a batch at every thread count ``auto`` may
+        choose, so each count's threads and buffers exist before /ready (the server starts at the memory it
+        keeps, and no request pays for a first use). The chooser applies its own choice at the next batch."""
+        assert self.threads is not None
+        for threads in self.threads.choices:
+            set_torch_threads(threads)
+            searcher.encode(WARM_TEXTS)
+        self.threads.forget_applied()
 
     def _set_torch_threads(self, threads: int) -> None:
         """What ``--torch-threads auto`` applies before a batch: nothing for encoders that are not torch's."""

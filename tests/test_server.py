@@ -418,6 +418,60 @@ def test_the_engine_lets_its_thread_chooser_time_each_encoding(index: Path) -> N
     assert chooser.describe()["ms_per_query"]["4-7"]["1"] >= 2.5  # 10 ms for 4 queries
 
 
+def test_calls_run_in_an_engine_thread_and_are_not_batches(index: Path) -> None:
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    sizes: list[int] = []
+    batcher = Batcher(lambda: searcher, on_batch=lambda stats: sizes.append(stats.queries))
+    batcher.start()
+    try:
+        assert batcher.call(lambda: threading.current_thread().name).result(10).startswith("retrieval-batcher")
+        with pytest.raises(ZeroDivisionError):
+            batcher.call(lambda: 1 / 0).result(10)
+        assert batcher.submit_search(["whitening"], SearchParams(k=1)).result(10).hits[0]
+    finally:
+        batcher.stop(timeout=10)
+    assert sizes == [1]
+    assert not batcher.running
+
+
+def test_auto_threads_warm_every_count_in_the_engine_thread_before_ready(
+    tiny_bert: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newly loaded torch encoder is run at each thread count auto may choose, in the engine thread (where the
+    setting and its threads live), before the version is ready; a reload that keeps the encoder does not."""
+    import torch
+
+    from retrieval import service as service_module
+    from retrieval.encoder import EncoderSpec
+
+    index = tmp_path / "idx"
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=60)
+    build_index(CorpusSpec(corpus), EncoderSpec(str(tiny_bert), precision="fp32").load(), index, TransformSpec(dim=8))
+    seen: list[tuple[int, str]] = []
+    real = service_module.set_torch_threads
+
+    def spy(threads: int | None) -> None:
+        seen.append((threads or 0, threading.current_thread().name))
+        real(threads)
+
+    monkeypatch.setattr(service_module, "set_torch_threads", spy)
+    before = torch.get_num_threads()
+    service = Service(index, ServeOptions(watch_interval=0))
+    try:
+        service.start(background=False)
+        assert service.ready and service.threads is not None
+        warmed = [n for n, name in seen if name.startswith("retrieval-batcher")]
+        assert warmed == list(service.threads.choices) and service.threads.current is None
+        hits = service.batcher.submit_search(["document number 3 about topic 3"], SearchParams(k=1)).result(30)
+        assert hits.hits[0] and service.threads.current == service.threads.choices[0]  # its own choice applied
+        seen.clear()
+        assert service.reload().reloaded  # same encoder: nothing to warm
+        assert not [n for n, name in seen if name.startswith("retrieval-batcher")]
+    finally:
+        service.stop(10)
+        torch.set_num_threads(before)
+
+
 def test_auto_torch_threads_need_one_engine_worker() -> None:
     with pytest.raises(ConfigError, match="engine_workers"):
         ServeOptions(engine_workers=2).check()
