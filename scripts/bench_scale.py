@@ -65,8 +65,9 @@ def locked(path: Path | None) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def job_name(kind: str, dim: int) -> str:
-    return f"{kind}-{dim}"
+def job_name(kind: str, dim: int, nlist: int | None = None) -> str:
+    """A build's name under --work; IVF builds with --ivf-nlist carry it (the default's builds keep theirs)."""
+    return f"{kind}-{dim}" + (f"-nlist{nlist}" if kind == "ivf" and nlist else "")
 
 
 def run_worker(step: str, cfg: dict[str, Any], work: Path, lock: Path | None) -> dict[str, Any]:
@@ -298,8 +299,9 @@ def report(
             f"Index: `{args.index}` (real text: `{Path(corpus_of(args.index)).name}`); "
             f"{rows[0]['batch_queries']} held-out queries from the same corpus. Transform: the library's gamma at "
             f"each k (k = {d}: no reduction, so the raw vectors, as `--dim {d}` builds). HNSW: M={args.hnsw_m}, "
-            f"efConstruction={args.hnsw_ef_construction}. IVF: the library's defaults (nlist ~4 sqrt(N), 50 "
-            "training rows per list).",
+            f"efConstruction={args.hnsw_ef_construction}. IVF: "
+            + (f"nlist={args.ivf_nlist}" if args.ivf_nlist else "the library's default nlist (~4 sqrt(N))")
+            + ", 50 training rows per list.",
             f"## Search (knob: the smallest reaching recall@10 >= {RECALL_TARGET} in the index's own space)",
             benchlib.md_table(
                 rows,
@@ -370,6 +372,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated kind:dim to (re)run, e.g. hnsw:128")
     ap.add_argument("--hnsw-m", type=int, default=32)
     ap.add_argument("--hnsw-ef-construction", type=int, default=64)
+    ap.add_argument("--ivf-nlist", type=int, default=None, help="IVF lists (default: the library's, ~4 sqrt(N))")
     ap.add_argument("--rescore", default="20,100", help="re-scoring depths (default: %(default)s)")
     ap.add_argument("--singles", type=int, default=1000, help="single queries timed per index (flat: a fifth)")
     ap.add_argument("--lock", type=Path, default=Path("/work/bench.lock"), help="held by each timed step")
@@ -394,12 +397,12 @@ def main() -> None:
     if args.only:
         for kind, dim in (item.split(":") for item in args.only.split(",")):
             for step in ("build", "search"):
-                (work / f"{step}-{job_name(kind, int(dim))}.json").unlink(missing_ok=True)
-    specs = {"flat": {"kind": "flat"}, "ivf": {"kind": "ivf"}}
+                (work / f"{step}-{job_name(kind, int(dim), args.ivf_nlist)}.json").unlink(missing_ok=True)
+    specs = {"flat": {"kind": "flat"}, "ivf": {"kind": "ivf", "nlist": args.ivf_nlist}}
     specs["hnsw"] = {"kind": "hnsw", "m": args.hnsw_m, "ef_construction": args.hnsw_ef_construction}
     builds = []
     for kind, dim in jobs:
-        name = job_name(kind, dim)
+        name = job_name(kind, dim, args.ivf_nlist)
         cfg = {"name": name, "kind": kind, "dim": dim, "spec": specs[kind], "base": str(args.index)}
         cfg["dir"] = str(work / name)
         print(f"== build {name}", flush=True)
@@ -407,12 +410,12 @@ def main() -> None:
         b = builds[-1]
         print(f"   {b['build_s']:.1f} s {b['stages_s']}, peak RSS {b['peak_rss_mib']:,.0f} MiB", flush=True)
     raw_queries = encode_queries(args.index, args.queries, work)
-    spaces = {f"w{d}": work / job_name(k, d) for k, d in jobs}  # one directory per transform: all kinds share it
+    spaces = {f"w{d}": work / job_name(k, d, args.ivf_nlist) for k, d in jobs}  # a directory per transform
     truth = exact_neighbours(args.index, raw_queries, spaces, work)
     full = f"w{max(d for _, d in jobs)}"
     searches = []
     for (kind, dim), b in zip(jobs, builds, strict=True):
-        name = job_name(kind, dim)
+        name = job_name(kind, dim, args.ivf_nlist)
         cfg = {"name": name, "kind": kind, "dir": str(work / name), "queries": str(work / "queries.npy")}
         cfg |= {"truth_same": truth[f"w{dim}"], "truth_full": truth[full], "truth_raw": truth["raw"]}
         cfg["rescore"] = args.rescore
