@@ -73,7 +73,8 @@ class ServeOptions:
         if self.torch_threads == "auto":
             if self.engine_workers != 1:
                 raise ConfigError(
-                    "`torch_threads` auto measures one engine worker's batches: give a number with `engine_workers`",
+                    "`torch_threads` auto times one engine worker's batches: with `engine_workers` above 1, give "
+                    "`torch_threads` a number (1: one thread per worker)",
                     "torch_threads",
                 )
         elif isinstance(self.torch_threads, str) or isinstance(self.torch_threads, bool) or self.torch_threads < 1:
