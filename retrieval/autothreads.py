@@ -86,7 +86,7 @@ class ThreadChooser:
             timings = self._timings.get((cls, threads), deque())
             if len(timings) < SAMPLES or now - timings[-1][0] > EXPLORE_S:
                 return threads  # not measured enough, or not lately: try it
-            estimates[threads] = statistics.median(seconds for _, seconds in timings)
+            estimates[threads] = _estimate(timings)
         return min(self.choices, key=estimates.__getitem__)
 
     def describe(self) -> dict[str, Any]:
@@ -97,11 +97,15 @@ class ThreadChooser:
             for cls, name in CLASS_NAMES.items():
                 for threads in self.choices:
                     if timings := self._timings.get((cls, threads)):
-                        median = statistics.median(seconds for _, seconds in timings)
-                        recent.setdefault(name, {})[str(threads)] = round(1000 * median, 3)
+                        recent.setdefault(name, {})[str(threads)] = round(1000 * _estimate(timings), 3)
             return {
                 "choices": list(self.choices),
                 "current": self.current,
                 "switches": self.switches,
                 "ms_per_query": recent,
             }
+
+
+def _estimate(timings: deque[tuple[float, float]]) -> float:
+    """Seconds per query of a setting: the median of its kept (time, seconds per query) timings."""
+    return statistics.median(seconds for _, seconds in timings)

@@ -212,11 +212,12 @@ class Batcher:
         texts = [text for job in live for text in job.texts]
         try:
             searcher = self.current()
-            chosen = self.threads.choose(len(texts)) if self.threads is not None and texts else None
+            chooser = self.threads if texts else None
+            chosen = chooser.choose(len(texts)) if chooser is not None else 0
             began = time.perf_counter()
             raw = searcher.encode(texts) if texts else np.empty((0, 0), np.float32)
-            if chosen is not None and self.threads is not None:
-                self.threads.record(len(texts), chosen, time.perf_counter() - began)
+            if chooser is not None:
+                chooser.record(len(texts), chosen, time.perf_counter() - began)
         except BaseException as err:  # noqa: BLE001 - every waiting caller must hear of it, whatever it was
             if not isinstance(err, RetrievalError):
                 log.exception("a batch of %d queries failed to encode", len(texts))

@@ -390,7 +390,7 @@ class TransformerEncoder:
         short_lengths = [lengths[i] for i in short]
         packed_rows = pack_rows(short_lengths, capacity)
         if 1 < len(packed_rows) <= self.batch_size:  # one forward pass, as wide as its widest row: even them out
-            packed_rows = narrowest_rows(short_lengths, len(packed_rows), capacity)
+            packed_rows = narrowest_rows(short_lengths, packed_rows)
         packs = [[short[i] for i in pack] for pack in packed_rows]
         width_cap = capacity if self.bucketed else None
         for rows, width in shape_batches([sum(lengths[i] for i in pack) for pack in packs], self.batch_size, width_cap):
@@ -641,18 +641,19 @@ def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return sorted(rows, key=lambda row: -sum(lengths[i] for i in row))
 
 
-def narrowest_rows(lengths: Sequence[int], count: int, capacity: int, step: int = 8) -> list[list[int]]:
-    """``pack_rows`` into at most ``count`` rows, as narrow as first fit manages: rows of one forward pass are all
-    padded to the widest, so 16 queries of 330 tokens packed 242 + 88 cost two rows of 256, and evened out to
-    two rows of ~165 cost two of 176 (a third fewer token slots; attention shrinks with the square). Tries widths
-    from an even share upwards in ``step``s; ``capacity`` (plain ``pack_rows``) when nothing narrower fits."""
-    width = max(max(lengths), -(-sum(lengths) // count))
-    while width < capacity:
-        rows = pack_rows(lengths, width)
-        if len(rows) <= count:
-            return rows
+def narrowest_rows(lengths: Sequence[int], rows: list[list[int]], step: int = 8) -> list[list[int]]:
+    """``rows`` (``pack_rows``'s) repacked into as many rows, as narrow as first fit manages: rows of one forward
+    pass are all padded to the widest, so 16 queries of 330 tokens packed 242 + 88 cost two rows of 256, and
+    evened out to two rows of ~165 cost two of 176 (a third fewer token slots; attention shrinks with the
+    square). Tries widths from an even share upwards in ``step``s; ``rows`` when nothing narrower fits."""
+    widest = max(sum(lengths[i] for i in row) for row in rows)
+    width = max(max(lengths), -(-sum(lengths) // len(rows)))
+    while width < widest:
+        narrower = pack_rows(lengths, width)
+        if len(narrower) <= len(rows):
+            return narrower
         width += step
-    return pack_rows(lengths, capacity)
+    return rows
 
 
 def _text_starts(packs: list[list[int]], ids: Sequence[Sequence[int]], width: int) -> list[int]:

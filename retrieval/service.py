@@ -77,7 +77,7 @@ class ServeOptions:
                     "`torch_threads` a number (1: one thread per worker)",
                     "torch_threads",
                 )
-        elif isinstance(self.torch_threads, str) or isinstance(self.torch_threads, bool) or self.torch_threads < 1:
+        elif isinstance(self.torch_threads, (str, bool)) or self.torch_threads < 1:
             raise ConfigError(
                 f"`torch_threads` must be auto or a positive integer (got {self.torch_threads!r})", "torch_threads"
             )

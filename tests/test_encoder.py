@@ -459,14 +459,14 @@ def test_pack_rows_puts_every_text_in_one_row_within_capacity() -> None:
 def test_rows_of_one_forward_pass_are_evened_out() -> None:
     lengths = [22, 19, 25, 18, 20, 21, 17, 24, 23, 16, 20, 22, 19, 21, 18, 25]  # 16 queries, 330 tokens
     assert [sum(lengths[i] for i in row) for row in pack_rows(lengths, 256)] == [242, 88]
-    rows = narrowest_rows(lengths, 2, 256)
+    rows = narrowest_rows(lengths, pack_rows(lengths, 256))
     assert sorted(i for row in rows for i in row) == list(range(16)) and len(rows) == 2
     assert max(sum(lengths[i] for i in row) for row in rows) <= 173  # an even share (165) plus a step
     rng = np.random.default_rng(4)
     for _ in range(50):
         lengths = [int(n) for n in rng.integers(1, 65, size=rng.integers(2, 60))]
         wide = pack_rows(lengths, 256)
-        rows = narrowest_rows(lengths, len(wide), 256)
+        rows = narrowest_rows(lengths, wide)
         assert sorted(i for row in rows for i in row) == list(range(len(lengths))) and len(rows) <= len(wide)
         widest = max(sum(lengths[i] for i in row) for row in rows)
         assert widest <= max(sum(lengths[i] for i in row) for row in wide)
