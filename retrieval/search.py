@@ -205,20 +205,16 @@ class Searcher:
 
     def _rescore(self, raw: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Re-rank each query's candidate rows by the full-dimension scorer (raw cosine unless the index records a
-        full-rank transform) of their stashed vectors."""
-        stash = self.stash()
-        pooling = self.manifest.transform.pooling
+        full-rank transform) of their stashed vectors. Every query's candidates are read in one pass over the
+        stash; a query's -1 rows (fewer candidates than asked) score -inf and stay last."""
         scorer = self.loaded.rescorer or RawTransform(self.transform.dim_in)
         queries = scorer.transform(raw)
-        out_scores = np.full((len(rows), k), -np.inf, dtype=np.float32)
-        out_rows = np.full((len(rows), k), -1, dtype=np.int64)
-        for i, candidates in enumerate(rows):
-            candidates = candidates[candidates >= 0]
-            scores = scorer.transform(stash.read_rows(candidates, pooling)) @ queries[i]
-            order = np.argsort(-scores, kind="stable")[:k]
-            out_scores[i, : len(order)] = scores[order]
-            out_rows[i, : len(order)] = candidates[order]
-        return out_scores, out_rows
+        found = rows >= 0
+        scores = np.full(rows.shape, -np.inf, dtype=np.float32)
+        vectors = scorer.transform(self.stash().read_rows(rows[found], self.manifest.transform.pooling))
+        scores[found] = np.einsum("ij,ij->i", vectors, np.repeat(queries, found.sum(axis=1), axis=0))
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
 
     def hits(self, scores: np.ndarray, rows: np.ndarray) -> list[list[Hit]]:
         out = []

@@ -226,6 +226,22 @@ def test_rescore_returns_the_exact_raw_cosine_top_k_among_the_candidates(searche
     assert not np.array_equal(rows, candidates[:, :k])
 
 
+def test_rescore_keeps_missing_candidates_last(searcher: Searcher, index_dir: Path) -> None:
+    """An ANN index can return fewer candidates than asked (-1 rows): re-scoring ranks the found ones by exact
+    cosine, and the missing stay -1 with score -inf, after them, whatever their place among the candidates."""
+    raw = queries(3)
+    candidates = np.array([[5, -1, 2, 9, -1], [-1, -1, -1, -1, -1], [7, 3, 1, 0, 4]])
+    scores, rows = searcher._rescore(raw, candidates, 4)
+    stash = IndexDir(index_dir).stash()
+    for q, expected_found in enumerate((3, 0, 4)):
+        found = candidates[q][candidates[q] >= 0]
+        cosines = l2_normalize(stash.read_rows(found)) @ l2_normalize(raw[q : q + 1])[0]
+        best = np.argsort(-cosines, kind="stable")[:4]
+        assert rows[q, :expected_found].tolist() == found[best].tolist()
+        np.testing.assert_allclose(scores[q, :expected_found], cosines[best], atol=SCORE_ATOL)
+        assert (rows[q, expected_found:] == -1).all() and np.isneginf(scores[q, expected_found:]).all()
+
+
 def test_rescore_over_every_document_is_the_exact_raw_top_k(searcher: Searcher, index_dir: Path) -> None:
     raw = queries(2)
     scores, rows = searcher.search_raw(raw, SearchParams(k=3, rescore=10_000))
