@@ -237,7 +237,10 @@ class Batcher:
             self._search(searcher, params, group, vectors, generation)
         if self._on_batch is not None:
             waited = start - min(job.enqueued for job in jobs)
-            self._on_batch(BatchStats(len(texts), len(jobs), waited, time.perf_counter() - start))
+            try:
+                self._on_batch(BatchStats(len(texts), len(jobs), waited, time.perf_counter() - start))
+            except Exception:  # noqa: BLE001 - a broken hook must not end the worker: every later request would hang
+                log.exception("the batch hook failed")
 
     @staticmethod
     def _embed(searcher: Searcher, job: _Job, raw: np.ndarray, generation: int) -> None:

@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from retrieval import update  # noqa: E402
 from retrieval.autothreads import ThreadChooser  # noqa: E402
-from retrieval.batching import Batcher, Overloaded  # noqa: E402
+from retrieval.batching import Batcher, BatchStats, Overloaded  # noqa: E402
 from retrieval.build import build_index  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
 from retrieval.errors import ConfigError  # noqa: E402
@@ -386,6 +386,24 @@ def test_engine_workers_process_batches_side_by_side(index: Path, workers: int) 
     assert met == ([True, True] if workers == 2 else [False, False])
     with pytest.raises(ValueError, match="workers"):
         Batcher(lambda: searcher, workers=0)
+
+
+def test_a_failing_batch_hook_ends_neither_the_batch_nor_the_engine(index: Path) -> None:
+    """The metrics hook runs after a batch's callers are answered; when it raises, the engine thread goes on (it
+    used to end, and every later request waited forever)."""
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+
+    def broken_metrics(stats: BatchStats) -> None:
+        raise RuntimeError("metrics broke")
+
+    batcher = Batcher(lambda: searcher, max_batch=1, on_batch=broken_metrics)
+    batcher.start()
+    try:
+        for i in range(3):
+            future = batcher.submit_search([f"document number {i} about topic {i}"], SearchParams(k=1))
+            assert future.result(10).hits[0][0].id == f"doc{i}"  # answered before the hook ran
+    finally:
+        batcher.stop(timeout=10)
 
 
 def test_the_engine_lets_its_thread_chooser_time_each_encoding(index: Path) -> None:
