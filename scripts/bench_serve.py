@@ -363,7 +363,7 @@ def load(args: argparse.Namespace, log: Path) -> dict[str, Any]:
             server.wait_ready()
             rss_start, anon_start = server.rss_mib(), server.rss_mib("RssAnon")
             rows = []
-            for clients in CLIENTS:
+            for clients in args.clients:
                 before = server.rss_mib()
                 result = drive(server, queries, clients, args.seconds)
                 after = {f"{name}_end_mib": server.rss_mib(field) for name, field in RSS_FIELDS.items()}
@@ -682,6 +682,12 @@ def main() -> None:
     ap.add_argument("--sweep-seconds", type=float, default=12.0, help="each threads / batching configuration")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--kinds", default="flat,hnsw", help="indexes the load phase serves")
+    ap.add_argument(
+        "--clients",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=list(CLIENTS),
+        help="the load phase's concurrency levels (default 1,4,16,64; the targets need 1, 16 and 64)",
+    )
     ap.add_argument("--sweep-kind", default="flat", choices=("flat", "hnsw"), help="index the sweeps serve")
     ap.add_argument("--code", type=Path, default=None, help="run this checkout's server (default: this one)")
     ap.add_argument("--hogs", type=int, default=0, help="busy processes competing for the cores during each phase")
