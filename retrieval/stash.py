@@ -258,7 +258,7 @@ class VectorStash:
         bounds = np.searchsorted(numbers[by_part], np.arange(len(self._parts) + 1))
         for number in range(len(self._parts)):
             these = by_part[bounds[number] : bounds[number + 1]]
-            if len(these):  # np.asarray: index the plain array, not the memmap subclass (5x the Python cost)
+            if len(these):  # np.asarray: index the plain array; the memmap subclass adds Python calls per index
                 out[these] = np.asarray(self._map(pooling, number, keep))[rows[these] - starts[number]]
         return out
 
