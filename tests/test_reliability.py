@@ -626,6 +626,9 @@ def writer(argv: list[str]) -> int:
     parser.add_argument("--pause", choices=["encode", "write", "publish"], required=True)
     parser.add_argument("--marker", type=Path, required=True)
     args = parser.parse_args(argv)
+    # Ctrl-C as a terminal delivers it: a test suite started in the background (`make test &`) hands its children
+    # SIGINT ignored, and Python then installs no handler, so the SIGINT tests would wait out their timeouts.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def hold() -> None:
         args.marker.touch()
