@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from retrieval.autothreads import EXPLORE_S, SAMPLES, ThreadChooser, default_choices, size_class
+from retrieval.autothreads import (
+    EXPLORE_MAX_S,
+    EXPLORE_S,
+    SAMPLES,
+    ThreadChooser,
+    default_choices,
+    size_class,
+)
 
 
 class Machine:
@@ -49,25 +58,38 @@ def test_a_change_of_load_is_followed_within_a_window() -> None:
     while machine.now - started < 3 * EXPLORE_S:
         used.append(machine.batch(chooser, 8))
     assert used[:4].count(2) == 2  # two slow batches outvote the quiet ones: one thread from then on ...
-    assert used[4:].count(2) <= 3  # ... but for one try per EXPLORE_S
+    assert used[4:].count(2) <= 3  # ... but for a few tries (EXPLORE_S, then twice that, ...)
     assert len(used) > 50
     machine.per_query = {1: 0.010, 2: 0.006}  # quiet again: back to two threads once re-measured
     started = machine.now
     back = []
     while machine.now - started < (SAMPLES + 1) * EXPLORE_S:
         back.append(machine.batch(chooser, 8))
-    assert back[-20:].count(2) >= 19  # two fresh fast timings (one per EXPLORE_S) were enough
+    assert back[-20:].count(2) >= 19  # two fresh fast timings (a try, and one EXPLORE_S later) were enough
 
 
-def test_exploring_costs_a_few_batches_per_window() -> None:
-    machine = Machine({1: 0.004, 2: 0.040})  # the other setting is 10x slower: exploring it must stay rare
+def test_tries_that_lose_are_spaced_out_and_a_faster_try_brings_the_switch() -> None:
+    """A setting out of use is tried after EXPLORE_S, then after twice as long each time it loses, up to
+    EXPLORE_MAX_S (each try is a slow batch, and with many clients a visible share of the tail); when the load
+    turns and it is faster, it is tried again after EXPLORE_S and taken."""
+    machine = Machine({1: 0.004, 2: 0.040})  # the other setting is 10x slower: trying it must stay rare
     chooser = chooser_on(machine)
-    used = []
-    while machine.now < 20 * EXPLORE_S:
+    tried_at = []
+    while machine.now < 200:
+        started = machine.now
+        if machine.batch(chooser, 4) == 2:
+            tried_at.append(started)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(tried_at[SAMPLES - 1 :])]
+    assert len(gaps) >= 5
+    for i, gap in enumerate(gaps):  # measured from the end of the try before, so a batch or two over the wait
+        assert min(EXPLORE_S * 2**i, EXPLORE_MAX_S) < gap < min(EXPLORE_S * 2**i, EXPLORE_MAX_S) + 0.5, i
+    assert chooser.describe()["retry_after_s"] == {"4-7": EXPLORE_MAX_S}
+    machine.per_query = {1: 0.040, 2: 0.004}  # the load turned: the setting out of use is now 10x faster
+    turned, used = machine.now, [1]
+    while used[-3:] != [2, 2, 2]:  # taken, not just tried
         used.append(machine.batch(chooser, 4))
-    periods = machine.now / EXPLORE_S
-    assert periods - 2 <= used.count(2) - SAMPLES <= periods + 1  # once per EXPLORE_S after the first SAMPLES
-    assert used.count(2) / len(used) < 0.02
+    assert machine.now - turned < EXPLORE_MAX_S + EXPLORE_S + 1  # one try at the longest wait, one soon after
+    assert chooser.describe()["retry_after_s"] == {"4-7": EXPLORE_S}  # a change: look again soon
 
 
 def test_batch_sizes_are_compared_only_with_their_own_class() -> None:
