@@ -101,15 +101,13 @@ class ThreadChooser:
             estimates[threads] = _estimate(timings)
         best = min(self.choices, key=estimates.__getitem__)
         tried = self._trying.pop(cls, None)
-        if best != self._winner.get(cls) or (tried is not None and self._newest(cls, tried) < estimates[best]):
+        faster = tried is not None and self._timings[(cls, tried)][-1][1] < estimates[best]
+        if best != self._winner.get(cls) or faster:
             self._wait[cls] = EXPLORE_S  # the choice changed, or a try was faster: look again soon
         elif tried is not None:
             self._wait[cls] = min(2 * wait, EXPLORE_MAX_S)  # the try lost: try less often
         self._winner[cls] = best
         return best
-
-    def _newest(self, cls: int, threads: int) -> float:
-        return self._timings[(cls, threads)][-1][1]
 
     def describe(self) -> dict[str, Any]:
         """For /info: the choices, the setting in use, switches so far, and each setting's estimate in

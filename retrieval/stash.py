@@ -254,12 +254,9 @@ class VectorStash:
             raise IndexError(f"stash rows must be in [0, {starts[-1]})")
         out = np.empty((len(rows), self.dim), dtype=np.float32)
         numbers = np.searchsorted(starts, rows, side="right") - 1
-        by_part = np.argsort(numbers, kind="stable")  # one fancy index per part touched, not a mask per part
-        bounds = np.searchsorted(numbers[by_part], np.arange(len(self._parts) + 1))
-        for number in range(len(self._parts)):
-            these = by_part[bounds[number] : bounds[number + 1]]
-            if len(these):  # np.asarray: index the plain array; the memmap subclass adds Python calls per index
-                out[these] = np.asarray(self._map(pooling, number, keep))[rows[these] - starts[number]]
+        for number in np.unique(numbers):
+            inside_part = numbers == number  # np.asarray: index the plain array, not the memmap subclass
+            out[inside_part] = np.asarray(self._map(pooling, int(number), keep))[rows[inside_part] - starts[number]]
         return out
 
     def sample(self, n: int, seed: int = 0, pooling: str | None = None) -> np.ndarray:
