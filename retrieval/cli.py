@@ -200,6 +200,14 @@ def index(
         float, typer.Option(help="Added to eigenvalues, relative to the largest.")
     ] = DefaultTransform.epsilon,
     no_whiten: Annotated[bool, typer.Option("--no-whiten", help="Raw baseline: L2-normalised encoder output.")] = False,
+    center: Annotated[
+        bool | None,
+        typer.Option(
+            "--center/--no-center",
+            help="Fit the kernel on x - mean (the paper) or on x as it is (the second moment) "
+            "\\[default: centred at full dimension, uncentred with --dim].",
+        ),
+    ] = DefaultTransform.center,
     model: Annotated[
         str, typer.Option(help="Local folder, installed offline model, or hub name.")
     ] = DefaultEncoder.model,
@@ -258,7 +266,7 @@ def index(
         raise ConfigError("`address` and `workers` are for `engine` ray", "engine")
     target = out_dir or home.default_out(corpus)
     spec = CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty)
-    transform = TransformSpec(dim=dim, gamma=gamma, epsilon=epsilon, whiten=False if no_whiten else None)
+    transform = TransformSpec(dim=dim, gamma=gamma, epsilon=epsilon, whiten=False if no_whiten else None, center=center)
     index_spec = IndexSpec(index_type, m, ef_construction, ef_search, nlist, nprobe, train_size)
     window = window_rows(Source(spec).num_rows) if engine == "ray" else DefaultBuild.window_rows
     options = BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume, window)
@@ -293,7 +301,10 @@ def index(
 
 def summary_line(directory: Path, manifest: Manifest, verb: str) -> str:
     t = manifest.transform
-    fit = f"gamma {t.spec.gamma}, explained variance {t.explained_variance:.1%}" if t.kind == "whitening" else "raw"
+    fit = "raw"
+    if t.kind == "whitening":
+        centring = ", uncentred" if t.spec.center is False else ""
+        fit = f"gamma {t.spec.gamma}{centring}, explained variance {t.explained_variance:.1%}"
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in manifest.timings.items())
     size = sum(f["bytes"] for f in manifest.files.values()) + (manifest.stash.bytes if manifest.stash else 0)
     return (
@@ -435,6 +446,13 @@ def refit(
     whiten: Annotated[
         bool | None, typer.Option("--whiten/--no-whiten", help="Whiten, or the raw baseline \\[default: keep].")
     ] = None,
+    center: Annotated[
+        bool | None,
+        typer.Option(
+            "--center/--no-center",
+            help="Fit on x - mean, or on x as it is \\[default: keep; with a new --dim, that dim's default].",
+        ),
+    ] = None,
     pooling: Annotated[str | None, typer.Option(help="Stashed pooling to fit on \\[default: keep].")] = None,
     index_type: Annotated[
         str | None, typer.Option(help="flat, hnsw, ivf, or a FAISS index_factory string \\[default: keep].")
@@ -451,7 +469,9 @@ def refit(
     from retrieval.update import refit as refit_index
 
     choice("pooling", pooling, POOLINGS)
-    transform = transform_spec(index_dir, dim=dim, gamma=gamma, epsilon=epsilon, whiten=whiten, pooling=pooling)
+    transform = transform_spec(
+        index_dir, dim=dim, gamma=gamma, epsilon=epsilon, whiten=whiten, center=center, pooling=pooling
+    )
     knobs = {"m": m, "ef_construction": ef_construction, "ef_search": ef_search, "nlist": nlist, "nprobe": nprobe}
     spec = index_spec(index_dir, kind=index_type, train_size=train_size, **knobs)
     with progress_bars() as update:

@@ -55,6 +55,7 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
         lam = transform.eigenvalues
         spectrum = spectrum_summary(lam, transform.dim_out)
         lines["gamma / epsilon"] = f"{transform.gamma} / {transform.epsilon:g}"
+        lines["centring"] = "x - mean" if transform.center else "none (the kernel is fitted on the second moment)"
         lines["explained variance"] = f"{transform.explained_variance:.2%} in the top {transform.dim_out}"
         lines["spectrum"] = (
             f"lambda_1 {lam[0]:.4g}, lambda_k {lam[transform.dim_out - 1]:.4g}, lambda_d {lam[-1]:.3g}; "

@@ -62,6 +62,8 @@ def transform_spec(directory: Path, **changes: Any) -> TransformSpec:
     given = {key: value for key, value in changes.items() if value is not None}
     if given.get("whiten") is False and "dim" not in given:
         given["dim"] = None
+    if "center" not in given and ("dim" in given or given.get("whiten") is False):
+        given["center"] = None  # a new `dim` without a word on centring: the default for that dim (raw: none)
     if "whiten" not in given and ("dim" in given or "gamma" in given):
         given["whiten"] = None  # a new `dim` or `gamma` without a word on whitening: the defaults decide
         if not current.whiten and "gamma" not in given:

@@ -280,7 +280,8 @@ def sts_pseudo_task(task: StsTask, n: int = PSEUDO_QUERIES, seed: int = 0) -> Ir
 def spec_label(spec: TransformSpec, d: int) -> str:
     if not spec.whiten:
         return "raw"
-    return f"k={spec.dim}{' (d)' if spec.dim == d else ''} gamma={spec.gamma:g}"
+    uncentred = " uncentred" if spec.center is False else ""
+    return f"k={spec.dim}{' (d)' if spec.dim == d else ''} gamma={spec.gamma:g}{uncentred}"
 
 
 def jsonable(x: Any) -> Any:

@@ -90,7 +90,8 @@ def test_index_time_and_query_time_transforms_agree(built: tuple[Path, FakeEncod
     # and what was stored is what a fresh fit of the saved moments gives (the saved file knows its k)
     transform = load_transform(out / "transform.npz")
     assert isinstance(transform, Whitening) and transform.kernel.shape == (D, K)
-    refit = Whitening.fit(RunningMoments.load(out / "moments.npz"), dim=K, gamma=transform.gamma)
+    assert not transform.center  # a reduced kernel: uncentred by default
+    refit = Whitening.fit(RunningMoments.load(out / "moments.npz"), dim=K, gamma=transform.gamma, center=False)
     np.testing.assert_allclose(refit.transform(encoder.encode(texts[:4])), stored[:4], atol=1e-5)
 
 
@@ -205,7 +206,7 @@ def test_no_whiten_indexes_the_raw_normalised_vectors(corpus: Path, tmp_path: Pa
     np.testing.assert_allclose(stored, l2_normalize(FakeEncoder().encode(texts)), atol=1e-6)
     # raw vectors share a large common mean: their average cosine is high (0.86 here); whitened ones near 0
     assert (stored @ stored.T).mean() > 0.8
-    build(corpus, tmp_path / "w")
+    build(corpus, tmp_path / "w", transform=TransformSpec(dim=K, center=True))
     whitened_index = load_index(tmp_path / "w" / "index.faiss")
     whitened = flat_vectors(whitened_index)
     assert abs((whitened @ whitened.T).mean()) < 0.1

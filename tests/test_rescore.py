@@ -116,7 +116,7 @@ def test_a_manifest_without_the_record_gets_the_default_rule(reduced: Path, tmp_
 def test_a_full_rank_scorer_is_saved_used_and_kept(reduced: Path, tmp_path: Path) -> None:
     index = Path(shutil.copytree(reduced, tmp_path / "idx"))
     manifest = update.refit(index, TransformSpec(dim=4, gamma=0.5), scorer=TransformSpec(gamma=1.0, whiten=True))
-    full = TransformSpec(dim=16, gamma=1.0, whiten=True, pooling="mean")
+    full = TransformSpec(dim=16, gamma=1.0, whiten=True, pooling="mean", center=True)
     assert manifest.rescore == RescoreRecord(RESCORE_DEPTH, full) and RESCORE in manifest.files
     searcher = Searcher.load(index, encoder=FakeEncoder())
     scorer = searcher.loaded.rescorer

@@ -264,6 +264,12 @@ def test_cli_add_npy_continues_row_ids_and_refit(tmp_path):
     directory = tmp_path / "idx"
     result = runner.invoke(app, ["index", str(tmp_path / "v.npy"), "--out", str(directory), "--dim", "4"])
     assert result.exit_code == 0, result.output
+    assert "16 -> 4 dims (gamma 0.3, uncentred," in result.output  # reduced: uncentred by default
+    centred = runner.invoke(
+        app, ["index", str(tmp_path / "v.npy"), "--out", str(tmp_path / "c"), "--dim", "4", "--center"]
+    )
+    assert centred.exit_code == 0 and "16 -> 4 dims (gamma 0.3, explained" in centred.output, centred.output
+    assert Searcher.load(tmp_path / "c").transform.center  # type: ignore[union-attr]
     result = runner.invoke(app, ["add", str(directory), str(tmp_path / "more.npy")])
     assert result.exit_code == 0, result.output
     assert "added 30 rows" in result.output
@@ -278,11 +284,25 @@ def test_cli_add_npy_continues_row_ids_and_refit(tmp_path):
     assert result.exit_code == 0, result.output
     manifest = Searcher.load(directory).manifest
     assert manifest.transform.k == 4 and manifest.transform.spec.gamma == 1.0  # --dim kept, --gamma changed
+    assert manifest.transform.spec.center is False  # ... and the centring kept
     assert manifest.index.factory == "HNSW8" and manifest.n == 230
     assert manifest.corpus.added[0]["rows"] == 30  # history survives a refit
+    result = runner.invoke(app, ["refit", str(directory), "--center"])
+    assert result.exit_code == 0, result.output
+    assert "gamma 1.0, explained" in result.output  # centred: no "uncentred" in the summary line
+    transform = load_transform(directory / "transform.npz")
+    assert isinstance(transform, Whitening) and transform.center and transform.gamma == 1.0
+    result = runner.invoke(app, ["refit", str(directory), "--no-center"])
+    assert result.exit_code == 0, result.output
+    assert "gamma 1.0, uncentred" in result.output
+    result = runner.invoke(app, ["refit", str(directory), "--dim", "16"])  # full rank: its own default, centred
+    assert result.exit_code == 0, result.output
+    assert Searcher.load(directory).manifest.transform.spec.center is True
     result = runner.invoke(app, ["refit", str(directory), "--no-whiten"])
     assert result.exit_code == 0, result.output
     assert Searcher.load(directory).manifest.transform.kind == "raw"
+    result = runner.invoke(app, ["refit", str(directory), "--no-center"])
+    assert result.exit_code != 0 and "no kernel to centre" in result.output
 
 
 @pytest.mark.parametrize("command", ["add", "refit"])

@@ -9,7 +9,16 @@ import pytest
 
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.moments import RunningMoments
-from retrieval.whitening import DEFAULT_GAMMA, RawTransform, TransformSpec, Whitening, l2_normalize, load_transform
+from retrieval.whitening import (
+    DEFAULT_CENTER_REDUCED,
+    DEFAULT_GAMMA,
+    RawTransform,
+    TransformSpec,
+    Whitening,
+    kernel_drift,
+    l2_normalize,
+    load_transform,
+)
 
 N, D = 2000, 16
 
@@ -55,6 +64,28 @@ def test_full_whitening_equals_the_papers_reference(data: np.ndarray) -> None:
 
     y = (x - whitening.mean) @ whitening.kernel
     np.testing.assert_allclose(np.cov(y.T, bias=True), np.eye(D), atol=TOL64)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.3, 1.0])
+def test_uncentred_kernel_equals_a_one_shot_second_moment_reference(data: np.ndarray, gamma: float) -> None:
+    """Uncentred, the kernel comes from E[x x^T] (no mean subtracted), and so does the transform."""
+    x = data.astype(np.float64)
+    s, u = np.linalg.eigh(x.T @ x / len(x))  # float64 one shot: the second moment
+    s, u = s[::-1], u[:, ::-1]
+    reference = u[:, :6] * (s[:6] + 1e-6 * s[0]) ** (-gamma / 2)
+
+    whitening = fit(data, dim=6, gamma=gamma, epsilon=1e-6, center=False)
+    assert not whitening.center
+    np.testing.assert_allclose(whitening.mean, x.mean(axis=0), rtol=TOL64)  # kept for the drift diagnostics
+    np.testing.assert_allclose(whitening.eigenvalues, s, rtol=TOL64, atol=TOL64 * s[0])
+    kernel = align_signs(whitening.kernel, reference)
+    # The mean (100 in every coordinate) dominates the second moment: its eigengaps relative to lam_max are
+    # ~1e4 smaller than the covariance's, so the eigenvectors carry ~1e-12 relative error, still far below 1e-9.
+    np.testing.assert_allclose(kernel, reference, rtol=TOL64, atol=TOL64 * np.abs(reference).max())
+    expected = l2_normalize(x @ whitening.kernel)  # no centring
+    np.testing.assert_allclose(whitening.transform(data), expected, atol=TOL32)
+    centred = fit(data, dim=6, gamma=gamma, epsilon=1e-6)
+    assert not np.allclose(np.abs(centred.transform(data)), np.abs(expected), atol=1e-2)  # the flag matters
 
 
 def test_truncation_keeps_the_top_directions(data: np.ndarray) -> None:
@@ -202,6 +233,39 @@ def test_whitening_round_trip_is_exact(data: np.ndarray, tmp_path) -> None:
             np.testing.assert_array_equal(getattr(loaded, name), getattr(whitening, name))
         assert (loaded.gamma, loaded.epsilon, loaded.n) == (0.5, 1e-4, N)
         np.testing.assert_array_equal(loaded.transform(data), whitening.transform(data))
+    uncentred = fit(data, dim=6, gamma=0.5, center=False)
+    uncentred.save(path)
+    loaded = Whitening.load(path)
+    assert not loaded.center
+    np.testing.assert_array_equal(loaded.transform(data), uncentred.transform(data))
+
+
+def test_version_1_transforms_load_as_centred(data: np.ndarray, tmp_path) -> None:
+    """Indexes written before ``center`` existed (format version 1, no such key) were all centred."""
+    whitening = fit(data, dim=6, gamma=0.5)
+    path = tmp_path / "v1.npz"
+    arrays = {"mean": whitening.mean, "kernel": whitening.kernel, "eigenvalues": whitening.eigenvalues}
+    scalars = {"gamma": np.float64(0.5), "epsilon": np.float64(whitening.epsilon), "n": np.int64(N)}
+    with open(path, "wb") as fh:
+        np.savez(fh, format_version=np.int64(1), kind=np.str_("whitening"), **arrays, **scalars)
+    loaded = load_transform(path)
+    assert isinstance(loaded, Whitening) and loaded.center
+    np.testing.assert_array_equal(loaded.transform(data), whitening.transform(data))
+    # ... and so were the specs their manifests recorded: refit must not switch them to the new default.
+    recorded = {"dim": 6, "gamma": 0.5, "epsilon": 1e-6, "whiten": True, "pooling": "mean"}
+    assert TransformSpec.from_dict(recorded).resolve(D).center is True
+    assert TransformSpec.from_dict({"dim": D, "gamma": None, "whiten": False}).center is None
+
+
+def test_uncentred_drift_is_zero_on_the_fitted_data_and_grows_with_a_shift(data: np.ndarray) -> None:
+    """The drift of an uncentred kernel is measured about zero, where it was fitted, not about the mean."""
+    moments = RunningMoments.from_array(data)
+    kernel = Whitening.fit(moments, dim=6, gamma=0.5, center=False)
+    same = kernel_drift(kernel, moments)
+    assert same.covariance_drift < 1e-9 and same.subspace_overlap > 1 - 1e-9 and same.mean_shift < 1e-9
+    moved = RunningMoments.from_array(data + np.float32(5.0))
+    shifted = kernel_drift(kernel, moved)
+    assert shifted.covariance_drift > 0.01 and shifted.mean_shift > 0
 
 
 def test_raw_round_trip(tmp_path) -> None:
@@ -216,7 +280,7 @@ def test_raw_round_trip(tmp_path) -> None:
     ("arrays", "message"),
     [
         ({"format_version": 1, "kind": "mystery"}, "kind 'mystery'"),
-        ({"format_version": 2, "kind": "raw", "dim": 3}, "format version 2"),
+        ({"format_version": 3, "kind": "raw", "dim": 3}, "format version 3"),
         ({"kind": "raw", "dim": 3}, "format version None"),
     ],
 )
@@ -238,9 +302,14 @@ def test_transform_spec_defaults_resolve_against_the_encoder_dimension() -> None
     raw = TransformSpec(dim=16, gamma=None, whiten=False)
     assert TransformSpec().resolve(16) == raw  # no dim: the raw vectors
     assert TransformSpec(dim=16).resolve(16) == raw  # a "reduction" to d reduces nothing
-    assert TransformSpec(dim=8).resolve(16) == TransformSpec(dim=8, gamma=DEFAULT_GAMMA, whiten=True)
-    assert TransformSpec(gamma=0.5).resolve(16) == TransformSpec(dim=16, gamma=0.5, whiten=True)  # asked for
-    assert TransformSpec(whiten=True).resolve(16) == TransformSpec(dim=16, gamma=DEFAULT_GAMMA, whiten=True)
+    reduced = TransformSpec(dim=8, gamma=DEFAULT_GAMMA, whiten=True, center=DEFAULT_CENTER_REDUCED)
+    assert TransformSpec(dim=8).resolve(16) == reduced and DEFAULT_CENTER_REDUCED is False
+    assert TransformSpec(dim=8, center=True).resolve(16).center is True  # asked for
+    full = TransformSpec(dim=16, gamma=0.5, whiten=True, center=True)  # full rank: centred, as the paper
+    assert TransformSpec(gamma=0.5).resolve(16) == full  # asked for
+    assert TransformSpec(whiten=True).resolve(16) == TransformSpec(
+        dim=16, gamma=DEFAULT_GAMMA, whiten=True, center=True
+    )
     assert TransformSpec(dim=8, gamma=1.0, whiten=False).whitens is False
     assert (TransformSpec().whitens, TransformSpec(dim=8).whitens, TransformSpec(gamma=0.0).whitens) == (
         False,
@@ -248,8 +317,11 @@ def test_transform_spec_defaults_resolve_against_the_encoder_dimension() -> None
         True,
     )
     assert TransformSpec(dim=8).label == f"k=8 g={DEFAULT_GAMMA:g}" and TransformSpec().label == "raw"
+    assert TransformSpec(dim=8, center=False).label == f"k=8 g={DEFAULT_GAMMA:g} uncentred"
     with pytest.raises(ConfigError, match="raw transform keeps all 16 dimensions"):
         TransformSpec(dim=8, whiten=False).check(16)
+    with pytest.raises(ConfigError, match="no kernel to centre"):
+        TransformSpec(whiten=False, center=False).check(16)
     TransformSpec(dim=8).check(16)  # whiten None with a dim: fine
 
 
@@ -259,3 +331,5 @@ def test_transform_spec_fit_follows_the_resolved_spec() -> None:
     assert isinstance(TransformSpec().fit(moments), RawTransform)
     reduced = TransformSpec(dim=8).fit(moments)
     assert isinstance(reduced, Whitening) and (reduced.dim_out, reduced.gamma) == (8, DEFAULT_GAMMA)
+    assert reduced.center is DEFAULT_CENTER_REDUCED
+    assert TransformSpec(dim=8, center=True).fit(moments).center  # type: ignore[union-attr]
