@@ -62,7 +62,7 @@ from retrieval.tune import (
     pick,
     pick_one_se,
 )
-from retrieval.whitening import DEFAULT_GAMMA, TransformSpec, Whitening, l2_normalize
+from retrieval.whitening import DEFAULT_CENTER_REDUCED, DEFAULT_GAMMA, TransformSpec, Whitening, l2_normalize
 
 DRAWS = 40  # random draws of pseudo-queries from the pool, per size
 POOL = 2000  # pseudo-queries encoded once per model for the draws
@@ -101,6 +101,7 @@ def main() -> None:
         return
     report: dict[str, Any] = {"machine": benchlib.machine(torch_too=True), "command": benchlib.command_line()}
     report["defaults"] = {"gamma": DEFAULT_GAMMA, "rescore_depth": RESCORE_DEPTH, "auto_queries": AUTO_QUERIES}
+    report["defaults"]["center_reduced"] = DEFAULT_CENTER_REDUCED
     report["defaults"]["auto_rule"] = "one-SE gentlest (pick_one_se)"
     report["models"] = {}
     for model in args.models.split(","):
@@ -488,12 +489,14 @@ def cell(value: float, raw: float, scale: float = 1.0, digits: int = 4) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     dfl = report["defaults"]
+    centring = {None: "", True: ", centred", False: ", uncentred"}[dfl.get("center_reduced")]  # older runs: unsaid
     lines = [
         benchlib.machine_md(report["machine"]),
         "",
         f"Command: `{report['command']}`",
         "",
-        f"Defaults: no --dim -> raw; --dim -> gamma {dfl['gamma']:g}; re-scoring depth {dfl['rescore_depth']}; "
+        f"Defaults: no --dim -> raw; --dim -> gamma {dfl['gamma']:g}{centring}; re-scoring depth "
+        f"{dfl['rescore_depth']}; "
         f"`tune --auto` on {dfl['auto_queries']} pseudo-queries.",
         "",
         "SciFact test nDCG@10; STS Spearman x100 (all). In brackets: relative to raw. Choices are made on dev "
