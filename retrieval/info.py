@@ -56,7 +56,9 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
         spectrum = spectrum_summary(lam, transform.dim_out)
         lines["gamma / epsilon"] = f"{transform.gamma} / {transform.epsilon:g}"
         lines["centring"] = "x - mean" if transform.center else "none (the kernel is fitted on the second moment)"
-        lines["explained variance"] = f"{transform.explained_variance:.2%} in the top {transform.dim_out}"
+        lines["explained variance"] = f"{transform.explained_variance:.2%} in the top {transform.dim_out}" + (
+            "" if transform.center else " (of the second moment: the kernel is uncentred)"
+        )
         lines["spectrum"] = (
             f"lambda_1 {lam[0]:.4g}, lambda_k {lam[transform.dim_out - 1]:.4g}, lambda_d {lam[-1]:.3g}; "
             f"half the variance in {spectrum['dims_for_50pct']} dims, 90% in {spectrum['dims_for_90pct']}"

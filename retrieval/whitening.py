@@ -92,7 +92,8 @@ class Whitening:
 
     @property
     def explained_variance(self) -> float:
-        """Share of the total variance in the ``k`` kept directions (1.0 for data with no variance)."""
+        """Share of the total variance in the ``k`` kept directions (1.0 for data with no variance); for an
+        uncentred kernel, of the second moment ``E[x x^T]``'s trace."""
         total = float(self.eigenvalues.sum())
         return float(self.eigenvalues[: self.dim_out].sum()) / total if total > 0 else 1.0
 

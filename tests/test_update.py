@@ -270,6 +270,9 @@ def test_cli_add_npy_continues_row_ids_and_refit(tmp_path):
     )
     assert centred.exit_code == 0 and "16 -> 4 dims (gamma 0.3, explained" in centred.output, centred.output
     assert Searcher.load(tmp_path / "c").transform.center  # type: ignore[union-attr]
+    shown = runner.invoke(app, ["info", str(directory)])
+    assert shown.exit_code == 0 and "second moment" in shown.output, shown.output
+    assert "second moment" not in runner.invoke(app, ["info", str(tmp_path / "c")]).output
     result = runner.invoke(app, ["add", str(directory), str(tmp_path / "more.npy")])
     assert result.exit_code == 0, result.output
     assert "added 30 rows" in result.output
