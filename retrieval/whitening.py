@@ -60,11 +60,11 @@ class Whitening:
     ``kernel = U[:, :k] * (lam + epsilon * lam_max) ** (-gamma / 2)``, where ``U`` and ``lam`` are the
     eigenvectors and eigenvalues of the covariance (of the second moment ``E[x x^T]`` = covariance + mean
     mean^T when ``center`` is False), largest first. ``mean`` is the fitted data's mean either way (the drift
-    diagnostics compare against it). ``gamma = 1`` is full whitening (the
-    paper), ``gamma = 0`` a PCA rotation, values between soften it. ``epsilon``, relative to the largest
-    eigenvalue, keeps rank-deficient data finite (if every row was identical, so ``lam_max == 0``, it is taken
-    as absolute). ``eigenvalues`` holds all ``d`` of them, for diagnostics. Each eigenvector's sign is fixed
-    so that its largest-magnitude entry is positive: the same data always gives the same kernel.
+    diagnostics compare against it). ``gamma = 1`` is full whitening (the paper), ``gamma = 0`` a PCA rotation,
+    values between soften it. ``epsilon``, relative to the largest eigenvalue, keeps rank-deficient data finite
+    (if every row was identical, so ``lam_max == 0``, it is taken as absolute). ``eigenvalues`` holds all ``d``
+    of them, for diagnostics. Each eigenvector's sign is fixed so that its largest-magnitude entry is positive:
+    the same data always gives the same kernel.
     """
 
     mean: np.ndarray  # (d,) float64
