@@ -160,13 +160,8 @@ class Whitening:
         return cls(mean, kernel, lam, float(gamma), float(epsilon), int(n), bool(center))
 
     @cached_property
-    def _origin(self) -> np.ndarray:
-        """What ``transform`` subtracts: the mean, or zeros for an uncentred kernel."""
-        return self.mean if self.center else np.zeros_like(self.mean)
-
-    @cached_property
     def _mean32(self) -> np.ndarray:
-        return self._origin.astype(np.float32)
+        return self.mean.astype(np.float32)
 
     @cached_property
     def _kernel32(self) -> np.ndarray:
@@ -176,12 +171,16 @@ class Whitening:
     def _offset32(self) -> np.ndarray:
         # The part of the mean that float32 cannot hold, pushed through the kernel: subtracting it after the
         # product makes the float32 transform as exact as centring in float64 (it matters for a large mean).
-        return ((self._origin - self._mean32) @ self.kernel).astype(np.float32)
+        return ((self.mean - self._mean32) @ self.kernel).astype(np.float32)
 
     def transform(self, x: np.ndarray, normalize: bool = True) -> np.ndarray:
         """(n, d) or (d,) raw vectors -> (n, k) float32; L2-normalised unless ``normalize=False``."""
-        y = (_rows(x, self.dim_in).astype(np.float32) - self._mean32) @ self._kernel32
-        y -= self._offset32
+        x32 = _rows(x, self.dim_in).astype(np.float32)
+        if not self.center:
+            y = x32 @ self._kernel32
+        else:
+            y = (x32 - self._mean32) @ self._kernel32
+            y -= self._offset32
         return l2_normalize(y) if normalize else y
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -178,7 +178,7 @@ def choose(models: dict[str, Any]) -> dict[str, Any]:
         "full_dim_worst": full,
         "kernel": kernel,
         "gamma": float(kernel.split()[0]),
-        "center": kernel == kernel.split()[0],
+        "center": CENTERINGS[kernel[len(kernel.split()[0]) :]],
         "reduced_worst": reduced,
         "rescore_depth": depth,
         "rescore_worst_ratio": depth_worst,
