@@ -115,6 +115,7 @@ def build_index(
     options.check()
     index.check()
     with files.write_errors(out), files.writing(out):
+        check_target(out, options.overwrite)  # again under the lock, which may have put back an interrupted publish
         return _build(corpus, encoder, out, transform, index, options, progress, engine)
 
 

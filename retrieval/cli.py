@@ -139,7 +139,8 @@ def progress_bars() -> Iterator[Callable[[str, int, int], None]]:
 
 @contextmanager
 def sigterm_exits() -> Iterator[None]:
-    """SIGTERM ends the command as Ctrl-C does, unwinding it: what it started is stopped on the way out."""
+    """SIGTERM ends the command as Ctrl-C does, unwinding it: what it started is stopped on the way out, a
+    writer's lock and unfinished work directory are removed (a build's encoded parts stay, for --resume)."""
 
     def exit_143(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
@@ -283,9 +284,9 @@ def index(
         encoder = encoder_spec.load()
     try:
         with ExitStack() as stack:
+            stack.enter_context(sigterm_exits())  # the lock is released; a Ray started for the build is shut down
             ray = None
             if engine == "ray":
-                stack.enter_context(sigterm_exits())  # a Ray started for the build is shut down, not orphaned
                 ray = stack.enter_context(RayEngine(encoder_spec, ray_options))
             update = stack.enter_context(progress_bars())
             manifest = build_index(spec, encoder, target, transform, index_spec, options, progress=update, engine=ray)
@@ -428,7 +429,7 @@ def add(
     from retrieval.update import add as add_rows
 
     spec = CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty)
-    with progress_bars() as update:
+    with sigterm_exits(), progress_bars() as update:
         manifest = add_rows(index_dir, spec, progress=update)
     rows = manifest.corpus.added[-1]["rows"]
     err.print(f"added {rows:,} rows to {safe(str(index_dir))}: now {manifest.n:,}", markup=False)
@@ -474,7 +475,7 @@ def refit(
     )
     knobs = {"m": m, "ef_construction": ef_construction, "ef_search": ef_search, "nlist": nlist, "nprobe": nprobe}
     spec = index_spec(index_dir, kind=index_type, train_size=train_size, **knobs)
-    with progress_bars() as update:
+    with sigterm_exits(), progress_bars() as update:
         manifest = refit_index(index_dir, transform, spec, progress=update)
     err.print(summary_line(index_dir, manifest, "refitted"), markup=False)
 
@@ -703,7 +704,8 @@ def tune(
         from retrieval.update import refit
 
         scorer = result.scorer.candidate if result.scorer else None
-        manifest = refit(index_dir, result.best.candidate, scorer=scorer)
+        with sigterm_exits():
+            manifest = refit(index_dir, result.best.candidate, scorer=scorer)
         err.print(summary_line(index_dir, manifest, "refitted"), markup=False)
 
 

@@ -220,6 +220,11 @@ class Corpus:
         self.vector_dim = int(array.shape[1])
 
     @property
+    def named_files(self) -> bool:
+        """A folder's files: rows without an id column are named "file:row", not numbered."""
+        return any(f.name for f in self.files)
+
+    @property
     def precomputed(self) -> bool:
         """Rows carry their own vectors (a vectors column or a .npy file): nothing to encode."""
         return self._array is not None or self.spec.vectors_column is not None

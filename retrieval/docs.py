@@ -104,7 +104,10 @@ class DocIds(Sequence[str]):
     def __getitem__(self, row: int | slice) -> str | list[str]:
         if isinstance(row, slice):
             return [self._docs.id(r) for r in range(len(self))[row]]
-        return self._docs.id(operator.index(row) % len(self) if row < 0 else operator.index(row))
+        row = operator.index(row)
+        if not -len(self) <= row < len(self):
+            raise IndexError(f"row {row} is outside the {len(self)} documents")
+        return self._docs.id(row % len(self))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, str) or len(other) != len(self):

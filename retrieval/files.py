@@ -146,10 +146,10 @@ def replacing(target: Path, purpose: str, own: Collection[str] = ()) -> Iterator
     work.mkdir(parents=True)
     try:
         yield work
-    except BaseException:
+        publish(work, target, own)
+    except BaseException:  # interrupted in publish too: whichever version is in place stays, the work goes
         shutil.rmtree(work, ignore_errors=True)
         raise
-    publish(work, target, own)
 
 
 def recover(target: Path) -> None:

@@ -389,6 +389,7 @@ class Loaded:
     index: Any
     docs: Docs
     rescorer: Whitening | RawTransform | None = None  # scores re-ranked candidates at full dimension
+    stash: VectorStash | None = None  # raw vectors for re-scoring, the fitted pooling's parts mapped at load
 
 
 def load(path: Path | str, verify: Verify = "full") -> Loaded:
@@ -398,9 +399,10 @@ def load(path: Path | str, verify: Verify = "full") -> Loaded:
     or a directory missing while a writer holds it) is retried for up to LOAD_RETRY_SECONDS; a failure on an
     unchanged directory is a real one and raised at once."""
     directory = IndexDir(path)
+    real = files.resolved(directory.path)  # a writer's lock and renamed-aside copy sit beside the real directory
     deadline = time.monotonic() + LOAD_RETRY_SECONDS
     while True:
-        files.recover(directory.path)
+        files.recover(real)
         before = directory.identity()
         try:
             loaded = _load_once(directory, verify)
@@ -408,7 +410,7 @@ def load(path: Path | str, verify: Verify = "full") -> Loaded:
                 return loaded
             log.info("%s was replaced while it was read: reading the new version", directory.path)
         except (IndexDirError, OSError) as err:
-            if not _raced(directory, before) or time.monotonic() > deadline:
+            if not _raced(directory, real, before) or time.monotonic() > deadline:
                 if isinstance(err, IndexDirError):
                     raise
                 raise IndexDirError(f"cannot read the index at {directory.path}: {err}; rebuild it") from err
@@ -416,15 +418,18 @@ def load(path: Path | str, verify: Verify = "full") -> Loaded:
         time.sleep(0.01)
 
 
-def _raced(directory: IndexDir, before: tuple[int, int] | None) -> bool:
+def _raced(directory: IndexDir, real: Path, before: tuple[int, int] | None) -> bool:
+    """A publish in the way: the directory is missing while a writer holds it, or it is another one than at the
+    start of the read (replaced, or there again after the moment between a publish's two renames)."""
     now = directory.identity()
-    publishing = now is None and files.lock_path(directory.path).exists()
-    return publishing or (before is not None and now is not None and now != before)
+    publishing = now is None and files.lock_path(real).exists()
+    return publishing or (now is not None and now != before)
 
 
 def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
     manifest = directory.manifest()
     quick = [TRANSFORM, INDEX, DOCS] + ([RESCORE] if manifest.has_rescorer else [])
+    quick += [f"{STASH}/{STATE_NAME}"] if manifest.stash is not None else []
     directory.verify(manifest, verify, quick if verify != "full" else None)
     transform = directory.transform()
     index = directory.faiss_index(mmap=True)  # a reader's: never added to, mapped (a 1.5 GB flat index loads at once)
@@ -445,7 +450,14 @@ def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
     rescorer = directory.rescorer(manifest)
     if rescorer.dim_in != transform.dim_in or rescorer.dim_out != transform.dim_in:
         raise IndexDirError(f"{directory.path}: the re-scoring transform is not full-rank; rebuild the index")
-    return Loaded(directory, manifest, transform, index, docs, rescorer)
+    stash = None
+    if manifest.stash is not None:  # mapped now, inside the identity check: re-scoring reads this version's rows
+        stash = directory.stash("re-score")
+        if len(stash) != manifest.n or stash.dim != t.d:
+            raise IndexDirError(f"{directory.path}: the vector stash does not match its manifest; rebuild the index")
+        for _ in stash.iter_parts(t.pooling):
+            pass
+    return Loaded(directory, manifest, transform, index, docs, rescorer, stash)
 
 
 # ----- writing ---------------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ and the docs and the stash are read-only memory maps.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from retrieval.encoder import Encoder, from_info
-from retrieval.errors import ConfigError
+from retrieval.errors import ConfigError, IndexDirError
 from retrieval.files import available_memory, touch_pages
 from retrieval.index import flat_vectors, search_parameters
 from retrieval.indexdir import Loaded, Verify, load
@@ -87,8 +86,6 @@ class Searcher:
         self.encoder = encoder
         flat = flat_vectors(self.index)
         self._scan = FlatScan(flat) if flat is not None else None
-        self._stash: VectorStash | None = None
-        self._stash_lock = threading.Lock()
 
     @classmethod
     def load(
@@ -125,8 +122,8 @@ class Searcher:
             probe = l2_normalize(np.random.default_rng(0).normal(size=(64, self.transform.dim_out)))
             self._scan.search(probe, 10)
         parts = []
-        if self.manifest.stash is not None:  # opens each part's memory map
-            parts = list(self.stash().iter_parts(self.manifest.transform.pooling))
+        if self.loaded.stash is not None:  # the memory maps opened at load
+            parts = list(self.loaded.stash.iter_parts(self.manifest.transform.pooling))
         rescored = parts if self.manifest.rescoring.depth > 0 else []
         touched = 0
         if prefault:
@@ -197,11 +194,13 @@ class Searcher:
         return self.index.search(np.ascontiguousarray(vectors, dtype=np.float32), k, params=params)
 
     def stash(self) -> VectorStash:
-        """The index's raw-vector stash, opened once (its parts are memory-mapped on first use, then kept)."""
-        with self._stash_lock:
-            if self._stash is None:
-                self._stash = self.loaded.directory.stash("re-score")
-            return self._stash
+        """The index's raw-vector stash, opened with the rest of this version (its parts mapped at load)."""
+        if self.loaded.stash is None:
+            raise IndexDirError(
+                f"{self.directory} kept no raw-vector stash, so it cannot re-score; search it with rescore 0, "
+                "or rebuild it keeping its vectors (the default)"
+            )
+        return self.loaded.stash
 
     def _rescore(self, raw: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Re-rank each query's candidate rows by the full-dimension scorer (raw cosine unless the index records a

@@ -150,7 +150,8 @@ def add(
     """Encode the rows of ``corpus`` and add them to the index at ``directory`` with its existing kernel.
 
     ``encoder=None`` loads the one the manifest names (indexes of precomputed vectors take precomputed vectors
-    only). Ids must be new; row-number ids (no id column, or a .npy) continue from the index's row count.
+    only). Ids must be new; row-number ids (no id column, or a .npy) continue past the index's (``next_row_number``);
+    a folder's files without ids keep their "file:row" ids.
     The directory is replaced atomically: on any failure the previous index stays as it was.
     """
     directory = files.resolved(directory)
@@ -162,14 +163,14 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
     manifest = old.manifest()
     old.verify(manifest, "full", list(manifest.files))  # what add reads: the index, moments, transform, docs
     stash = old.stash("add")
-    stash.verify(full=False)  # old parts are only linked, not read: present and of their recorded size
+    stash.verify(full=False, docs=True)  # vectors are only linked: sizes; ids and texts are read again: sha256
     source = Corpus(corpus)
     report = source.validate(min_rows=1)
     encoder = _encoder_for(manifest, source, encoder)
     width = input_dim(source, encoder)
     if width != stash.dim:
         raise CorpusError(f"{corpus.path} gives {width}-d vectors; the index at {old.path} takes {stash.dim}-d")
-    offset = len(stash) if source.id_column is None else 0
+    offset = next_row_number(stash) if source.id_column is None and not source.named_files else 0
     _check_new_ids(stash, source, window_rows, offset)
 
     transform = old.transform()
@@ -221,6 +222,16 @@ def _encoder_for(manifest: Manifest, source: Corpus, encoder: Encoder | None) ->
         return from_info(manifest.encoder)
     manifest.encoder.check_query(encoder.info())
     return encoder
+
+
+def next_row_number(stash: VectorStash) -> int:
+    """Where row-number ids of added rows start: past the index's rows and past every id that is a row number
+    (a build that skipped empty rows numbered its ids by source row, so they can run past the row count)."""
+    top = len(stash)
+    for ids in stash.iter_ids():
+        numbers = [int(i) for i in ids if i.isdecimal() and i.isascii()]
+        top = max(top, max(numbers, default=-1) + 1)
+    return top
 
 
 def _check_new_ids(stash: VectorStash, source: Corpus, window_rows: int, offset: int) -> None:

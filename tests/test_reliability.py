@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,13 +31,13 @@ import pytest
 from conftest import ROOT, FakeEncoder, write_corpus
 from typer.testing import CliRunner, Result
 
-from retrieval import files, update
+from retrieval import files, indexdir, update
 from retrieval.build import BuildOptions, build_index
-from retrieval.cli import app
+from retrieval.cli import app, sigterm_exits
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.evaluate import Queries
-from retrieval.indexdir import INDEX, MANIFEST, STASH, IndexDir, Manifest
+from retrieval.indexdir import INDEX, MANIFEST, STASH, IndexDir, Manifest, load
 from retrieval.search import Searcher, SearchParams
 from retrieval.tune import tune_index
 from retrieval.whitening import TransformSpec
@@ -598,6 +599,113 @@ def test_add_on_a_corrupt_index(fake_index: Path, tmp_path: Path) -> None:
 
 @case(
     "index dir",
+    "`add` on an index whose stashed (id, text) part was altered without changing its size",
+    "refused (checksum mismatch) before anything is read from it; the index unchanged",
+)
+def test_add_on_altered_stash_texts(fake_index: Path, tmp_path: Path) -> None:
+    part = fake_index / STASH / "part-00000.parquet"
+    data = part.read_bytes()
+    assert b"document" in data  # a readable file still, saying something else: it would be copied on as true
+    part.write_bytes(data.replace(b"document", b"DOCUMENT", 1))
+    before = snapshot(fake_index)
+    with pytest.raises(IndexDirError, match="part-00000.parquet is corrupt"):
+        update.add(fake_index, CorpusSpec(new_docs(tmp_path / "m.parquet")), FakeEncoder())
+    assert snapshot(fake_index) == before
+
+
+@case(
+    "input",
+    "`add` without ids after a build that skipped empty rows, and of a folder without ids",
+    "row-number ids continue past the highest one; a folder's rows keep their file:row ids",
+)
+def test_add_ids_without_an_id_column(tmp_path: Path) -> None:
+    corpus = table_file(tmp_path / "c.parquet", text=["", *texts(39)])  # row 0 skipped: ids "1".."39"
+    out = tmp_path / "idx"
+    build_index(CorpusSpec(corpus, skip_empty=True), FakeEncoder(), out, TransformSpec(dim=4))
+    update.add(out, CorpusSpec(table_file(tmp_path / "more.parquet", text=texts(2, "more"))), FakeEncoder())
+    (tmp_path / "folder").mkdir()
+    table_file(tmp_path / "folder" / "x.parquet", text=texts(2, "folder"))
+    update.add(out, CorpusSpec(tmp_path / "folder"), FakeEncoder())
+    ids = list(IndexDir(out).docs().ids)
+    assert ids == [str(i) for i in range(1, 42)] + ["x.parquet:0", "x.parquet:1"]
+
+
+@case(
+    "concurrency",
+    "a searcher loaded just before `index --overwrite` publishes, then re-scoring",
+    "re-scores with its own version's stashed vectors, never the new version's",
+)
+def test_a_searcher_rescores_its_own_version(tmp_path: Path) -> None:
+    out = tmp_path / "idx"
+    build_index(CorpusSpec(write_corpus(tmp_path / "a.parquet", 300)), FakeEncoder(), out, TransformSpec(dim=8))
+    reference = Searcher.load(shutil.copytree(out, tmp_path / "copy"), encoder=FakeEncoder())
+    expected = [[(h.id, h.score) for h in hits] for hits in reference.search_batch(texts(5), SearchParams(k=5))]
+    searcher = Searcher.load(out, encoder=FakeEncoder(), verify="quick")  # loaded, not yet searched
+    other = table_file(tmp_path / "b.parquet", id=[f"b{i}" for i in range(200)], text=texts(200, "other words"))
+    build_index(CorpusSpec(other), FakeEncoder(), out, TransformSpec(dim=8), options=BuildOptions(overwrite=True))
+    assert searcher.manifest.rescoring.depth > 0
+    got = [[(h.id, h.score) for h in hits] for hits in searcher.search_batch(texts(5), SearchParams(k=5))]
+    assert got == expected
+
+
+@pytest.mark.parametrize("through", ["path", "symlink"])
+@case(
+    "concurrency",
+    "a reader (by the path or a symbolic link to it) arriving between a publish's two renames",
+    "waits for the publish and reads the index; one that saw the directory missing retries",
+)
+def test_a_reader_in_the_publish_gap(fake_index: Path, tmp_path: Path, through: str) -> None:
+    path = fake_index
+    if through == "symlink":
+        path = tmp_path / "link"
+        path.symlink_to(fake_index)
+    old = files.work_dir(fake_index, "old")
+    with files.writing(fake_index):  # a writer holds the lock, between rename(target, old) and rename(work, target)
+        os.rename(fake_index, old)
+        timer = threading.Timer(0.3, lambda: os.rename(old, fake_index))
+        timer.start()
+        start = time.monotonic()
+        assert load(path, "quick").manifest.n == 300
+        assert time.monotonic() - start >= 0.25
+        timer.join()
+
+
+def test_a_reader_that_saw_the_gap_retries(fake_index: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory missing when the read starts, back (publish done) before the failure is judged."""
+    old = files.work_dir(fake_index, "old")
+    real_load_once = indexdir._load_once
+    calls = []
+
+    def load_once(directory: IndexDir, verify: Any) -> Any:
+        calls.append(directory)
+        try:
+            return real_load_once(directory, verify)
+        finally:
+            if len(calls) == 1:
+                os.rename(old, fake_index)
+
+    monkeypatch.setattr(indexdir, "_load_once", load_once)
+    with files.writing(fake_index):
+        os.rename(fake_index, old)
+        assert indexdir.load(fake_index, "quick").manifest.n == 300
+    assert len(calls) == 2
+
+
+@case(
+    "index dir",
+    "`index` without --overwrite onto an index left renamed aside by a publish killed between its renames",
+    "refused in one line (it exists); the old index put back, unchanged",
+)
+def test_build_after_an_interrupted_publish_needs_overwrite(fake_index: Path, tmp_path: Path) -> None:
+    before = snapshot(fake_index)
+    os.rename(fake_index, files.work_dir(fake_index, "old"))
+    with pytest.raises(ConfigError, match="already exists"):
+        build_index(CorpusSpec(write_corpus(tmp_path / "b.parquet", 50)), FakeEncoder(), fake_index)
+    assert snapshot(fake_index) == before and leftovers(fake_index) == []
+
+
+@case(
+    "index dir",
     "a symbolic link planted inside an unfinished build, then --resume",
     "refused; nothing outside the index deleted or written",
 )
@@ -648,10 +756,11 @@ def writer(argv: list[str]) -> int:
             (hold() if str(src).endswith((".adding", ".refitting")) else None) or real_rename(src, dst)
         )  # type: ignore[assignment]
     try:
-        if args.action == "add":
-            update.add(args.index, CorpusSpec(args.corpus), FakeEncoder(), window_rows=5)
-        else:
-            update.refit(args.index, TransformSpec(dim=4))
+        with sigterm_exits():  # as the CLI's writers run
+            if args.action == "add":
+                update.add(args.index, CorpusSpec(args.corpus), FakeEncoder(), window_rows=5)
+            else:
+                update.refit(args.index, TransformSpec(dim=4))
     except KeyboardInterrupt:
         return 130
     return 0
@@ -725,6 +834,43 @@ def test_sigint_of_a_writer(fake_index: Path, tmp_path: Path, action: str) -> No
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=30) == 130
     assert snapshot(fake_index) == before and leftovers(fake_index) == []
+
+
+@pytest.mark.parametrize(("action", "pause"), [("add", "write"), ("add", "publish"), ("refit", "publish")])
+@case(
+    "faults",
+    "SIGTERM (kill, timeout, docker stop) of `add` or `refit`, also between publish's two renames",
+    "exit 143; the old index unchanged; no work directory or lock left",
+)
+def test_sigterm_of_a_writer(fake_index: Path, tmp_path: Path, action: str, pause: str) -> None:
+    before = snapshot(fake_index)
+    process, marker = start_writer(tmp_path, action, fake_index, pause)
+    wait_for(marker, process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 143
+    files.recover(fake_index)  # what any reader or writer does first: puts back a version renamed aside
+    assert snapshot(fake_index) == before and leftovers(fake_index) == []
+
+
+@case(
+    "faults", "SIGTERM of `retrieval add` while it encodes", "exit 143; the old index unchanged; nothing left beside it"
+)
+def test_sigterm_of_the_add_command(copy: Path, tmp_path: Path) -> None:
+    before = snapshot(copy)
+    corpus = new_docs(tmp_path / "many.parquet", 3000)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "retrieval", "add", str(copy), str(corpus)], stderr=subprocess.PIPE, text=True, env=env
+    )
+    deadline = time.monotonic() + 120
+    while not (files.work_dir(copy, "adding") / STASH).exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read() if process.stderr else ""
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr
+    assert "Traceback" not in stderr
+    assert snapshot(copy) == before and leftovers(copy) == []
 
 
 @case(
