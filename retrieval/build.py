@@ -19,7 +19,7 @@ import numpy as np
 
 from retrieval import files
 from retrieval.corpus import Corpus, CorpusReport, CorpusSpec
-from retrieval.encoder import Encoder, EncoderInfo
+from retrieval.encoder import POOLINGS, Encoder, EncoderInfo
 from retrieval.errors import ConfigError, IndexDirError, RetrievalError
 from retrieval.index import (
     IndexSpec,
@@ -75,6 +75,11 @@ class BuildOptions:
             )
         if self.window_rows < 1:
             raise ConfigError(f"`window_rows` must be at least 1 (got {self.window_rows})", "window_rows")
+        for pooling in self.extra_poolings:
+            if pooling not in POOLINGS:
+                raise ConfigError(
+                    f"unknown `extra_pooling` {pooling!r}; choose from {', '.join(POOLINGS)}", "extra_pooling"
+                )
 
 
 class Engine(Protocol):

@@ -522,14 +522,14 @@ def eval_ir(
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON.")] = False,
 ) -> None:
     """nDCG@10, Recall@10/100, MRR@10, MAP@100 of an index on queries with relevance judgements."""
-    from retrieval.evaluate import evaluate_ir, read_qrels, read_queries
+    from retrieval.evaluate import evaluate_ir, read_judged
     from retrieval.search import Searcher
 
     if depth < 1:
         raise ConfigError(f"`depth` must be at least 1 (got {depth})", "depth")
     params = SearchParams(k=depth, rescore=rescore, ef_search=ef_search, nprobe=nprobe)
     params.check()
-    result = evaluate_ir(Searcher.load(index_dir), read_queries(queries), read_qrels(qrels), params)
+    result = evaluate_ir(Searcher.load(index_dir), *read_judged(queries, qrels), params)
     if per_query:
         per_query.write_text("".join(json.dumps({"query_id": q, **m}) + "\n" for q, m in result.per_query.items()))
     if as_json:
@@ -651,7 +651,7 @@ def tune(
 
     With --auto no qrels are needed: the dev split is made of pseudo-queries from the corpus itself."""
     from retrieval import tune as tuning
-    from retrieval.evaluate import read_pairs, read_qrels, read_queries
+    from retrieval.evaluate import read_judged, read_pairs
 
     if (index_dir is None) == (pairs is None):
         raise ConfigError("give an INDEX_DIR with `queries`/`qrels` or `auto` (IR), or `pairs` (STS)")
@@ -671,13 +671,13 @@ def tune(
                 raise ConfigError("IR tuning needs `queries` and `qrels` (the dev split), or `auto`", "queries")
             if (test_queries is None) != (test_qrels is None):
                 raise ConfigError("`test_queries` and `test_qrels` go together: give both or neither", "test_qrels")
-            test = (read_queries(test_queries), read_qrels(test_qrels)) if test_queries and test_qrels else None
+            test = read_judged(test_queries, test_qrels) if test_queries and test_qrels else None
             sweep = (pools, dim_list, gamma_list or tuning.DEFAULT_GAMMAS, metric or "nDCG@10", update)
             if auto:
                 result = tuning.tune_auto(index_dir, auto_queries, seed, test, *sweep)
             else:
                 assert queries is not None and qrels is not None
-                result = tuning.tune_index(index_dir, (read_queries(queries), read_qrels(qrels)), test, *sweep)
+                result = tuning.tune_index(index_dir, read_judged(queries, qrels), test, *sweep)
         else:
             assert pairs is not None
             result = tuning.tune_pairs(

@@ -394,11 +394,12 @@ class Corpus:
                 f"{skipped} of {total} rows have {what} (first ids: {', '.join(bad)}); "
                 "fix them or pass --skip-empty to leave them out"
             )
-        if skipped:
-            log.warning("skipping %d of %d rows with %s (first ids: %s)", skipped, total, what, ", ".join(bad))
         if usable < min_rows:
             need = "to fit a transform" if min_rows > 1 else "to add"
-            raise CorpusError(f"{self.path} has {usable} usable row(s); at least {min_rows} are needed {need}")
+            left = f" ({skipped} skipped for {what})" if skipped else ""
+            raise CorpusError(f"{self.path} has {usable} usable row(s){left}; at least {min_rows} are needed {need}")
+        if skipped:
+            log.warning("skipping %d of %d rows with %s (first ids: %s)", skipped, total, what, ", ".join(bad))
         return CorpusReport(rows=total, usable=usable, skipped=skipped, first_skipped=bad)
 
     def _first_duplicate(self, hashes: np.ndarray, rows: int) -> str | None:

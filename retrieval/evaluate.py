@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from retrieval.encoder import Encoder
@@ -43,18 +45,59 @@ def _read(path: Path, columns: Sequence[str], what: str) -> Any:
 
 
 def read_queries(path: Path, id_column: str = "query_id", text_column: str = "text") -> Queries:
+    """Query ids (as text) and texts; every query needs an id, a unique one, and some text."""
     table = _read(path, [id_column, text_column], "queries")
-    return Queries([str(v) for v in table.column(id_column).to_pylist()], table.column(text_column).to_pylist())
+    if not table.num_rows:
+        raise CorpusError(f"{path} holds no queries")
+    if not pa.types.is_string(table.schema.field(text_column).type):
+        raise CorpusError(f"column {text_column!r} of {path} holds {table.schema.field(text_column).type}, not text")
+    ids, texts = table.column(id_column).to_pylist(), table.column(text_column).to_pylist()
+    for row, (query, text) in enumerate(zip(ids, texts, strict=True)):
+        if query is None:
+            raise CorpusError(f"row {row} of {path} has a null {id_column!r}: every query needs an id")
+        if text is None or not text.strip():
+            raise CorpusError(f"query {query} of {path} has no text (null or blank): give every query its text")
+    strings = [str(q) for q in ids]
+    seen: set[str] = set()
+    for query in strings:
+        if query in seen:
+            raise CorpusError(f"query id {query!r} appears more than once in {path}: query ids must be unique")
+        seen.add(query)
+    return Queries(strings, texts)
 
 
 def read_qrels(
     path: Path, query_column: str = "query_id", doc_column: str = "doc_id", score_column: str = "score"
 ) -> Qrels:
+    """query id -> doc id -> grade (an integer: 0 or less not relevant, higher more relevant); ids as text."""
     table = _read(path, [query_column, doc_column, score_column], "qrels")
+    kind = table.schema.field(score_column).type
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        raise CorpusError(f"column {score_column!r} of {path} holds {kind}: relevance grades must be integers")
+    columns = [table.column(c).to_pylist() for c in (query_column, doc_column, score_column)]
     qrels: Qrels = {}
-    for q, d, s in zip(*(table.column(c).to_pylist() for c in (query_column, doc_column, score_column)), strict=True):
+    for row, (q, d, s) in enumerate(zip(*columns, strict=True)):
+        if q is None or d is None or s is None:
+            raise CorpusError(
+                f"row {row} of {path} has a null query id, doc id or grade: every judgement needs all three"
+            )
+        if not math.isfinite(s) or s != int(s):
+            raise CorpusError(f"row {row} of {path} has the grade {s}: relevance grades must be whole numbers")
         qrels.setdefault(str(q), {})[str(d)] = int(s)
     return qrels
+
+
+def read_judged(queries_path: Path, qrels_path: Path) -> tuple[Queries, Qrels]:
+    """Queries and their qrels, refused when no query has a relevant judgement (files that do not belong
+    together, or ids that differ in form, such as 1 and "1.0"): every metric would be undefined."""
+    queries, qrels = read_queries(queries_path), read_qrels(qrels_path)
+    if not any(grade > 0 for q in queries.ids for grade in qrels.get(q, {}).values()):
+        example = next(iter(qrels), "none")
+        raise CorpusError(
+            f"no query of {queries_path} has a relevant judgement in {qrels_path} (query ids such as "
+            f"{queries.ids[0]!r} there, {example!r} here): check that the two files belong together"
+        )
+    return queries, qrels
 
 
 def to_run(query_ids: Sequence[str], scores: np.ndarray, rows: np.ndarray, doc_ids: Sequence[str]) -> Run:
@@ -98,16 +141,34 @@ class Pairs:
 
 
 def read_pairs(path: Path) -> Pairs:
+    """Sentence pairs with gold scores (and an optional ``subset`` column); at least two pairs, no nulls."""
     path = Path(path)
-    table = _read(path, ["sentence1", "sentence2", "score"], "pairs")
-    names = pq.read_schema(path).names
-    subset = pq.read_table(path, columns=["subset"]).column("subset").to_pylist() if "subset" in names else None
+    names = pq.read_schema(path).names if path.is_file() else []
+    table = _read(path, ["sentence1", "sentence2", "score", *(["subset"] if "subset" in names else [])], "pairs")
+    for column in ("sentence1", "sentence2", *(["subset"] if "subset" in names else [])):
+        kind = table.schema.field(column).type
+        if not pa.types.is_string(kind):
+            raise CorpusError(f"column {column!r} of {path} holds {kind}, not text")
+        if table.column(column).null_count:
+            raise CorpusError(f"column {column!r} of {path} has nulls: every pair needs two sentences (and a subset)")
+    kind = table.schema.field("score").type
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        raise CorpusError(f"column 'score' of {path} holds {kind}: gold scores must be numbers")
+    gold = np.asarray(table.column("score").to_pylist(), dtype=np.float64)  # nulls become NaN
+    if not np.isfinite(gold).all():
+        raise CorpusError(f"column 'score' of {path} has nulls or non-finite values: every pair needs a gold score")
+    if table.num_rows < 2:
+        raise CorpusError(f"{path} holds {table.num_rows} pairs: a rank correlation needs at least two")
+    subset = table.column("subset").to_pylist() if "subset" in names else [path.stem] * table.num_rows
+    reserved = sorted({"all", "wmean"} & set(subset))
+    if reserved:
+        raise CorpusError(f"{path} names a subset {reserved[0]!r}, which is reserved for the summary: rename it")
     return Pairs(
         name=path.stem,
         sentence1=table.column("sentence1").to_pylist(),
         sentence2=table.column("sentence2").to_pylist(),
-        gold=np.asarray(table.column("score").to_pylist(), dtype=np.float64),
-        subset=subset or [path.stem] * table.num_rows,
+        gold=gold,
+        subset=subset,
     )
 
 

@@ -166,6 +166,12 @@ class Searcher:
         if not np.isfinite(raw).all():
             raise ConfigError("query vectors contain NaN or inf")
         rescore = self.rescore_depth(params)
+        if rescore and self.loaded.stash is None:  # checked against the version that serves this very call
+            raise ConfigError(
+                f"{self.directory} kept no raw-vector stash, so it cannot re-score: search with `rescore` 0, "
+                "or rebuild it keeping its vectors (the default)",
+                "rescore",
+            )
         depth = max(params.k, rescore)
         vectors = self.transform.transform(raw)
         scores, rows = self.search_transformed(vectors, depth, params.ef_search, params.nprobe)
@@ -196,10 +202,7 @@ class Searcher:
     def stash(self) -> VectorStash:
         """The index's raw-vector stash, opened with the rest of this version (its parts mapped at load)."""
         if self.loaded.stash is None:
-            raise IndexDirError(
-                f"{self.directory} kept no raw-vector stash, so it cannot re-score; search it with rescore 0, "
-                "or rebuild it keeping its vectors (the default)"
-            )
+            raise IndexDirError(f"{self.directory} kept no raw-vector stash; rebuild it keeping its vectors")
         return self.loaded.stash
 
     def _rescore(self, raw: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

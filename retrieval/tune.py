@@ -41,6 +41,16 @@ AUTO_QUERIES = 1000  # pseudo-queries of `tune --auto` (its sampled documents ar
 MIN_AUTO_QUERIES = 20
 
 
+IR_METRICS = tuple(evaluate_run({}, {}).metrics)  # what tuning on qrels can choose by
+STS_METRICS = ("all", "wmean")  # or a subset of the dev pairs
+
+
+def check_metric(metric: str, names: Sequence[str]) -> None:
+    """Refuse a metric the sweep will not produce, before anything is encoded."""
+    if metric not in names:
+        raise ConfigError(f"unknown `metric` {metric!r}; choose one of {', '.join(names)}", "metric")
+
+
 def default_dims(d: int) -> list[int]:
     return [k for k in (d, 512, 384, 256, 128, 64) if k <= d]
 
@@ -161,6 +171,7 @@ def tune_index(
 ) -> TuneResult:
     """Sweep the stash of the index at ``directory``: the queries are encoded by the index's own encoder (every
     pooling in one pass), the corpus comes from the stash, which is verified first."""
+    check_metric(metric, IR_METRICS)
     sweep = _Sweep(directory, poolings, dims, gammas)
     return tune_ir(
         sweep.stash,
@@ -193,6 +204,7 @@ def tune_auto(
     Only the sampled documents are encoded again (without their query sentence), once for every pooling;
     ``test``, if given, is reported as usual and never used to choose. ``encoder``: one already loaded (it must
     match the index's); None loads the one the manifest names."""
+    check_metric(metric, IR_METRICS)
     sweep = _Sweep(directory, poolings, dims, gammas, encoder)
     docs = IndexDir(directory).docs()
     pseudo = make_pseudo_queries(len(sweep.stash), docs.texts, docs.id, n_queries, seed)
@@ -277,7 +289,11 @@ def tune_ir(
     ``dev_positives[pooling] = (rows, raw vectors)``: for the dev queries only, these stash rows are replaced by
     these vectors (pseudo-queries' positives, re-encoded without the query); test sees the stash as it is.
     ``rule`` picks from the dev scores (``pick_one_se`` also reads each trial's per-query dev ``metric``)."""
+    check_metric(metric, IR_METRICS)
     splits = {"dev": dev} | ({"test": test} if test is not None else {})
+    for name, split in splits.items():
+        if not len(split[0]):
+            raise ConfigError(f"the {name} split has no queries", "queries")
     moments = {p: stash.moments(p) for p in dict.fromkeys(str(c.pooling) for c in grid)}
     raw_queries = {(p, name): query_vectors(p, split[0]) for p in moments for name, split in splits.items()}
     depth = min(depth, len(stash))
@@ -310,6 +326,8 @@ def tune_ir(
             name: evaluate_run(to_run(split[0].ids, *tops[name].result(), doc_ids), split[1])
             for name, split in splits.items()
         }
+        if results["dev"].n_queries == 0:
+            raise ConfigError("no dev query has a relevant judgement: check that the queries and qrels belong together")
         per_query = np.array([q[metric] for q in results["dev"].per_query.values()], dtype=np.float64)
         trial = Trial(
             cand,
@@ -351,6 +369,7 @@ def tune_pairs(
 ) -> TuneResult:
     """Encode every sentence of the pair files once per pooling (one pass), fit on all of them ("target", no
     labels), sweep the grid, choose on ``dev``."""
+    check_metric(metric, (*STS_METRICS, *dict.fromkeys(dev.subset)))
     sets = [dev, *([test] if test else []), *fit_sets]
     sentences = list(dict.fromkeys(s for p in sets for s in p.sentences()))
     model = EncoderSpec(encoder.model, poolings[0], encoder.max_length, encoder.batch_size, encoder.precision).load()
@@ -372,6 +391,7 @@ def tune_sts(
     on_trial: Callable[[Trial], None] | None = None,
 ) -> TuneResult:
     """``vectors[pooling][sentence]`` -> raw vector. The transform is fitted on ``fit_sentences`` (no labels)."""
+    check_metric(metric, (*STS_METRICS, *dict.fromkeys(dev.subset)))
     moments = {p: moments_of(v, fit_sentences) for p, v in vectors.items()}
     trials = []
     for cand in grid:

@@ -56,12 +56,15 @@ log = logging.getLogger(__name__)
 def transform_spec(directory: Path, **changes: Any) -> TransformSpec:
     """The transform spec ``directory`` was fitted with, with ``changes`` applied (None values: keep).
 
-    Turning whitening off drops a kept ``dim`` unless one is given (the raw transform keeps every dimension).
+    Turning whitening off drops a kept ``dim`` and ``gamma`` unless given (the raw transform keeps every
+    dimension and has no kernel; a ``gamma`` given with it is refused by ``TransformSpec.check``).
     """
     current = IndexDir(directory).manifest().transform.spec
     given = {key: value for key, value in changes.items() if value is not None}
     if given.get("whiten") is False and "dim" not in given:
         given["dim"] = None
+    if given.get("whiten") is False and "gamma" not in given:
+        given["gamma"] = None  # nor a gamma
     if "center" not in given and ("dim" in given or given.get("whiten") is False):
         given["center"] = None  # a new `dim` without a word on centring: the default for that dim (raw: none)
     if "whiten" not in given and ("dim" in given or "gamma" in given):

@@ -150,7 +150,9 @@ class Whitening:
         u = u * np.sign(u[np.abs(u).argmax(axis=0), np.arange(d)])  # largest-|entry| of each column positive
         scale = lam[0] if lam[0] > 0 else 1.0  # lam[0] == 0: every row identical; epsilon is then absolute
         lam_reg = lam[:k] + epsilon * scale
-        if gamma > 0 and not lam_reg.all():
+        # Below d ulps of the largest, an eigenvalue is round-off of a zero one: raised to -gamma/2 it would
+        # amplify noise by ~1e7 (only an `epsilon` of about 0 lets one through)
+        if gamma > 0 and (lam_reg <= d * np.finfo(np.float64).eps * scale).any():
             raise ConfigError(
                 f"the covariance is singular within the top {k} directions and `epsilon` is 0; "
                 "use `epsilon` > 0 or a smaller `dim`",
@@ -354,8 +356,14 @@ class TransformSpec:
             raise ConfigError(f"`dim` must be between 1 and the encoder's dimension {d} (got {self.dim})", "dim")
         if self.whiten is False and self.dim is not None and d is not None and self.dim != d:
             raise ConfigError(f"the raw transform keeps all {d} dimensions; drop `dim` or whiten", "dim")
-        if self.whiten is False and self.center is not None:
-            raise ConfigError("the raw transform has no kernel to centre; drop `center` or whiten", "center")
+        raw = self.whitens is False or (self.whitens is None and d is not None and not self.resolve(d).whiten)
+        if raw and self.center is not None:
+            raise ConfigError(
+                "the raw transform has no kernel to centre; drop `center`, or whiten (`gamma`, or a `dim` below d)",
+                "center",
+            )
+        if self.whiten is False and self.gamma is not None:
+            raise ConfigError("the raw transform has no eigenvalues to raise; drop `gamma` or whiten", "gamma")
         if self.gamma is not None and not (math.isfinite(self.gamma) and 0 <= self.gamma <= 2):
             raise ConfigError(
                 f"`gamma` must be between 0 and 2 (got {self.gamma}); 1 = full whitening, 0 = PCA rotation", "gamma"
@@ -367,6 +375,7 @@ class TransformSpec:
             )
 
     def fit(self, moments: RunningMoments) -> Whitening | RawTransform:
+        self.check(moments.dim)  # a `dim` past d would otherwise resolve to... nothing asked for
         spec = self.resolve(moments.dim)
         if not spec.whiten:
             return RawTransform(moments.dim)

@@ -192,7 +192,7 @@ def test_no_keep_vectors_drops_the_stash(corpus: Path, tmp_path: Path) -> None:
     with pytest.raises(IndexDirError, match="kept no raw-vector stash"):
         IndexDir(out).stash()
     searcher = Searcher.load(out, encoder=FakeEncoder())
-    with pytest.raises(IndexDirError, match="cannot re-score without re-encoding"):
+    with pytest.raises(ConfigError, match="kept no raw-vector stash, so it cannot re-score"):
         searcher.search_raw(FakeEncoder().encode(["x"]), SearchParams(k=3, rescore=10))
 
 

@@ -339,12 +339,15 @@ def test_one_bad_file_in_a_folder(tiny_bert: Path, tmp_path: Path, bad: str) -> 
         (["--index-type", "NotAnIndex"], "FAISS cannot build index type 'NotAnIndex'"),
         (["--index-type", "IVF4096,Flat"], "IVF with 4096 lists needs at least that many training rows"),
         (["--index-type", "PQ7x8"], "FAISS cannot build index type 'PQ7x8'"),
+        (["--extra-pooling", "max"], "unknown --extra-pooling 'max'"),
+        (["--no-whiten", "--gamma", "0.5"], "the raw transform has no eigenvalues to raise; drop --gamma"),
+        (["--center"], "the raw transform has no kernel to centre"),
     ],
 )
 @case(
     "options",
-    "every numeric option of `index` at 0, negative, NaN, inf, huge; unknown pooling, precision, dtype, "
-    "index type, factory strings, IVF too large for N",
+    "every numeric option of `index` at 0, negative, NaN, inf, huge; unknown pooling, extra pooling, precision, "
+    "dtype, index type, factory strings, IVF too large for N; a gamma or centring for the raw transform",
     "one line naming the flag; nothing written; never a FAISS abort",
 )
 def test_bad_index_options(tiny_bert: Path, tmp_path: Path, options: list[str], fragment: str) -> None:
@@ -393,6 +396,74 @@ def test_bad_eval_and_tune_options(cli_index: Path, tmp_path: Path) -> None:
     qrels = table_file(tmp_path / "r.parquet", query_id=["q"], doc_id=["doc1"], score=[1])
     one_line(run("eval", "ir", cli_index, "--queries", queries, "--qrels", qrels, "--depth", 0), "--depth")
     one_line(run("tune", cli_index, "--queries", queries, "--qrels", qrels, "--dims", "abc"), "--dims")
+
+
+QUERIES = {"query_id": ["q1", "q2"], "text": ["document number 1", "document number 2"]}
+QRELS = {"query_id": ["q1", "q2"], "doc_id": ["doc1", "doc2"], "score": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    ("queries", "qrels", "fragment"),
+    [
+        ({"text": ["document", None]}, {}, "query q2 of"),
+        ({"text": ["document", "  "]}, {}, "has no text (null or blank)"),
+        ({"query_id": ["q1", "q1"]}, {}, "query id 'q1' appears more than once"),
+        ({"query_id": [], "text": []}, {"query_id": [], "doc_id": [], "score": []}, "holds no queries"),
+        ({"text": [1, 2]}, {}, "holds int64, not text"),
+        ({}, {"score": [1, None]}, "has a null query id, doc id or grade"),
+        ({}, {"score": [0.5, 1.0]}, "has the grade 0.5: relevance grades must be whole numbers"),
+        ({}, {"score": ["1", "2"]}, "holds string: relevance grades must be integers"),
+        ({}, {"query_id": ["1.0", "2.0"]}, "no query of"),
+        ({}, {"score": [0, 0]}, "has a relevant judgement"),
+    ],
+)
+@case(
+    "input",
+    "`eval ir` / `tune` queries and qrels: null, blank or non-text queries, duplicate query ids, no queries, null, "
+    "fractional or text grades, qrels whose ids match no query",
+    "one line naming the file, the row or id, and the fix; never a NaN table",
+)
+def test_bad_queries_and_qrels(cli_index: Path, tmp_path: Path, queries: dict, qrels: dict, fragment: str) -> None:
+    q = table_file(tmp_path / "q.parquet", **(QUERIES | queries))
+    r = table_file(tmp_path / "r.parquet", **(QRELS | qrels))
+    one_line(run("eval", "ir", cli_index, "--queries", q, "--qrels", r, "--json"), fragment)
+    one_line(run("tune", cli_index, "--queries", q, "--qrels", r, "--dims", 8), fragment)
+
+
+PAIRS = {"sentence1": ["a cat", "a dog", "the sun"], "sentence2": ["a kitten", "a puppy", "rain"], "score": [5, 4, 0]}
+
+
+@pytest.mark.parametrize(
+    ("pairs", "fragment"),
+    [
+        ({"sentence1": ["a cat", None, "x"]}, "column 'sentence1' of"),
+        ({"score": [5.0, None, 1.0]}, "every pair needs a gold score"),
+        ({"score": ["5", "4", "0"]}, "gold scores must be numbers"),
+        ({k: v[:1] for k, v in PAIRS.items()}, "holds 1 pairs: a rank correlation needs at least two"),
+        ({"subset": ["all", "all", "b"]}, "names a subset 'all', which is reserved"),
+    ],
+)
+@case(
+    "input",
+    "`eval sts` pair files: a null sentence, null or text scores, one pair, a subset named `all`",
+    "one line naming the file and what to fix",
+)
+def test_bad_pairs(tiny_bert: Path, tmp_path: Path, pairs: dict, fragment: str) -> None:
+    path = table_file(tmp_path / "p.parquet", **(PAIRS | pairs))
+    one_line(run("eval", "sts", path, "--model", tiny_bert), fragment)
+
+
+@case(
+    "options",
+    "`eval sts --dim` past the encoder's dimension; `tune --metric nDCG@5`",
+    "one line before anything is encoded (not raw scores reported as transformed, not a KeyError mid-sweep)",
+)
+def test_dim_and_metric_out_of_range(cli_index: Path, tiny_bert: Path, tmp_path: Path) -> None:
+    pairs = table_file(tmp_path / "p.parquet", **PAIRS)
+    one_line(run("eval", "sts", pairs, "--model", tiny_bert, "--dim", 64), "--dim must be between 1 and")
+    q, r = table_file(tmp_path / "q.parquet", **QUERIES), table_file(tmp_path / "r.parquet", **QRELS)
+    one_line(run("tune", cli_index, "--queries", q, "--qrels", r, "--metric", "nDCG@5"), "unknown --metric 'nDCG@5'")
+    one_line(run("tune", "--pairs", pairs, "--model", tiny_bert, "--metric", "x"), "unknown --metric 'x'")
 
 
 @case("options", "`demo --dim 0`", "refused before the demo corpus is written")

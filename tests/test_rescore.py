@@ -97,7 +97,7 @@ def test_no_stash_no_rescoring(corpus: Path, tmp_path: Path, monkeypatch: pytest
         patch.setattr(searcher, "stash", no_stash)
         scores, rows = searcher.search_raw(queries(), SearchParams(k=5))  # the default: nothing to re-score
     assert rows.shape == (8, 5) and (rows >= 0).all()
-    with pytest.raises(IndexDirError, match="kept no raw-vector stash"):  # asked for explicitly: a clear error
+    with pytest.raises(ConfigError, match="kept no raw-vector stash"):  # asked for explicitly: a clear error
         searcher.search_raw(queries(), SearchParams(k=5, rescore=10))
 
 

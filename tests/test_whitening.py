@@ -146,6 +146,27 @@ def test_singular_covariance_without_epsilon_is_refused() -> None:
     assert fit(x, dim=1, epsilon=0.0).dim_out == 1  # the kept direction alone is fine
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_round_off_eigenvalues_count_as_zero(seed: int) -> None:
+    """Rank-3 data in 16 dims kept at 8: directions 4-8 are null, their eigenvalues round-off of either sign
+    (~1e-16 of the largest; a negative one is clipped to an exact 0, a positive one was let through). With
+    epsilon 0 they must be refused as singular, not raised to -gamma/2 (a ~1e7 gain on noise); the top 3
+    directions alone fit cleanly."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(500, 3)) @ rng.normal(size=(3, 16))
+    with pytest.raises(ConfigError, match="singular"):
+        fit(x, dim=8, gamma=1.0, epsilon=0.0)
+    top = fit(x, dim=3, gamma=1.0, epsilon=0.0)
+    y = top.transform(x, normalize=False).astype(np.float64)
+    np.testing.assert_allclose(np.cov(y.T, bias=True), np.eye(3), atol=1e-4)
+
+
+def test_a_spec_with_dim_past_d_is_refused_at_fit() -> None:
+    moments = RunningMoments.from_array(np.random.default_rng(0).normal(size=(100, 8)))
+    with pytest.raises(ConfigError, match="between 1 and the encoder's dimension 8"):
+        TransformSpec(dim=64).fit(moments)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
