@@ -17,7 +17,7 @@ from conftest import FakeEncoder, write_corpus
 from retrieval import update
 from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
-from retrieval.errors import ConfigError, IndexDirError
+from retrieval.errors import ConfigError
 from retrieval.indexdir import MANIFEST, RESCORE, RESCORE_DEPTH, IndexDir, Manifest, RescoreRecord, checksum
 from retrieval.moments import RunningMoments
 from retrieval.search import Searcher, SearchParams
