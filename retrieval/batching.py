@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from retrieval.autothreads import ThreadChooser
-from retrieval.errors import RetrievalError
+from retrieval.errors import ConfigError, RetrievalError
 from retrieval.search import Hit, Searcher, SearchParams
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,7 @@ class Batcher:
         if not live:
             return
         texts = [text for job in live for text in job.texts]
+        searcher: Searcher | None = None
         try:
             searcher = self.current()
             chooser = self.threads if texts else None
@@ -221,9 +222,14 @@ class Batcher:
         except BaseException as err:  # noqa: BLE001 - every waiting caller must hear of it, whatever it was
             if not isinstance(err, RetrievalError):
                 log.exception("a batch of %d queries failed to encode", len(texts))
-            for job in live:
-                job.future.set_exception(err)
-            return
+            # A request's own fault (its text) must not fail the others batched with it: they are encoded again
+            # one request at a time. The rest (no index loaded yet, shutting down, an interrupt) reaches them all.
+            own_fault = isinstance(err, ConfigError) or not isinstance(err, RetrievalError)
+            if searcher is None or len(live) == 1 or not isinstance(err, Exception) or not own_fault:
+                for job in live:
+                    job.future.set_exception(err)
+                return
+            live, raw = self._encode_alone(searcher, live)
         offsets = np.cumsum([0] + [len(job.texts) for job in live])
         vectors = {id(job): raw[offsets[i] : offsets[i + 1]] for i, job in enumerate(live)}
         generation = searcher.manifest.generation
@@ -241,6 +247,20 @@ class Batcher:
                 self._on_batch(BatchStats(len(texts), len(jobs), waited, time.perf_counter() - start))
             except Exception:  # noqa: BLE001 - a broken hook must not end the worker: every later request would hang
                 log.exception("the batch hook failed")
+
+    @staticmethod
+    def _encode_alone(searcher: Searcher, jobs: list[_Job]) -> tuple[list[_Job], np.ndarray]:
+        """Encode each job's texts on its own after a batch failed: a job that fails again gets its error, the
+        others go on (the jobs that encoded, and their vectors in the same order)."""
+        done, vectors = [], []
+        for job in jobs:
+            try:
+                vectors.append(searcher.encode(job.texts))
+            except Exception as err:  # noqa: BLE001 - handed to the caller
+                job.future.set_exception(err)
+            else:
+                done.append(job)
+        return done, (np.concatenate(vectors) if vectors else np.empty((0, 0), np.float32))
 
     @staticmethod
     def _embed(searcher: Searcher, job: _Job, raw: np.ndarray, generation: int) -> None:

@@ -60,6 +60,18 @@ def check_queries(queries: Sequence[str]) -> None:
             raise ConfigError(f"`query` {i} is {type(query).__name__}, not text", "query")
         if not query.strip():
             raise ConfigError("`query` is empty (or only whitespace): give some text to search for", "query")
+        if not valid_unicode(query):
+            raise ConfigError(f"`query` {i} holds a lone surrogate (an undecodable byte?): give UTF-8 text", "query")
+
+
+def valid_unicode(text: str) -> bool:
+    """False for a string with a lone surrogate (JSON's "\\ud800", or a byte Python could not decode): it has no
+    UTF-8 form, and the tokenizer would fail on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

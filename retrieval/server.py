@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import retrieval
 from retrieval.batching import BatchStats, Overloaded, Stopped
 from retrieval.errors import ConfigError, RetrievalError, render
-from retrieval.search import SearchParams
+from retrieval.search import SearchParams, valid_unicode
 from retrieval.service import NotReady, ServeOptions, Service
 from retrieval.telemetry import Counter, Gauge, Histogram, Registry
 
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 API_KEY_ENV = "RETRIEVAL_API_KEY"
 STATIC = Path(__file__).parent / "static"
+DOC_ROUTES = {path: path for path in ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")}  # FastAPI's
 FIELDS = {"ef_search": "ef"}  # library parameter -> JSON field, where they differ
 STATUS_CODES = {
     400: "bad_request",
@@ -61,12 +62,15 @@ def field_name(param: str) -> str:
 class ApiError(Exception):
     """An error response: HTTP status, a stable code, one line for people, the field it is about."""
 
-    def __init__(self, status: int, code: str, message: str, param: str | None = None, headers: Any = None):
+    def __init__(
+        self, status: int, code: str, message: str, param: str | None = None, headers: Any = None, **extra: Any
+    ):
         super().__init__(message)
         self.status, self.code, self.message, self.param, self.headers = status, code, message, param, headers
+        self.extra = extra  # more top-level fields of the body, beside "error"
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.code, self.message, self.param, self.headers)
+        return error_response(self.status, self.code, self.message, self.param, self.headers, **self.extra)
 
 
 def error_response(
@@ -212,8 +216,8 @@ class ObserveRequests:
         try:
             await self.app(scope, receive, observed)
         finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"  # never the raw path: unbounded label values
+            route = scope.get("route")  # set by FastAPI's routes; /docs, /redoc and /openapi.json are Starlette's
+            path = getattr(route, "path", None) or DOC_ROUTES.get(scope["path"]) or "unmatched"  # never a raw path
             self.metrics.requests.inc({"route": path, "method": scope["method"], "status": str(status)})
             self.metrics.latency.observe(time.perf_counter() - start, {"route": path})
 
@@ -324,6 +328,8 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
             where = f"`{name}`" if len(values) == 1 and name in ("query", "q") else f"`{name}` item {i}"
             if not text.strip():
                 raise ApiError(422, "empty_query", f"{where} is empty or only whitespace", name)
+            if not valid_unicode(text):
+                raise ApiError(422, "invalid_text", f"{where} holds a lone surrogate: send valid UTF-8 text", name)
             if len(text) > options.max_query_chars:
                 raise ApiError(
                     422,
@@ -414,8 +420,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     @app.get("/ready", dependencies=protected, summary="Readiness: an index version is loaded and warmed")
     async def ready() -> JSONResponse:
         if not service.ready:
-            reason = service.last_error or "the index is still loading"
-            return error_response(503, "not_ready", reason, ready=False)
+            raise ApiError(503, "not_ready", service.last_error or "the index is still loading", ready=False)
         return JSONResponse({"ready": True, "generation": service.searcher().manifest.generation})
 
     @app.get("/info", dependencies=protected, summary="What is served: `retrieval info` as JSON, and the server")
@@ -431,7 +436,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
         outcome = await asyncio.to_thread(service.reload)
         if not outcome.reloaded:
             message = f"the new version was refused; still serving generation {outcome.generation}: {outcome.error}"
-            return error_response(409, "reload_refused", message, generation=outcome.generation)
+            raise ApiError(409, "reload_refused", message, generation=outcome.generation)
         return JSONResponse({"reloaded": True, "generation": outcome.generation, "seconds": round(outcome.seconds, 3)})
 
     @app.get("/", include_in_schema=False)
@@ -577,6 +582,8 @@ def validation_response(errors: Any) -> JSONResponse:
         return error_response(422, "invalid_json", f"the body is not valid JSON ({first.get('ctx', {}).get('error')})")
     if kind == "extra_forbidden":
         return error_response(422, "invalid_request", f"unknown field `{param}`", param)
+    if kind == "missing" and param is None:  # the body itself
+        return error_response(422, "invalid_request", "the body is missing: send a JSON object")
     if kind == "missing":
         return error_response(422, "invalid_request", f"`{param}` is required", param)
     if param is None:

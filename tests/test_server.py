@@ -144,6 +144,11 @@ def test_metrics_count_requests_errors_and_batches(client: TestClient) -> None:
     assert metric(client, "retrieval_index_generation") == 1
     assert metric(client, "retrieval_ready") == 1
     assert metric(client, 'retrieval_request_duration_seconds_bucket{route="/search",le="+Inf"}') >= 2
+    client.get("/docs")
+    client.get("/openapi.json")
+    assert metric(client, 'retrieval_requests_total{method="GET",route="/docs",status="200"}') == 1
+    assert metric(client, 'retrieval_requests_total{method="GET",route="/openapi.json",status="200"}') == 1
+    assert 'route="unmatched"' not in client.get("/metrics").text
 
 
 # ----- bad input: always a 4xx with one JSON error shape, never a 500 or a traceback ---------------------------
@@ -201,6 +206,23 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
     ("post", "/embed", {"json": {"inputs": []}}, 422, "empty_query", "inputs"),
     ("post", "/embed", {"json": {"inputs": "a", "transformed": "yes"}}, 422, "invalid_request", "transformed"),
     ("post", "/embed", {"json": {"inputs": ["a"] * 65}}, 413, "too_many_queries", "inputs"),
+    (
+        "post",
+        "/search",
+        {"content": b'{"queries": ["a", "\\ud800"]}', "headers": {"content-type": "application/json"}},
+        422,
+        "invalid_text",
+        "queries",
+    ),
+    (
+        "post",
+        "/embed",
+        {"content": b'{"inputs": "\\udfff"}', "headers": {"content-type": "application/json"}},
+        422,
+        "invalid_text",
+        "inputs",
+    ),
+    ("post", "/search", {"headers": {"content-type": "application/json"}}, 422, "invalid_request", None),
     ("get", "/nowhere", {}, 404, "not_found", None),
     ("delete", "/search", {}, 405, "method_not_allowed", None),
     ("get", "/embed", {}, 405, "method_not_allowed", None),
@@ -231,7 +253,9 @@ def test_searches_wait_for_the_index_with_503_not_500(index: Path) -> None:
     with TestClient(create_app(service, manage=False)) as client:  # never started: nothing loaded
         response = client.get("/search", params={"q": "a"})
         assert response.status_code == 503 and response.json()["error"]["code"] == "not_ready"
-        assert client.get("/ready").status_code == 503
+        not_ready = client.get("/ready")
+        assert not_ready.status_code == 503 and not_ready.json()["ready"] is False
+        assert metric(client, 'retrieval_errors_total{code="not_ready"}') == 2  # the search's and /ready's
         assert client.get("/info").json() == {
             "ready": False,
             "index": None,
@@ -292,6 +316,7 @@ def test_post_reload_serves_the_new_version_and_refuses_a_corrupt_one(index: Pat
         assert refused.status_code == 409
         assert refused.json()["error"]["code"] == "reload_refused" and refused.json()["generation"] == 2
         assert "checksum" in refused.json()["error"]["message"]
+        assert metric(client, 'retrieval_errors_total{code="reload_refused"}') == 1
         still = client.get("/search", params={"q": texts[3], "k": 1})
         assert still.status_code == 200 and still.json()["generation"] == 2
         info = client.get("/info").json()
@@ -353,6 +378,33 @@ def test_the_engine_batches_waiting_jobs_and_answers_each_as_alone(index: Path) 
     finally:
         batcher.stop()
     assert sizes[0] == 8 and sum(sizes) == 17 and max(sizes) <= 8  # 12 singles, one 3-query job, one 2-text embed
+
+
+def test_a_request_that_fails_to_encode_fails_alone(index: Path) -> None:
+    """One job's text breaks the encoder (what validation cannot foresee): it gets the error, the jobs batched
+    with it are encoded again without it and answered."""
+
+    class Fussy(FakeEncoder):
+        def encode(self, texts: list[str]) -> np.ndarray:
+            if "boom" in texts:
+                raise ValueError("the tokenizer choked")
+            return super().encode(texts)
+
+    searcher = Searcher.load(index, encoder=Fussy())
+    sizes: list[int] = []
+    batcher = Batcher(lambda: searcher, max_batch=8, on_batch=lambda stats: sizes.append(stats.queries))
+    good = [batcher.submit_search([f"document number {i} about topic {i % 7}"], SearchParams(k=1)) for i in range(3)]
+    bad = batcher.submit_search(["boom"], SearchParams(k=1))
+    embedded = batcher.submit_embed(["document number 5"], transformed=False)
+    batcher.start()
+    try:
+        assert [f.result(10).hits[0][0].id for f in good] == ["doc0", "doc1", "doc2"]
+        with pytest.raises(ValueError, match="choked"):
+            bad.result(10)
+        np.testing.assert_allclose(embedded.result(10).vectors, FakeEncoder().encode(["document number 5"]))
+    finally:
+        batcher.stop()
+    assert sizes == [5]  # one batch of all five texts, whatever became of them
 
 
 @pytest.mark.parametrize("workers", [1, 2])
