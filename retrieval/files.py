@@ -118,10 +118,35 @@ def publish(work: Path, target: Path, own: Collection[str] = ()) -> None:
         for entry in target.iterdir():
             if entry.name not in own and not (work / entry.name).exists():
                 _link_tree(entry, work / entry.name)
+    sync_tree(work)  # on disk before it is named: after a power cut the index is whole, never empty files
     if target.exists():
         os.rename(target, old)
     os.rename(work, target)
+    sync_directory(target.parent)  # the renames themselves
     shutil.rmtree(old, ignore_errors=True)
+
+
+def sync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then each directory (its entries), deepest first. Files the writers
+    already flushed (the manifest, stash parts) cost nothing more; the rest were only in the page cache."""
+    for directory, _, names in os.walk(root, topdown=False):
+        for name in names:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        sync_directory(Path(directory))
+
+
+def sync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _link_tree(src: Path, dst: Path) -> None:
@@ -161,7 +186,7 @@ def recover(target: Path) -> None:
         try:
             with writing(target):  # taking the writer's lock restores it
                 pass
-        except BusyError:
+        except (BusyError, OSError):  # a writer at work, or a read-only parent: the reader says what it finds
             pass
 
 

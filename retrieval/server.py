@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 API_KEY_ENV = "RETRIEVAL_API_KEY"
 STATIC = Path(__file__).parent / "static"
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT"})
 DOC_ROUTES = {path: path for path in ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")}  # FastAPI's
 FIELDS = {"ef_search": "ef"}  # library parameter -> JSON field, where they differ
 STATUS_CODES = {
@@ -218,7 +219,8 @@ class ObserveRequests:
         finally:
             route = scope.get("route")  # set by FastAPI's routes; /docs, /redoc and /openapi.json are Starlette's
             path = getattr(route, "path", None) or DOC_ROUTES.get(scope["path"]) or "unmatched"  # never a raw path
-            self.metrics.requests.inc({"route": path, "method": scope["method"], "status": str(status)})
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"  # h11 passes any token on
+            self.metrics.requests.inc({"route": path, "method": method, "status": str(status)})
             self.metrics.latency.observe(time.perf_counter() - start, {"route": path})
 
 

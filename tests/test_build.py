@@ -4,6 +4,7 @@ failed or refused build never leaves a half index nor harms the previous one."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -429,6 +430,25 @@ def test_interrupted_publish_is_recovered(built: tuple[Path, FakeEncoder, Manife
     out.rename(files.work_dir(out, "old"))  # killed between the two renames of publish()
     searcher = Searcher.load(out, encoder=FakeEncoder())
     assert searcher.manifest.n == N and snapshot(out) == before
+
+
+def test_publish_flushes_every_file_and_the_renames_to_disk(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Power-cut safety: each file of the new version is fsynced while still in the work directory (before it
+    is renamed into place), then the parent directory (the renames)."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(
+        files.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd)
+    )
+    out = tmp_path / "idx"
+    build(corpus, out)
+    work = str(files.work_dir(out))
+    published = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    flushed_in_work = {os.path.relpath(p, work) for p in synced if p.startswith(work + os.sep)}
+    assert published <= flushed_in_work
+    assert synced[-1] == str(tmp_path)  # last: the directory holding the renamed entries
 
 
 def hold_lock(target: Path) -> subprocess.Popen:

@@ -149,6 +149,9 @@ def test_metrics_count_requests_errors_and_batches(client: TestClient) -> None:
     assert metric(client, 'retrieval_requests_total{method="GET",route="/docs",status="200"}') == 1
     assert metric(client, 'retrieval_requests_total{method="GET",route="/openapi.json",status="200"}') == 1
     assert 'route="unmatched"' not in client.get("/metrics").text
+    for i in range(3):  # made-up methods (h11 passes any token): one bounded label value, not one per method
+        client.request(f"BREW{i}", "/search")
+    assert metric(client, 'retrieval_requests_total{method="other",route="/search",status="405"}') == 3
 
 
 # ----- bad input: always a 4xx with one JSON error shape, never a 500 or a traceback ---------------------------
