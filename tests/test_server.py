@@ -593,6 +593,8 @@ def test_concurrent_http_requests_are_batched(index: Path) -> None:
         (["serve", "{index}", "--torch-threads", "many"], "--torch-threads"),
         (["serve", "{index}", "--torch-threads", "0"], "--torch-threads"),
         (["serve", "{index}", "--engine-workers", "2"], "--torch-threads"),  # auto needs one worker
+        (["serve", "{index}", "--api-key", "clé"], "--api-key must be printable ASCII"),  # never matchable
+        (["serve", "{index}", "--api-key", " key"], "--api-key must be printable ASCII"),
     ],
 )
 def test_serve_refuses_bad_options_in_one_line_before_starting(
