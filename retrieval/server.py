@@ -375,6 +375,9 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
             raise ApiError(422, "invalid_request", f"unknown parameter `{unknown[0]}`", unknown[0])
         if len(request.query_params.getlist("q")) > 1:
             raise ApiError(422, "invalid_request", "give `q` once; POST /search takes several queries", "q")
+        twice = next((name for name in request.query_params if len(request.query_params.getlist(name)) > 1), None)
+        if twice is not None:  # which of two values would count is a guess: refused, as for `q`
+            raise ApiError(422, "invalid_request", f"give `{twice}` once", twice)
         return await run_search(texts_of([q], "q"), search_params(k, rescore, ef, nprobe))
 
     @app.post(

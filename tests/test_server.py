@@ -168,6 +168,7 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
     ("get", "/search", {"params": {"q": "a", "nprobe": "99999"}}, 422, "invalid_param", "nprobe"),
     ("get", "/search", {"params": {"q": "a", "limit": "3"}}, 422, "invalid_request", "limit"),
     ("get", "/search", {"params": [("q", "a"), ("q", "b")]}, 422, "invalid_request", "q"),
+    ("get", "/search", {"params": [("q", "a"), ("k", "5"), ("k", "6")]}, 422, "invalid_request", "k"),
     ("post", "/search", {"json": {}}, 422, "invalid_request", "query"),
     ("post", "/search", {"json": {"query": "a", "queries": ["b"]}}, 422, "invalid_request", "query"),
     ("post", "/search", {"json": {"query": ""}}, 422, "empty_query", "query"),
