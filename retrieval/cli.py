@@ -555,9 +555,12 @@ def eval_sts(
     pooling: Annotated[
         str, typer.Option(help=f"Pooling when no --index: {', '.join(POOLINGS)}.")
     ] = DefaultEncoder.pooling,
-    dim: Annotated[int | None, typer.Option(help="Output dimension of the fitted transform.")] = None,
+    dim: Annotated[
+        int | None, typer.Option(help="Whiten down to this dimension \\[default: none, the raw vectors].")
+    ] = None,
     gamma: Annotated[
-        float | None, typer.Option(help=f"Eigenvalue power of the fitted transform \\[default: {DEFAULT_GAMMA:g}].")
+        float | None,
+        typer.Option(help=f"Eigenvalue power; given, it whitens \\[default with --dim: {DEFAULT_GAMMA:g}]."),
     ] = DefaultTransform.gamma,
     fit_file: Annotated[
         list[Path] | None, typer.Option(help="More pair files whose sentences join the fit (e.g. train/dev splits).")

@@ -224,6 +224,8 @@ def evaluate_sts(
         transform = transform.fit(moments_of(vectors, sentences))
         names = ", ".join(p.name for p in [*sets, *fit_sets])
         fit_name = f"target ({len(sentences):,} sentences of {names})"
+        if isinstance(transform, RawTransform):  # what a spec without dim or gamma resolves to, as in `index`
+            fit_name = "nothing: the raw transform (give a dim below d, or a gamma, to fit a whitening)"
     raw = RawTransform(encoder.dim)
     results = [
         {"file": p.name, "raw": sts_result(vectors, p, raw), "transformed": sts_result(vectors, p, transform)}

@@ -162,7 +162,10 @@ def test_eval_sts_target_fit_and_index_fit(built: dict[str, Path], tiny_bert: Pa
     assert "k=16" in report["transform"] or "16" in report["transform"]
 
     table = ok(run("eval", "sts", stsb, "--model", tiny_bert)).stdout
-    assert "target" in table and "raw wmean" in table and "transformed all" in table
+    assert "raw wmean" in table and "transformed all" in table
+    default = json.loads(ok(run("eval", "sts", stsb, "--model", tiny_bert, "--json")).stdout)
+    assert default["fit"].startswith("nothing: the raw transform")  # no dim, no gamma: raw, as `index` does
+    assert default["results"][0]["transformed"] == default["results"][0]["raw"]
 
     with_index = json.loads(ok(run("eval", "sts", stsb, "--index", built["index"], "--json")).stdout)
     assert with_index["fit"] == f"index {built['index']}"
