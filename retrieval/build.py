@@ -35,6 +35,7 @@ from retrieval.indexdir import (
     OWN_NAMES,
     STASH,
     CorpusRecord,
+    IndexDir,
     IndexRecord,
     Manifest,
     StashRecord,
@@ -202,6 +203,7 @@ def _build(
             settings=corpus.settings(),
         ),
         stash=StashRecord.of(stash) if options.keep_vectors else None,
+        generation=_replaced_generation(out) + 1,
     )
     if not options.keep_vectors:
         shutil.rmtree(work / STASH)
@@ -210,6 +212,18 @@ def _build(
         files.publish(work, out, OWN_NAMES)
     log.info("built %s: %d rows, %d -> %d dims", out, manifest.n, d, manifest.transform.k)
     return replace(manifest, timings=timer.seconds)
+
+
+def _replaced_generation(out: Path) -> int:
+    """The generation of the index an ``overwrite`` replaces (0 when there is none, or it cannot be read): the
+    new build continues the count, so a server watching ``out`` (``/info``, the generation metric) shows a
+    rebuild as a new version, as it shows ``add`` and ``refit``."""
+    if not is_index_dir(out):
+        return 0
+    try:
+        return IndexDir(out).manifest().generation
+    except IndexDirError:
+        return 0
 
 
 def input_dim(source: Corpus, encoder: Encoder | None) -> int:

@@ -190,7 +190,7 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=dict)
     created: str = ""  # when the index was first built
     updated: str = ""  # when this version was published
-    generation: int = 1  # 1 for a build, +1 for each add or refit
+    generation: int = 1  # 1 for a first build, +1 for each add, refit or rebuild (--overwrite) at the same path
     schema_version: int = SCHEMA_VERSION
 
     @property

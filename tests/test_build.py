@@ -361,8 +361,10 @@ def test_an_empty_folder_is_built_into(corpus: Path, tmp_path: Path) -> None:
 def test_overwrite_replaces_the_index(built: tuple[Path, FakeEncoder, Manifest], tmp_path: Path) -> None:
     out = built[0]
     other = write_corpus(tmp_path / "other.parquet", n=50)
+    update.refit(out, TransformSpec(dim=4))  # generation 2
     manifest = build(other, out, options=BuildOptions(overwrite=True))
     assert manifest.n == 50 == Manifest.load(out).n
+    assert manifest.generation == 3  # a rebuild is a new version of the path, as an add or refit is
     assert Manifest.load(out).corpus.sha256 == files.sha256(other)
     IndexDir(out).verify(Manifest.load(out))
     assert siblings(out) == ["idx"]
