@@ -244,17 +244,25 @@ def input_dim(source: Corpus, encoder: Encoder | None) -> int:
 def _open_stash(
     work: Path, source: Corpus, encoder: Encoder | None, d: int, poolings: list[str], options: BuildOptions
 ) -> tuple[VectorStash, int]:
-    """A fresh stash in the work directory, or, with ``resume``, the one an interrupted build left there."""
+    """A fresh stash in the work directory, or, with ``resume``, the one an interrupted build left there.
+
+    Precision "auto" is settled before the stash records the encoder, and a resumed build takes the choice
+    recorded (timing could choose otherwise the second time, and a stash must not mix fp32 and bf16 vectors)."""
+    stash_dir = work / STASH
+    resuming = options.resume and (stash_dir / "stash.json").is_file()
+    if resuming:
+        _check_no_links(work)
+        stash = VectorStash.open(stash_dir)
+    settle = getattr(encoder, "settle_precision", None)
+    if settle is not None:
+        settle(((stash.meta.get("encoder") or {}) if resuming else {}).get("precision_used"))
     meta = {
         "corpus_sha256": source.fingerprint(),
         "corpus": source.spec.settings(),
         "encoder": encoder.info().to_dict() if encoder else None,
         "window_rows": options.window_rows,
     }
-    stash_dir = work / STASH
-    if options.resume and (stash_dir / "stash.json").is_file():
-        _check_no_links(work)
-        stash = VectorStash.open(stash_dir)
+    if resuming:
         found = _flat(stash.meta) | {"poolings": stash.poolings, "stash_dtype": stash.dtype}
         wanted = _flat(json.loads(json.dumps(meta))) | {"poolings": poolings, "stash_dtype": options.stash_dtype}
         changed = [key for key in wanted if key != "encoder" and found.get(key) != wanted[key]]

@@ -269,7 +269,11 @@ def index(
     spec = CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty)
     transform = TransformSpec(dim=dim, gamma=gamma, epsilon=epsilon, whiten=False if no_whiten else None, center=center)
     index_spec = IndexSpec(index_type, m, ef_construction, ef_search, nlist, nprobe, train_size)
-    window = window_rows(Source(spec).num_rows) if engine == "ray" else DefaultBuild.window_rows
+    # Ray: windows sized for the workers. Local: the default, grown past 4M rows as Ray's grow, so a big build
+    # stays at a few thousand stash parts (each registration rewrites stash.json: 100M rows in 2,048-row
+    # windows would be 48,828 parts and hours of rewriting)
+    rows = Source(spec).num_rows
+    window = window_rows(rows) if engine == "ray" else max(DefaultBuild.window_rows, window_rows(rows))
     options = BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume, window)
     ray_options = RayOptions(address, workers)
     transform.check()  # every value checked before a model is loaded; dim against d once it is known

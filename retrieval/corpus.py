@@ -150,7 +150,7 @@ class Corpus:
                 ) from err
             name = path.relative_to(root).as_posix() if root is not None else ""
             groups = tuple(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
-            self.files.append(SourceFile(path, name, groups))
+            self.files.append(SourceFile(path.absolute(), name, groups))  # read where it is, from any directory
         self.id_column = spec.id_column
         with_ids = [DEFAULT_ID_COLUMN in s.names for s in schemas.values()]
         if self.id_column is None and any(with_ids):
@@ -511,6 +511,8 @@ def _read_rows(source: SourceFile, start: int, stop: int, rows: int, columns: li
         with pq.ParquetFile(source.path, pre_buffer=False) as reader:
             batches = reader.iter_batches(batch_size=rows, row_groups=groups, columns=columns)
             yield from _recut(batches, start - first, rows, stop - start)
+    except FileNotFoundError as err:  # gone since the corpus was opened, or not there for this process
+        raise CorpusError(f"{source.path} is no longer there ({err}); every reader must see the corpus") from err
     except (OSError, pa.ArrowException) as err:  # a file that breaks part-way: corrupt pages, truncated
         raise CorpusError(
             f"{source.path} cannot be read from row {first:,} on ({err}); the file is corrupt or truncated: "

@@ -341,6 +341,17 @@ class TransformerEncoder:
             if self._traced is None:
                 self._traced = self._trace()
 
+    def settle_precision(self, used: str | None = None) -> None:
+        """Decide precision "auto" now: as ``used`` says (the choice a build being resumed recorded: one stash
+        never mixes fp32 and bf16 vectors), else by timing a small padded batch. Other precisions are fixed."""
+        with self._lock:
+            if self.precision != "auto":
+                return
+            if used is not None:
+                self.bf16 = used == "bf16"
+            elif self.bf16 is None:
+                self.encode(["a short warm-up text", "a somewhat longer warm-up text, to time a padded batch"])
+
     @property
     def settled(self) -> bool:
         """Whether every lazy decision is taken, so concurrent calls may run their forward passes side by side."""

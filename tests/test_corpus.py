@@ -351,3 +351,27 @@ def test_npy_windows_are_the_rows_as_float32_and_are_read_not_kept_mapped(tmp_pa
     assert [b.ids[0] for b in batches[:2]] == ["0", "300"]
     if order == "C" and Path("/proc/self/smaps").is_file():
         assert mapped_rss_kib(path.resolve()) <= 8  # at most the header's page, not the 2000 rows read
+
+
+@pytest.mark.parametrize("shape", ["file", "folder"])
+def test_a_corpus_named_relatively_reads_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: str
+) -> None:
+    """A Ray worker joined to a cluster runs in the cluster's directory, not the driver's: the corpus must
+    still find its files (it failed with "corrupt or truncated" on a relative path)."""
+    (tmp_path / "data").mkdir()
+    write_corpus(tmp_path / "data" / "c.parquet", n=50)
+    monkeypatch.chdir(tmp_path)
+    source = Corpus(CorpusSpec(Path("data/c.parquet") if shape == "file" else Path("data")))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    ids = [i for batch in source.batches(16) for i in batch.ids]
+    assert len(ids) == 50 and ids[0] == "doc0"
+
+
+def test_a_file_gone_since_the_corpus_was_opened_is_said_to_be_gone(tmp_path: Path) -> None:
+    source = Corpus(CorpusSpec(write_corpus(tmp_path / "c.parquet", n=50)))
+    (tmp_path / "c.parquet").unlink()
+    with pytest.raises(CorpusError, match="is no longer there"):
+        list(source.batches(16))

@@ -262,3 +262,42 @@ def test_cli_resume_of_a_killed_npy_build(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def test_a_resumed_build_keeps_the_precision_auto_chose(tiny_bert: Path, tmp_path: Path, monkeypatch) -> None:
+    """Precision "auto" is decided by timing, so a second run could decide otherwise: the stash records the
+    choice before the first window, and a resumed build takes it, so one index never mixes fp32 and bf16
+    vectors. Simulated bf16 CPU: the first run's timing picks bf16, the resumed run's would pick fp32."""
+    from retrieval import encoder as enc
+
+    monkeypatch.setattr(enc, "cpu_supports_bf16", lambda: True)
+    faster = {"bf16": True}
+    monkeypatch.setattr(enc.TransformerEncoder, "_bf16_is_faster", lambda self, batch: faster["bf16"])
+    corpus = write_corpus(tmp_path / "c.parquet", n=120)
+
+    def build(out: Path, resume: bool = False, stop_after: int | None = None) -> None:
+        model = enc.EncoderSpec(str(tiny_bert), precision="auto").load()
+        if stop_after is not None:
+            real, calls = model.encode_poolings, [0]
+
+            def interrupted(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] > stop_after:
+                    raise KeyboardInterrupt
+                return real(*args, **kwargs)
+
+            monkeypatch.setattr(model, "encode_poolings", interrupted)
+        build_index(
+            CorpusSpec(corpus), model, out, TransformSpec(dim=8), options=BuildOptions(window_rows=20, resume=resume)
+        )
+
+    build(tmp_path / "bf16")  # bf16 all the way: the reference
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path / "idx", stop_after=3)
+    assert VectorStash.open(files.work_dir(tmp_path / "idx") / STASH).meta["encoder"]["precision_used"] == "bf16"
+    faster["bf16"] = False  # this run's timing would choose fp32
+    build(tmp_path / "idx", resume=True)
+    assert IndexDir(tmp_path / "idx").manifest().encoder.precision_used == "bf16"
+    whole = np.concatenate(list(IndexDir(tmp_path / "bf16").stash().iter_blocks()))
+    resumed = np.concatenate(list(IndexDir(tmp_path / "idx").stash().iter_blocks()))
+    np.testing.assert_array_equal(resumed, whole)
