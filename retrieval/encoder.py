@@ -287,12 +287,25 @@ class TransformerEncoder:
             )
             raise ModelError(f"cannot load model {model!r} offline or from the hub: {hint}") from err
         self.pooling = pooling
-        # A tokenizer without a saved maximum reports ~1e30: never go past the model's position embeddings.
+        # Pooling reads the first token (cls) and positions count from the left: pad and cut on the right,
+        # whatever a tokenizer's config prefers. One without a pad token (GPT-2's) pads with another token;
+        # padded positions are masked out, so which one does not matter.
+        self.tokenizer.padding_side = self.tokenizer.truncation_side = "right"
+        if self.tokenizer.pad_token is None:
+            spare = self.tokenizer.eos_token or self.tokenizer.unk_token or self.tokenizer.sep_token
+            if spare is None:
+                raise ModelError(f"model {model!r}: its tokenizer has no token to pad batches with")
+            self.tokenizer.pad_token = spare
+        # A tokenizer without a saved maximum reports ~1e30: never go past the model's position embeddings
+        # (RoBERTa and MPNet start counting positions after their padding index).
         positions = int(getattr(self.model.config, "max_position_embeddings", None) or 1 << 30)
+        positions -= self._position_offset
         self.max_length = max_length or min(default_max_length(self.folder, self.tokenizer.model_max_length), positions)
-        if not 1 <= self.max_length <= positions:
+        least = self.tokenizer.num_special_tokens_to_add() + 1  # the special tokens and one of the text
+        if not least <= self.max_length <= positions:
             raise ConfigError(
-                f"`max_length` must be between 1 and the model's {positions} positions (got {max_length})",
+                f"`max_length` must be between {least} (the special tokens and one more) and the model's "
+                f"{positions} positions (got {max_length})",
                 "max_length",
             )
         self.batch_size = batch_size
@@ -385,7 +398,10 @@ class TransformerEncoder:
                 if self._single_calls >= TRACE_AFTER:
                     self._traced = self._trace()
             if self._traced:
-                return self._encode_single(texts[0], poolings, out)
+                self._encode_single(texts[0], poolings, out)
+                if on_batch is not None:
+                    on_batch(1)
+                return out
         with self._lock:
             tokens = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
         lengths = [len(ids) for ids in tokens["input_ids"]]
@@ -558,7 +574,8 @@ class TransformerEncoder:
             vectors = masked_mean(model(**batch).last_hidden_state, batch["attention_mask"])
             return time.perf_counter() - start, vectors
 
-        runs = [run(bf16) for bf16 in (False, True, False, True, False, True)]
+        with torch.inference_mode():  # as the encoding it stands for: no autograd graph to time or to keep
+            runs = [run(bf16) for bf16 in (False, True, False, True, False, True)]
         fp32_s, bf16_s = min(t for t, _ in runs[2::2]), min(t for t, _ in runs[3::2])
         cos = torch.nn.functional.cosine_similarity(runs[0][1], runs[1][1], dim=1).min().item()
         chosen = bf16_s < fp32_s and cos >= BF16_MIN_COSINE

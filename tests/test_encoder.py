@@ -359,7 +359,9 @@ def test_folder_without_a_model_is_a_model_error(tmp_path: Path) -> None:
 
 
 def test_max_length_beyond_the_model_positions_is_refused(tiny_bert: Path) -> None:
-    with pytest.raises(ConfigError, match=r"`max_length` must be between 1 and the model's 64 positions \(got 100\)"):
+    with pytest.raises(
+        ConfigError, match=r"`max_length` must be between 3 .* and the model.s 64 positions \(got 100\)"
+    ):
         TransformerEncoder(str(tiny_bert), max_length=100)
     with pytest.raises(ConfigError, match=r"`max_length` must be at least 1"):
         TransformerEncoder(str(tiny_bert), max_length=-1)
@@ -558,3 +560,71 @@ def test_a_warmed_up_encoder_runs_concurrent_callers_side_by_side(tiny_bert: Pat
     for worker in workers:
         worker.join(120)
     assert not errors, errors[0]
+
+
+def tokenizer_variant(tiny_bert: Path, tmp_path: Path, **config: object) -> Path:
+    """A copy of the tiny model whose tokenizer_config.json says ``config`` (what another model might ship)."""
+    import json
+    import shutil
+
+    folder = Path(shutil.copytree(tiny_bert, tmp_path / "variant"))
+    path = folder / "tokenizer_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | config))
+    return folder
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "first-last-avg"])
+def test_a_tokenizer_that_pads_on_the_left_gives_the_same_vectors(
+    tiny_bert: Path, tmp_path: Path, pooling: str
+) -> None:
+    """cls reads the first token and positions count from the left: padding on the left (a tokenizer config may
+    ask for it) would read a pad token and shift every position. Padded batches, no packing."""
+    left = tokenizer_variant(tiny_bert, tmp_path, padding_side="left", truncation_side="left")
+    texts = [LONG, "topic 3", "whitening vectors for search"]
+    want = TransformerEncoder(str(tiny_bert), pooling=pooling, max_length=48, precision="fp32")
+    got = TransformerEncoder(str(left), pooling=pooling, max_length=48, precision="fp32")
+    want.packing = got.packing = False
+    np.testing.assert_allclose(got.encode(texts), want.encode(texts), atol=ATOL)
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_another(tiny_bert: Path, tmp_path: Path) -> None:
+    """GPT-2's tokenizer has no pad token: batches pad with another token (masked out, so any will do)."""
+    no_pad = tokenizer_variant(tiny_bert, tmp_path, pad_token=None)
+    texts = [LONG, "topic 3"]
+    enc = TransformerEncoder(str(no_pad), max_length=48, precision="fp32")
+    enc.packing = False
+    np.testing.assert_allclose(
+        enc.encode(texts), TransformerEncoder(str(tiny_bert), max_length=48, precision="fp32").encode(texts), atol=ATOL
+    )
+
+
+def test_max_length_fits_positions_after_the_padding_offset(tiny_bert: Path, tmp_path: Path) -> None:
+    """RoBERTa and MPNet count positions from padding index + 1: a model with 66 position embeddings and
+    padding index 1 holds 64 tokens, not 66. And a max_length below the special tokens plus one is refused."""
+    import torch
+    from conftest import VOCAB
+    from transformers import RobertaConfig, RobertaModel
+
+    folder = tokenizer_variant(tiny_bert, tmp_path)
+    torch.manual_seed(0)
+    config = RobertaConfig(
+        vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=66, pad_token_id=1,
+    )  # fmt: skip
+    for name in ("model.safetensors", "config.json"):
+        (folder / name).unlink()
+    RobertaModel(config).eval().save_pretrained(folder)
+    with pytest.raises(ConfigError, match="model's 64 positions"):
+        TransformerEncoder(str(folder), max_length=65, precision="fp32")
+    enc = TransformerEncoder(str(folder), max_length=64, precision="fp32")
+    assert np.isfinite(enc.encode([LONG * 4, "topic"])).all()
+    with pytest.raises(ConfigError, match="between 3"):
+        TransformerEncoder(str(tiny_bert), max_length=2, precision="fp32")
+
+
+def test_progress_counts_texts_encoded_one_at_a_time(tiny_bert: Path) -> None:
+    enc = TransformerEncoder(str(tiny_bert), max_length=48, precision="fp32")
+    seen: list[int] = []
+    for i in range(6):  # past the third single text, the traced path
+        enc.encode_poolings([f"document number {i}"], ["mean"], on_batch=seen.append)
+    assert enc._traced and sum(seen) == 6
