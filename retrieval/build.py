@@ -352,10 +352,12 @@ def write_version(
     return TransformRecord.of(transform, spec), index_record(faiss_index, index_spec, len(stash))
 
 
-def index_record(faiss_index: Any, spec: IndexSpec, n: int) -> IndexRecord:
+def index_record(faiss_index: Any, spec: IndexSpec, n: int, factory: str | None = None) -> IndexRecord:
+    """The manifest's record of a FAISS index; ``factory``: the string it was built from, when that was not at
+    ``n`` rows (``add`` grows an index built for fewer: its lists stay those it was trained with)."""
     return IndexRecord(
         spec=spec,
-        factory=spec.factory(n),
+        factory=factory or spec.factory(n),
         ntotal=int(faiss_index.ntotal),
         search=default_search_params(faiss_index, spec),
         faiss=describe(faiss_index),

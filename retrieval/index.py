@@ -111,9 +111,23 @@ def train_size(index: faiss.Index, spec: IndexSpec, n: int) -> int:
 
 
 def check_buildable(spec: IndexSpec, dim: int, n: int) -> None:
-    """Refuse, before any encoding, an index FAISS cannot build at this width, or cannot train on ``n`` rows."""
+    """Refuse, before any encoding, an index FAISS cannot build at this width, cannot train on ``n`` rows, or
+    cannot add rows to (``IDMap`` wants ids of its own)."""
     index = create_index(spec, dim, n)
     rows = train_size(index, spec, n)
+    _check_training_rows(index, rows)
+    if index.is_trained:
+        try:
+            index.add(np.zeros((1, dim), dtype=np.float32))  # a throwaway index: only whether FAISS accepts it
+        except RuntimeError as err:
+            raise ConfigError(
+                f"FAISS cannot add rows to index type {spec.factory(n)!r} ({str(err).splitlines()[0]}); use flat, "
+                "hnsw, ivf or another index_factory string",
+                "index_type",
+            ) from err
+
+
+def _check_training_rows(index: faiss.Index, rows: int) -> None:
     ivf = _ivf(index)
     if ivf is not None and rows < ivf.nlist:
         raise ConfigError(
@@ -121,17 +135,21 @@ def check_buildable(spec: IndexSpec, dim: int, n: int) -> None:
             "lower `nlist` or use `index_type` flat",
             "nlist",
         )
+    pq = getattr(_core(index), "pq", None)
+    if pq is not None and rows < 1 << pq.nbits:
+        raise ConfigError(
+            f"a product quantizer of {pq.nbits} bits needs at least {1 << pq.nbits} training rows (got {rows}); "
+            "use fewer bits (such as PQ8x4), more rows, or `index_type` flat",
+            "index_type",
+        )
 
 
 def train(index: faiss.Index, sample: np.ndarray) -> None:
-    ivf = _ivf(index)
-    if ivf is not None and sample.shape[0] < ivf.nlist:
-        raise ConfigError(
-            f"IVF with {ivf.nlist} lists needs at least that many training rows (got {sample.shape[0]}); "
-            "lower `nlist` or use `index_type` flat",
-            "nlist",
-        )
-    index.train(np.ascontiguousarray(sample, dtype=np.float32))
+    _check_training_rows(index, sample.shape[0])
+    try:
+        index.train(np.ascontiguousarray(sample, dtype=np.float32))
+    except RuntimeError as err:  # what FAISS refuses that the checks above do not foresee: one line, not a trace
+        raise ConfigError(f"FAISS could not train the index ({str(err).splitlines()[0]})", "index_type") from err
 
 
 def set_search_params(index: faiss.Index, ef_search: int | None = None, nprobe: int | None = None) -> None:
@@ -153,6 +171,13 @@ def search_parameters(index: faiss.Index, ef_search: int | None = None, nprobe: 
 
     fx: Any = faiss  # the stubs lack the SearchParameters constructors' keywords
     top = faiss.downcast_index(index)
+    if isinstance(top, faiss.IndexPreTransform):  # "RR16,IVF...", "OPQ...", "PCA...": the knobs are the inner's
+        inner = search_parameters(top.index, ef_search, nprobe)
+        if inner is None:
+            return None
+        params = fx.SearchParametersPreTransform(index_params=inner)
+        params.referenced = inner  # as for Refine below: keep the inner parameters alive with ``params``
+        return params
     if isinstance(top, faiss.IndexRefine):
         base = search_parameters(top.base_index, ef_search, nprobe)
         if base is None:
@@ -276,13 +301,20 @@ def load_for_adding(path: Path, rows: int) -> faiss.Index:
     return grown
 
 
-def _hnsw(index: faiss.Index) -> Any:
+def _core(index: faiss.Index) -> Any:
+    """The index that holds the codes and the knobs, under any pre-transform (RR, OPQ, PCA) and Refine."""
     import faiss
 
     index = faiss.downcast_index(index)
-    if isinstance(index, faiss.IndexRefine):
-        index = faiss.downcast_index(index.base_index)
-    return index.hnsw if hasattr(index, "hnsw") else None
+    while isinstance(index, (faiss.IndexPreTransform, faiss.IndexRefine)):
+        inner = index.index if isinstance(index, faiss.IndexPreTransform) else index.base_index
+        index = faiss.downcast_index(inner)
+    return index
+
+
+def _hnsw(index: faiss.Index) -> Any:
+    core = _core(index)
+    return core.hnsw if hasattr(core, "hnsw") else None
 
 
 def _ivf(index: faiss.Index) -> Any:

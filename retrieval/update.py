@@ -198,7 +198,7 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
             added |= {"sha256": source.fingerprint(), "at": now(), **corpus.settings()}
             new = manifest.next_version(
                 corpus=dataclasses.replace(manifest.corpus, added=[*manifest.corpus.added, added]),
-                index=index_record(faiss_index, manifest.index.spec, len(grown)),
+                index=index_record(faiss_index, manifest.index.spec, len(grown), manifest.index.factory),
                 stash=StashRecord.of(grown),
                 timings=timer.seconds,
             )
