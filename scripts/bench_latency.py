@@ -29,7 +29,7 @@ from retrieval.indexdir import IndexDir
 from retrieval.metrics import knn_recall
 from retrieval.moments import RunningMoments
 from retrieval.scan import FlatScan
-from retrieval.whitening import DEFAULT_GAMMA, RawTransform, Whitening, l2_normalize
+from retrieval.whitening import DEFAULT_GAMMA, RawTransform, TransformSpec, l2_normalize
 
 DATA = benchlib.REPO.parent / "shared" / "data"
 KINDS = ("flat", "hnsw", "ivf")
@@ -99,7 +99,7 @@ def bench_model(model: str, directory: Path, query_texts: list[str], args: argpa
         for dim in (d, reduced):
             sw = benchlib.Stopwatch()
             with sw("fit"):
-                transform = RawTransform(d) if dim == d else Whitening.fit(moments, dim=dim, gamma=args.gamma)
+                transform = RawTransform(d) if dim == d else TransformSpec(dim=dim, gamma=args.gamma).fit(moments)
             with sw("transform"):
                 vectors = transform.transform(docs)
             spec = IndexSpec(kind, ef_construction=80)
