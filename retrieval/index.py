@@ -224,7 +224,7 @@ def describe(index: faiss.Index) -> dict[str, Any]:
 
 
 def flat_vectors(index: faiss.Index) -> np.ndarray | None:
-    """A zero-copy (ntotal, d) view of a flat inner-product index's vectors, or None for other kinds.
+    """A zero-copy, read-only (ntotal, d) view of a flat inner-product index's vectors, or None for other kinds.
 
     The view keeps the index alive (a bare ``rev_swig_ptr`` would dangle once the index is freed).
     """
@@ -234,7 +234,9 @@ def flat_vectors(index: faiss.Index) -> np.ndarray | None:
     if not isinstance(flat, faiss.IndexFlat) or flat.metric_type != faiss.METRIC_INNER_PRODUCT or not flat.ntotal:
         return None
     view = faiss.rev_swig_ptr(flat.get_xb(), flat.ntotal * flat.d).reshape(flat.ntotal, flat.d)
-    return np.asarray(_Owned(view, index))  # the original object owns the C++ index; the downcast does not
+    vectors = np.asarray(_Owned(view, index))  # the original object owns the C++ index; the downcast does not
+    vectors.flags.writeable = False  # a searcher's index is a read-only shared mapping: a write would crash
+    return vectors
 
 
 class _Owned:

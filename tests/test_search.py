@@ -275,6 +275,7 @@ def test_flat_vectors_outlive_the_index_object(index_dir: Path) -> None:
     gc.collect()
     # the view must keep the FAISS index alive, not point into freed memory
     np.testing.assert_array_equal(view, expected)
+    assert not view.flags.writeable  # a searcher maps its index read-only: a write would be a crash, not an error
     assert flat_vectors(faiss.IndexHNSWFlat(4, 8, faiss.METRIC_INNER_PRODUCT)) is None
 
 
