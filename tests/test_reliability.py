@@ -654,32 +654,32 @@ def test_garbage_in_the_stash(fake_index: Path) -> None:
         Searcher.load(fake_index, encoder=FakeEncoder())
 
 
-@case(
-    "index dir", "`add` on an index whose index.faiss is corrupt", "refused; nothing republished with fresh checksums"
+def flip_middle_byte(data: bytes) -> bytes:
+    return data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1 :]
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "message"),
+    [
+        (INDEX, flip_middle_byte, "checksum mismatch"),
+        # a readable file still, saying something else: it would have been copied on as true
+        (f"{STASH}/part-00000.parquet", lambda data: data.replace(b"document", b"DOCUMENT", 1), "is corrupt"),
+    ],
 )
-def test_add_on_a_corrupt_index(fake_index: Path, tmp_path: Path) -> None:
-    path = fake_index / INDEX
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-    before = snapshot(fake_index)
-    with pytest.raises(IndexDirError, match="checksum mismatch"):
-        update.add(fake_index, CorpusSpec(new_docs(tmp_path / "m.parquet")), FakeEncoder())
-    assert snapshot(fake_index) == before
-
-
 @case(
     "index dir",
-    "`add` on an index whose stashed (id, text) part was altered without changing its size",
-    "refused (checksum mismatch) before anything is read from it; the index unchanged",
+    "`add` on an index with a flipped byte in index.faiss, or a stashed (id, text) part altered at the same size",
+    "refused (checksum mismatch) before anything is read from it; nothing republished with fresh checksums",
 )
-def test_add_on_altered_stash_texts(fake_index: Path, tmp_path: Path) -> None:
-    part = fake_index / STASH / "part-00000.parquet"
-    data = part.read_bytes()
-    assert b"document" in data  # a readable file still, saying something else: it would be copied on as true
-    part.write_bytes(data.replace(b"document", b"DOCUMENT", 1))
+def test_add_on_a_damaged_index(
+    fake_index: Path, tmp_path: Path, name: str, damage: Callable[[bytes], bytes], message: str
+) -> None:
+    path = fake_index / name
+    damaged = damage(path.read_bytes())
+    assert damaged != path.read_bytes() and len(damaged) == path.stat().st_size
+    path.write_bytes(damaged)
     before = snapshot(fake_index)
-    with pytest.raises(IndexDirError, match="part-00000.parquet is corrupt"):
+    with pytest.raises(IndexDirError, match=message):
         update.add(fake_index, CorpusSpec(new_docs(tmp_path / "m.parquet")), FakeEncoder())
     assert snapshot(fake_index) == before
 
