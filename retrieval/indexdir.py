@@ -389,7 +389,22 @@ class Loaded:
     index: Any
     docs: Docs
     rescorer: Whitening | RawTransform | None = None  # scores re-ranked candidates at full dimension
-    stash: VectorStash | None = None  # raw vectors for re-scoring, the fitted pooling's parts mapped at load
+    stash: VectorStash | None = None  # raw vectors, mapped at load when this version re-scores by default
+    identity: tuple[int, int] | None = None  # the directory's identity when this version was read
+
+    def open_stash(self) -> VectorStash:
+        """The stash of this very version: the one mapped at load, else opened now, and only if the directory is
+        still this version (a publish since would hand over the next version's vectors: refused)."""
+        if self.stash is not None:
+            return self.stash
+        replaced = IndexDirError(f"{self.directory.path} was replaced since it was loaded; load it again to re-score")
+        if self.directory.identity() != self.identity:
+            raise replaced
+        stash = _map_stash(self.directory, self.manifest)
+        if self.directory.identity() != self.identity:  # replaced while it was being mapped
+            raise replaced
+        self.stash = stash
+        return stash
 
 
 def load(path: Path | str, verify: Verify = "full") -> Loaded:
@@ -407,6 +422,7 @@ def load(path: Path | str, verify: Verify = "full") -> Loaded:
         try:
             loaded = _load_once(directory, verify)
             if directory.identity() == before:
+                loaded.identity = before
                 return loaded
             log.info("%s was replaced while it was read: reading the new version", directory.path)
         except (IndexDirError, OSError) as err:
@@ -450,14 +466,20 @@ def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
     rescorer = directory.rescorer(manifest)
     if rescorer.dim_in != transform.dim_in or rescorer.dim_out != transform.dim_in:
         raise IndexDirError(f"{directory.path}: the re-scoring transform is not full-rank; rebuild the index")
-    stash = None
-    if manifest.stash is not None:  # mapped now, inside the identity check: re-scoring reads this version's rows
-        stash = directory.stash("re-score")
-        if len(stash) != manifest.n or stash.dim != t.d:
-            raise IndexDirError(f"{directory.path}: the vector stash does not match its manifest; rebuild the index")
-        for _ in stash.iter_parts(t.pooling):
-            pass
+    # Mapped now, inside the identity check, when searches re-score by default; otherwise on first use, by
+    # ``Loaded.open_stash`` (a one-shot search of a raw index never pays for mapping every part).
+    stash = _map_stash(directory, manifest) if manifest.stash is not None and manifest.rescoring.depth > 0 else None
     return Loaded(directory, manifest, transform, index, docs, rescorer, stash)
+
+
+def _map_stash(directory: IndexDir, manifest: Manifest) -> VectorStash:
+    """The stash with the fitted pooling's parts memory-mapped (kept: re-scoring reads rows at random)."""
+    stash = directory.stash("re-score")
+    if len(stash) != manifest.n or stash.dim != manifest.transform.d:
+        raise IndexDirError(f"{directory.path}: the vector stash does not match its manifest; rebuild the index")
+    for _ in stash.iter_parts(manifest.transform.pooling):
+        pass
+    return stash
 
 
 # ----- writing ---------------------------------------------------------------------------------------------

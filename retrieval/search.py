@@ -8,6 +8,7 @@ and the docs and the stash are read-only memory maps.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,7 @@ class Searcher:
         self.encoder = encoder
         flat = flat_vectors(self.index)
         self._scan = FlatScan(flat) if flat is not None else None
+        self._stash_lock = threading.Lock()
 
     @classmethod
     def load(
@@ -134,8 +136,8 @@ class Searcher:
             probe = l2_normalize(np.random.default_rng(0).normal(size=(64, self.transform.dim_out)))
             self._scan.search(probe, 10)
         parts = []
-        if self.loaded.stash is not None:  # the memory maps opened at load
-            parts = list(self.loaded.stash.iter_parts(self.manifest.transform.pooling))
+        if self.manifest.stash is not None:  # the memory maps (opened at load when this index re-scores)
+            parts = list(self.stash().iter_parts(self.manifest.transform.pooling))
         rescored = parts if self.manifest.rescoring.depth > 0 else []
         touched = 0
         if prefault:
@@ -178,7 +180,7 @@ class Searcher:
         if not np.isfinite(raw).all():
             raise ConfigError("query vectors contain NaN or inf")
         rescore = self.rescore_depth(params)
-        if rescore and self.loaded.stash is None:  # checked against the version that serves this very call
+        if rescore and self.manifest.stash is None:  # checked against the version that serves this very call
             raise ConfigError(
                 f"{self.directory} kept no raw-vector stash, so it cannot re-score: search with `rescore` 0, "
                 "or rebuild it keeping its vectors (the default)",
@@ -212,10 +214,11 @@ class Searcher:
         return self.index.search(np.ascontiguousarray(vectors, dtype=np.float32), k, params=params)
 
     def stash(self) -> VectorStash:
-        """The index's raw-vector stash, opened with the rest of this version (its parts mapped at load)."""
-        if self.loaded.stash is None:
+        """This version's raw-vector stash, its parts memory-mapped (``Loaded.open_stash``)."""
+        if self.manifest.stash is None:
             raise IndexDirError(f"{self.directory} kept no raw-vector stash; rebuild it keeping its vectors")
-        return self.loaded.stash
+        with self._stash_lock:
+            return self.loaded.open_stash()
 
     def _rescore(self, raw: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Re-rank each query's candidate rows by the full-dimension scorer (raw cosine unless the index records a

@@ -326,7 +326,10 @@ def test_one_bad_file_in_a_folder(tiny_bert: Path, tmp_path: Path, bad: str) -> 
         (["--epsilon", "-1"], "--epsilon must be between 0 and 1"),
         (["--batch-size", "0"], "--batch-size must be at least 1"),
         (["--max-length", "0"], "--max-length must be at least 1"),
-        (["--max-length", "100000"], "--max-length must be between 1 and the model's 64 positions"),
+        (
+            ["--max-length", "100000"],
+            "--max-length must be between 3 (the special tokens and one more) and the model's 64 positions",
+        ),
         (["--m", "0"], "--m (HNSW neighbours per node) must be between 2 and 512"),
         (["--nlist", "0"], "--nlist must be between 1"),
         (["--nprobe", "-3"], "--nprobe must be between 1"),
@@ -701,21 +704,29 @@ def test_add_ids_without_an_id_column(tmp_path: Path) -> None:
     assert ids == [str(i) for i in range(1, 42)] + ["x.parquet:0", "x.parquet:1"]
 
 
+@pytest.mark.parametrize("dim", [8, None])
 @case(
     "concurrency",
-    "a searcher loaded just before `index --overwrite` publishes, then re-scoring",
-    "re-scores with its own version's stashed vectors, never the new version's",
+    "a searcher loaded just before `index --overwrite` publishes, then re-scoring (by default, or asked for on "
+    "a raw index, whose stash is mapped on first use)",
+    "re-scores with its own version's stashed vectors, never the new version's; or refuses: load it again",
 )
-def test_a_searcher_rescores_its_own_version(tmp_path: Path) -> None:
+def test_a_searcher_rescores_its_own_version(tmp_path: Path, dim: int | None) -> None:
     out = tmp_path / "idx"
-    build_index(CorpusSpec(write_corpus(tmp_path / "a.parquet", 300)), FakeEncoder(), out, TransformSpec(dim=8))
+    build_index(CorpusSpec(write_corpus(tmp_path / "a.parquet", 300)), FakeEncoder(), out, TransformSpec(dim=dim))
+    params = SearchParams(k=5, rescore=20)
     reference = Searcher.load(shutil.copytree(out, tmp_path / "copy"), encoder=FakeEncoder())
-    expected = [[(h.id, h.score) for h in hits] for hits in reference.search_batch(texts(5), SearchParams(k=5))]
+    expected = [[(h.id, h.score) for h in hits] for hits in reference.search_batch(texts(5), params)]
     searcher = Searcher.load(out, encoder=FakeEncoder(), verify="quick")  # loaded, not yet searched
     other = table_file(tmp_path / "b.parquet", id=[f"b{i}" for i in range(200)], text=texts(200, "other words"))
-    build_index(CorpusSpec(other), FakeEncoder(), out, TransformSpec(dim=8), options=BuildOptions(overwrite=True))
+    build_index(CorpusSpec(other), FakeEncoder(), out, TransformSpec(dim=dim), options=BuildOptions(overwrite=True))
+    if dim is None:  # raw: no re-scoring by default, so nothing was mapped at load
+        assert searcher.manifest.rescoring.depth == 0
+        with pytest.raises(IndexDirError, match="replaced since it was loaded"):
+            searcher.search_batch(texts(5), params)
+        return
     assert searcher.manifest.rescoring.depth > 0
-    got = [[(h.id, h.score) for h in hits] for hits in searcher.search_batch(texts(5), SearchParams(k=5))]
+    got = [[(h.id, h.score) for h in hits] for hits in searcher.search_batch(texts(5), params)]
     assert got == expected
 
 
