@@ -95,8 +95,10 @@ class ThreadChooser:
             timings = self._timings.get((cls, threads), deque())
             if len(timings) < SAMPLES:
                 return threads  # not measured enough: measure it
-            if now - timings[-1][0] > wait:
-                self._trying[cls] = threads  # not lately: try it
+            # Not used lately: try it. Not the setting in use, though: after a pause in traffic it is stale too,
+            # and "trying" it would replace the pending try with the winner's own timing, judged a loss.
+            if now - timings[-1][0] > wait and threads != self._winner.get(cls):
+                self._trying[cls] = threads
                 return threads
             estimates[threads] = _estimate(timings)
         best = min(self.choices, key=estimates.__getitem__)

@@ -92,6 +92,20 @@ def test_tries_that_lose_are_spaced_out_and_a_faster_try_brings_the_switch() -> 
     assert chooser.describe()["retry_after_s"] == {"4-7": EXPLORE_S}  # a change: look again soon
 
 
+def test_a_pause_in_traffic_does_not_count_a_faster_try_as_a_loss() -> None:
+    """After a pause every setting is stale, the one in use too: only the other is tried, and when it is faster
+    the wait falls back to EXPLORE_S (the winner's own fresh timing was judged as the try, a loss, before)."""
+    machine = Machine({1: 0.040, 2: 0.004})
+    chooser = chooser_on(machine)
+    while chooser.describe()["retry_after_s"].get("8+", 0) < 2 * EXPLORE_S:  # 1 tried and lost: the wait grew
+        machine.batch(chooser, 8)
+    machine.per_query = {1: 0.002, 2: 0.040}  # the load turned: one thread now beats two as they were ...
+    machine.now += 60  # ... during a pause in traffic
+    used = [machine.batch(chooser, 8) for _ in range(3)]
+    assert used[0] == 1  # the setting out of use is tried first, the one in use is not "tried"
+    assert chooser.describe()["retry_after_s"]["8+"] == EXPLORE_S  # faster: look again soon
+
+
 def test_batch_sizes_are_compared_only_with_their_own_class() -> None:
     machine = Machine({1: 0.010, 2: 0.006})
     chooser = chooser_on(machine)
