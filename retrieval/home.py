@@ -20,6 +20,8 @@ def default_out(corpus_path: Path) -> Path:
     path = Path(corpus_path)
     while any(c in path.name for c in "*?["):
         path = path.parent
+    if path.name in ("", ".", ".."):  # "." or "..": the folder's own name, never indexes/.. (the root's parent)
+        path = path.absolute().resolve()
     return index_root() / (path.stem or "corpus")
 
 

@@ -206,6 +206,16 @@ def test_the_last_built_index_is_remembered(isolated_home: Path, index_dir: Path
     home.remember(index_dir)
     assert home.default_index() == index_dir.resolve()
     assert home.default_out(Path("/data/scifact.parquet")) == isolated_home / "scifact"
+    assert home.default_out(Path("/data/part-*.parquet")) == isolated_home / "data"
+
+
+def test_a_corpus_named_dot_or_dot_dot_gets_its_folders_name(
+    isolated_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "shelf" / "books").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "shelf" / "books")
+    assert home.default_out(Path(".")) == isolated_home / "books"
+    assert home.default_out(Path("..")) == isolated_home / "shelf"  # not indexes/.., the index root's parent
 
 
 # ----- re-scoring and the flat fast path -------------------------------------------------------------------
