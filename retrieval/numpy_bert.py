@@ -62,9 +62,15 @@ def _unsupported(folder: Path) -> str | None:
         if config.get(key, "absolute" if key == "position_embedding_type" else None) != value:
             return f"{key} is {config.get(key)!r}, not {value!r}"
     settings = folder / "tokenizer_config.json"
-    lower = json.loads(settings.read_text()).get("do_lower_case", True) if settings.is_file() else True
+    asked = json.loads(settings.read_text()) if settings.is_file() else {}
     normalizer = json.loads((folder / "tokenizer.json").read_text()).get("normalizer") or {}
-    if normalizer.get("type") != "BertNormalizer" or bool(normalizer.get("lowercase")) != bool(lower):
+    # transformers builds the BERT normalizer from tokenizer_config's settings (these defaults when absent);
+    # this module uses tokenizer.json's as it is: they must agree, or the two paths tokenise differently
+    pairs = {"lowercase": ("do_lower_case", True), "strip_accents": ("strip_accents", None)}
+    pairs["handle_chinese_chars"] = ("tokenize_chinese_chars", True)
+    if normalizer.get("type") != "BertNormalizer" or any(
+        normalizer.get(key) != asked.get(name, default) for key, (name, default) in pairs.items()
+    ):
         return "tokenizer.json's normalizer is not the BERT one its tokenizer_config asks for"
     return None
 

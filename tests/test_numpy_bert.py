@@ -104,6 +104,13 @@ def test_what_it_does_not_compute_exactly_is_left_to_transformers(tiny_bert: Pat
         folder = model_copy(tiny_bert, tmp_path / f"no-{name}")
         (folder / name).unlink()
         assert numpy_bert.load(replace(info, model_path=str(folder))) is None, name
+    # transformers normalises as tokenizer_config says; tokenizer.json says otherwise: left to transformers
+    for setting in ({"strip_accents": False}, {"tokenize_chinese_chars": False}, {"do_lower_case": False}):
+        folder = model_copy(tiny_bert, tmp_path / next(iter(setting)))
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps(config | setting))
+        assert numpy_bert.load(replace(info, model_path=str(folder))) is None, setting
+    assert numpy_bert.load(replace(info, model_path=str(model_copy(tiny_bert, tmp_path / "same")))) is not None
 
 
 def test_cli_search_imports_neither_torch_nor_transformers(tiny_bert: Path, tmp_path: Path) -> None:
