@@ -46,7 +46,7 @@ import numpy as np
 
 from retrieval import errors
 from retrieval.corpus import Corpus, CorpusReport, Tally
-from retrieval.encoder import Encoder, EncoderInfo, EncoderSpec, TransformerEncoder
+from retrieval.encoder import Encoder, EncoderInfo, EncoderSpec
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.ingest import Ingest
 from retrieval.moments import RunningMoments
@@ -69,7 +69,6 @@ FILL_ROWS = 100_000_000  # IVF indexes of at least this many rows are filled in 
 # the shards' I/O; at 1B rows, ~3 h to minutes. Below 100M the gain is seconds, and on one machine FAISS's own
 # threads already use every core (docs/scale.md).
 OBJECT_STORE_BYTES = 512 << 20  # a local cluster's object store: only metadata passes through it
-WARM_UP_TEXTS = ["a short warm-up text", "a somewhat longer warm-up text, to time a padded batch"]
 
 
 def window_rows(rows: int) -> int:
@@ -396,8 +395,9 @@ class RayEngine:
             return self.encoder
         spec = self.encoder
         if spec.precision == "auto":
-            if driver.info().precision_used is None and isinstance(driver, TransformerEncoder):
-                driver.encode(WARM_UP_TEXTS)  # times fp32 against bf16 on this CPU
+            settle = getattr(driver, "settle_precision", None)
+            if settle is not None:
+                settle()  # times fp32 against bf16 on this CPU, unless a build already settled it
             spec = dataclasses.replace(spec, precision=driver.info().precision_used or "fp32")
         return spec.load
 

@@ -41,6 +41,8 @@ BF16_MIN_COSINE = 0.999
 # Single texts (queries) are run through a traced copy of the model from this call on: a one-shot CLI search
 # never pays the tracing (~0.3 s), a long-lived searcher does once and then saves ~2 ms of Python per query.
 TRACE_AFTER = 3
+# Two texts of different lengths: a padded batch, what settling precision "auto" and packing needs to time
+WARM_UP_TEXTS = ["a short warm-up text", "a somewhat longer warm-up text, to time a padded batch"]
 # Padded lengths per doubling of the length (``padded_length``): more buckets, less padding, more shapes.
 LENGTH_STEPS = 8
 # Texts of at most PACK_MAX_TOKENS tokens are packed several to a row of at most PACK_TOKENS tokens (``pack_rows``),
@@ -350,7 +352,7 @@ class TransformerEncoder:
         and the single-text trace."""
         with self._lock:
             if self.bf16 is None or self.packing is None:
-                self.encode(["a short warm-up text", "a somewhat longer warm-up text, to time a padded batch"])
+                self.encode(WARM_UP_TEXTS)
             if self._traced is None:
                 self._traced = self._trace()
 
@@ -363,7 +365,7 @@ class TransformerEncoder:
             if used is not None:
                 self.bf16 = used == "bf16"
             elif self.bf16 is None:
-                self.encode(["a short warm-up text", "a somewhat longer warm-up text, to time a padded batch"])
+                self.encode(WARM_UP_TEXTS)
 
     @property
     def settled(self) -> bool:
