@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ class Queries:
         return len(self.ids)
 
 
-def _read(path: Path, columns: Sequence[str], what: str) -> Any:
+def _read(path: Path, columns: Sequence[str], what: str, optional: Sequence[str] = ()) -> Any:
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"{what} file not found: {path}")
@@ -41,7 +41,22 @@ def _read(path: Path, columns: Sequence[str], what: str) -> Any:
     missing = [c for c in columns if c not in schema.names]
     if missing:
         raise CorpusError(f"{path} has no column {missing[0]!r} (columns: {', '.join(schema.names)})")
-    return pq.read_table(path, columns=list(columns))
+    return pq.read_table(path, columns=[*columns, *(c for c in optional if c in schema.names)])
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _is_number(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind)
+
+
+def _require(table: Any, column: str, path: Path, kind: Callable[[pa.DataType], bool], meaning: str) -> None:
+    """Refuse a column of the wrong type in one line: ``meaning`` says what it must hold."""
+    found = table.schema.field(column).type
+    if not kind(found):
+        raise CorpusError(f"column {column!r} of {path} holds {found}{meaning}")
 
 
 def read_queries(path: Path, id_column: str = "query_id", text_column: str = "text") -> Queries:
@@ -49,8 +64,7 @@ def read_queries(path: Path, id_column: str = "query_id", text_column: str = "te
     table = _read(path, [id_column, text_column], "queries")
     if not table.num_rows:
         raise CorpusError(f"{path} holds no queries")
-    if not pa.types.is_string(table.schema.field(text_column).type):
-        raise CorpusError(f"column {text_column!r} of {path} holds {table.schema.field(text_column).type}, not text")
+    _require(table, text_column, path, _is_text, ", not text")
     ids, texts = table.column(id_column).to_pylist(), table.column(text_column).to_pylist()
     for row, (query, text) in enumerate(zip(ids, texts, strict=True)):
         if query is None:
@@ -71,9 +85,7 @@ def read_qrels(
 ) -> Qrels:
     """query id -> doc id -> grade (an integer: 0 or less not relevant, higher more relevant); ids as text."""
     table = _read(path, [query_column, doc_column, score_column], "qrels")
-    kind = table.schema.field(score_column).type
-    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
-        raise CorpusError(f"column {score_column!r} of {path} holds {kind}: relevance grades must be integers")
+    _require(table, score_column, path, _is_number, ": relevance grades must be integers")
     columns = [table.column(c).to_pylist() for c in (query_column, doc_column, score_column)]
     qrels: Qrels = {}
     for row, (q, d, s) in enumerate(zip(*columns, strict=True)):
@@ -143,23 +155,19 @@ class Pairs:
 def read_pairs(path: Path) -> Pairs:
     """Sentence pairs with gold scores (and an optional ``subset`` column); at least two pairs, no nulls."""
     path = Path(path)
-    names = pq.read_schema(path).names if path.is_file() else []
-    table = _read(path, ["sentence1", "sentence2", "score", *(["subset"] if "subset" in names else [])], "pairs")
-    for column in ("sentence1", "sentence2", *(["subset"] if "subset" in names else [])):
-        kind = table.schema.field(column).type
-        if not pa.types.is_string(kind):
-            raise CorpusError(f"column {column!r} of {path} holds {kind}, not text")
+    table = _read(path, ["sentence1", "sentence2", "score"], "pairs", optional=["subset"])
+    has_subset = "subset" in table.column_names
+    for column in ("sentence1", "sentence2", *(["subset"] if has_subset else [])):
+        _require(table, column, path, _is_text, ", not text")
         if table.column(column).null_count:
             raise CorpusError(f"column {column!r} of {path} has nulls: every pair needs two sentences (and a subset)")
-    kind = table.schema.field("score").type
-    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
-        raise CorpusError(f"column 'score' of {path} holds {kind}: gold scores must be numbers")
+    _require(table, "score", path, _is_number, ": gold scores must be numbers")
     gold = np.asarray(table.column("score").to_pylist(), dtype=np.float64)  # nulls become NaN
     if not np.isfinite(gold).all():
         raise CorpusError(f"column 'score' of {path} has nulls or non-finite values: every pair needs a gold score")
     if table.num_rows < 2:
         raise CorpusError(f"{path} holds {table.num_rows} pairs: a rank correlation needs at least two")
-    subset = table.column("subset").to_pylist() if "subset" in names else [path.stem] * table.num_rows
+    subset = table.column("subset").to_pylist() if has_subset else [path.stem] * table.num_rows
     reserved = sorted({"all", "wmean"} & set(subset))
     if reserved:
         raise CorpusError(f"{path} names a subset {reserved[0]!r}, which is reserved for the summary: rename it")

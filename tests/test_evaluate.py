@@ -43,6 +43,9 @@ def test_read_queries_keeps_order_and_stringifies_ids(tmp_path: Path) -> None:
     assert (queries.ids, queries.texts, len(queries)) == (["3", "1", "2"], ["c", "a", "b"], 3)
     other = write(tmp_path / "q2.parquet", _id=["x"], question=["why?"])
     assert read_queries(other, id_column="_id", text_column="question").texts == ["why?"]
+    large = tmp_path / "q3.parquet"  # large_string text, as some writers store it
+    pq.write_table(pa.table({"query_id": ["q"], "text": pa.array(["why?"], pa.large_string())}), large)
+    assert read_queries(large).texts == ["why?"]
 
 
 def test_read_qrels_keeps_grades_and_groups_by_query(tmp_path: Path) -> None:

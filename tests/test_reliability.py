@@ -454,6 +454,8 @@ PAIRS = {"sentence1": ["a cat", "a dog", "the sun"], "sentence2": ["a kitten", "
 def test_bad_pairs(tiny_bert: Path, tmp_path: Path, pairs: dict, fragment: str) -> None:
     path = table_file(tmp_path / "p.parquet", **(PAIRS | pairs))
     one_line(run("eval", "sts", path, "--model", tiny_bert), fragment)
+    (tmp_path / "not.parquet").write_text("sentence1,sentence2,score")  # not parquet at all
+    one_line(run("eval", "sts", tmp_path / "not.parquet", "--model", tiny_bert), "is not a readable parquet file")
 
 
 @case(
