@@ -224,8 +224,8 @@ class Batcher:
                 log.exception("a batch of %d queries failed to encode", len(texts))
             # A request's own fault (its text) must not fail the others batched with it: they are encoded again
             # one request at a time. The rest (no index loaded yet, shutting down, an interrupt) reaches them all.
-            own_fault = isinstance(err, ConfigError) or not isinstance(err, RetrievalError)
-            if searcher is None or len(live) == 1 or not isinstance(err, Exception) or not own_fault:
+            shared_fault = isinstance(err, RetrievalError) and not isinstance(err, ConfigError)
+            if searcher is None or len(live) == 1 or shared_fault or not isinstance(err, Exception):
                 for job in live:
                     job.future.set_exception(err)
                 return

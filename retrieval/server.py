@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 API_KEY_ENV = "RETRIEVAL_API_KEY"
 STATIC = Path(__file__).parent / "static"
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT"})
-DOC_ROUTES = {path: path for path in ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")}  # FastAPI's
+DOC_ROUTES = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})  # FastAPI's own pages
 FIELDS = {"ef_search": "ef"}  # library parameter -> JSON field, where they differ
 STATUS_CODES = {
     400: "bad_request",
@@ -218,7 +218,7 @@ class ObserveRequests:
             await self.app(scope, receive, observed)
         finally:
             route = scope.get("route")  # set by FastAPI's routes; /docs, /redoc and /openapi.json are Starlette's
-            path = getattr(route, "path", None) or DOC_ROUTES.get(scope["path"]) or "unmatched"  # never a raw path
+            path = getattr(route, "path", None) or (scope["path"] if scope["path"] in DOC_ROUTES else "unmatched")
             method = scope["method"] if scope["method"] in HTTP_METHODS else "other"  # h11 passes any token on
             self.metrics.requests.inc({"route": path, "method": method, "status": str(status)})
             self.metrics.latency.observe(time.perf_counter() - start, {"route": path})
@@ -373,11 +373,10 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
         unknown = sorted(set(request.query_params) - {"q", "k", "rescore", "ef", "nprobe"})
         if unknown:
             raise ApiError(422, "invalid_request", f"unknown parameter `{unknown[0]}`", unknown[0])
-        if len(request.query_params.getlist("q")) > 1:
-            raise ApiError(422, "invalid_request", "give `q` once; POST /search takes several queries", "q")
         twice = next((name for name in request.query_params if len(request.query_params.getlist(name)) > 1), None)
-        if twice is not None:  # which of two values would count is a guess: refused, as for `q`
-            raise ApiError(422, "invalid_request", f"give `{twice}` once", twice)
+        if twice is not None:  # which of two values would count is a guess: refused
+            several = "; POST /search takes several queries" if twice == "q" else ""
+            raise ApiError(422, "invalid_request", f"give `{twice}` once{several}", twice)
         return await run_search(texts_of([q], "q"), search_params(k, rescore, ef, nprobe))
 
     @app.post(
