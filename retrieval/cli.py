@@ -256,7 +256,6 @@ def index(
     workers: Annotated[int | None, typer.Option(help="Ray: encoding workers \\[default: one per CPU].")] = None,
 ) -> None:
     """Build a whitened FAISS index from a parquet corpus (a file, a folder or a glob)."""
-    from retrieval.corpus import Corpus as Source
     from retrieval.distributed import RayEngine, RayOptions, window_rows
 
     choice("pooling", pooling, POOLINGS)
@@ -269,19 +268,19 @@ def index(
     spec = CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty)
     transform = TransformSpec(dim=dim, gamma=gamma, epsilon=epsilon, whiten=False if no_whiten else None, center=center)
     index_spec = IndexSpec(index_type, m, ef_construction, ef_search, nlist, nprobe, train_size)
-    # Ray: windows sized for the workers. Local: the default, grown past 4M rows as Ray's grow, so a big build
-    # stays at a few thousand stash parts (each registration rewrites stash.json: 100M rows in 2,048-row
-    # windows would be 48,828 parts and hours of rewriting)
-    rows = Source(spec).num_rows
-    window = window_rows(rows) if engine == "ray" else max(DefaultBuild.window_rows, window_rows(rows))
-    options = BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume, window)
     ray_options = RayOptions(address, workers)
     transform.check()  # every value checked before a model is loaded; dim against d once it is known
     index_spec.check()
-    options.check()
     ray_options.check()
     check_target(target, overwrite)
     source = Corpus(spec)  # the file(s) and their columns, before seconds go into loading a model
+    # Ray: windows sized for the workers. Local: the default, grown past 4M rows as Ray's grow, so a big build
+    # stays at a few thousand stash parts (each registration rewrites stash.json: 100M rows in 2,048-row
+    # windows would be 48,828 parts and hours of rewriting)
+    rows = source.num_rows
+    window = window_rows(rows) if engine == "ray" else max(DefaultBuild.window_rows, window_rows(rows))
+    options = BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume, window)
+    options.check()
     encoder_spec = EncoderSpec(model, pooling, max_length, batch_size, precision)
     encoder = None
     if not source.precomputed:
