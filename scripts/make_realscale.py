@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parent.parent
-CORPUS = REPO / "indexes" / "realtext.parquet"
+CORPUS = REPO / "indexes" / "bench" / "realtext.parquet"
 DATA = REPO / "indexes" / "realscale"
 CHUNK, PIECE = 100_000, 25_000
 QUERIES, EXTRA = 1_000, 4_096
