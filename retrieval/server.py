@@ -19,14 +19,15 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -282,21 +283,8 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     app.add_middleware(LimitBody, max_bytes=options.max_body_bytes)
     app.add_middleware(ObserveRequests, metrics=metrics)
     install_error_handlers(app, metrics)
-    key = api_key.encode() if api_key else None
-
-    async def require_key(request: Request) -> None:
-        if key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key):
-            raise ApiError(
-                401,
-                "unauthorized",
-                "missing or wrong API key: send `Authorization: Bearer <key>`",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    protected = [Depends(require_key)]
+    app.state.api_key = api_key.encode() if api_key else None
+    api = APIRouter(route_class=KeyedRoute)  # every route on it needs the key
 
     # ----- search ------------------------------------------------------------------------------------------
     def search_params(k: int, rescore: int | None, ef: int | None, nprobe: int | None) -> SearchParams:
@@ -354,9 +342,8 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
 
     search_doc = "Hits (rank, id, score, text) for each query, best first."
 
-    @app.get(
+    @api.get(
         "/search",
-        dependencies=protected,
         response_model=SearchResponse,
         responses=ERRORS,
         summary="Search with one query",
@@ -379,9 +366,8 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
             raise ApiError(422, "invalid_request", f"give `{twice}` once{several}", twice)
         return await run_search(texts_of([q], "q"), search_params(k, rescore, ef, nprobe))
 
-    @app.post(
+    @api.post(
         "/search",
-        dependencies=protected,
         response_model=SearchResponse,
         responses=ERRORS,
         summary="Search with one query or a batch",
@@ -393,9 +379,8 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
         texts = texts_of([body.query], "query") if body.query is not None else texts_of(body.queries or [], "queries")
         return await run_search(texts, search_params(body.k, body.rescore, body.ef, body.nprobe))
 
-    @app.post(
+    @api.post(
         "/embed",
-        dependencies=protected,
         response_model=EmbedResponse,
         responses=ERRORS,
         summary="Vectors of texts, by the index's own encoder",
@@ -421,21 +406,21 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready", dependencies=protected, summary="Readiness: an index version is loaded and warmed")
+    @api.get("/ready", summary="Readiness: an index version is loaded and warmed")
     async def ready() -> JSONResponse:
         if not service.ready:
             raise ApiError(503, "not_ready", service.last_error or "the index is still loading", ready=False)
         return JSONResponse({"ready": True, "generation": service.searcher().manifest.generation})
 
-    @app.get("/info", dependencies=protected, summary="What is served: `retrieval info` as JSON, and the server")
+    @api.get("/info", summary="What is served: `retrieval info` as JSON, and the server")
     async def info() -> JSONResponse:
         return JSONResponse(describe(service))
 
-    @app.get("/metrics", dependencies=protected, summary="Prometheus text format", response_class=PlainTextResponse)
+    @api.get("/metrics", summary="Prometheus text format", response_class=PlainTextResponse)
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.registry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/reload", dependencies=protected, summary="Load the index directory's current version now")
+    @api.post("/reload", summary="Load the index directory's current version now")
     async def reload() -> JSONResponse:
         outcome = await asyncio.to_thread(service.reload)
         if not outcome.reloaded:
@@ -447,7 +432,30 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     async def page() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
 
+    app.include_router(api)
     return app
+
+
+class KeyedRoute(APIRoute):
+    """A route that needs ``app.state.api_key`` (when set) as ``Authorization: Bearer <key>``, checked before
+    FastAPI reads the body: a request without the key learns nothing, not even whether its JSON parses."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            key: bytes | None = request.app.state.api_key
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if key is not None and (scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key)):
+                raise ApiError(
+                    401,
+                    "unauthorized",
+                    "missing or wrong API key: send `Authorization: Bearer <key>`",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            return await handler(request)
+
+        return checked
 
 
 def describe(service: Service) -> dict[str, Any]:

@@ -284,6 +284,14 @@ def test_an_api_key_protects_everything_but_health_the_page_and_the_docs(index: 
         assert client.post("/search", json={"query": QUERY}, headers=wrong).status_code == 401
         assert client.post("/embed", json={"inputs": "a"}, headers={"Authorization": "s3cret"}).status_code == 401
         good = {"Authorization": "Bearer s3cret"}
+        broken, json_type = b'{"query": ', {"Content-Type": "application/json"}
+        assert client.post("/search", content=broken, headers=json_type).status_code == 401  # key first, then body
+        response = client.post("/search", content=broken, headers=json_type | good)
+        assert response.status_code == 422 and response.json()["error"]["code"] == "invalid_json"
+        assert (
+            'retrieval_requests_total{method="POST",route="/search",status="401"} 2'
+            in client.get("/metrics", headers=good).text
+        )
         wait_ready_with = time.monotonic() + 20
         while client.get("/ready", headers=good).status_code != 200:
             assert time.monotonic() < wait_ready_with
