@@ -88,6 +88,21 @@ def run_worker(step: str, cfg: dict[str, Any], work: Path, lock: Path | None) ->
     return result
 
 
+def check_inputs(work: Path, index: Path, queries: Path) -> None:
+    """``work``'s kept results belong to one index version and one queries file: refuse to mix them with another's
+    (a directory name alone, e.g. ``joined``, says nothing of its size or version)."""
+    from retrieval.files import sha256
+    from retrieval.indexdir import IndexDir
+
+    manifest = IndexDir(index).manifest()
+    inputs = {"index": str(index.resolve()), "n": manifest.n, "created": manifest.created}
+    inputs |= {"generation": manifest.generation, "queries_sha256": sha256(queries)}
+    record = work / "inputs.json"
+    if record.is_file() and json.loads(record.read_text()) != inputs:
+        raise SystemExit(f"{work} holds results for other inputs ({record}): delete it or give another --work")
+    record.write_text(json.dumps(inputs, indent=1) + "\n")
+
+
 # ----- 1. builds ---------------------------------------------------------------------------------------------
 def build_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     from retrieval.index import IndexSpec, describe, load_index
@@ -393,6 +408,7 @@ def main() -> None:
     benchlib.print_machine(info)
     work = args.work / args.index.resolve().name
     work.mkdir(parents=True, exist_ok=True)
+    check_inputs(work, args.index, args.queries)
     jobs = [(kind, int(dim)) for kind in args.kinds.split(",") for dim in args.dims.split(",")]
     if args.only:
         for kind, dim in (item.split(":") for item in args.only.split(",")):
