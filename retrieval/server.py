@@ -47,7 +47,6 @@ HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PA
 DOC_ROUTES = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})  # FastAPI's own pages
 FIELDS = {"ef_search": "ef"}  # library parameter -> JSON field, where they differ
 STATUS_CODES = {
-    400: "bad_request",
     401: "unauthorized",
     404: "not_found",
     405: "method_not_allowed",
@@ -537,6 +536,8 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return validation_response(exc.errors())
 
     def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # FastAPI's "error parsing the body": JSON that json.loads could not read
+            return error_response(422, "invalid_json", f"the body is not valid JSON ({_unreadable(exc.__cause__)})")
         code = STATUS_CODES.get(exc.status_code, "http_error")
         message = {
             404: f"no route {request.url.path}; see /docs",
@@ -565,6 +566,16 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     app.add_exception_handler(StarletteHTTPException, counted(http_error))  # type: ignore[arg-type]
     app.add_exception_handler(RetrievalError, counted(library_error))  # type: ignore[arg-type]
     app.add_exception_handler(Exception, counted(unexpected))
+
+
+def _unreadable(cause: BaseException | None) -> str:
+    if isinstance(cause, UnicodeDecodeError):
+        return "not UTF-8 text"
+    if isinstance(cause, RecursionError):
+        return "nested too deeply"
+    if isinstance(cause, ValueError):  # Python reads at most 4,300 digits of an integer
+        return "a number has too many digits"
+    return "unreadable"
 
 
 def _max_body(request: Request) -> str:

@@ -156,6 +156,7 @@ def test_metrics_count_requests_errors_and_batches(client: TestClient) -> None:
 
 # ----- bad input: always a 4xx with one JSON error shape, never a 500 or a traceback ---------------------------
 LONG = "x" * 2001
+JSON_TYPE = {"content-type": "application/json"}
 BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
     ("get", "/search", {}, 422, "invalid_request", "q"),
     ("get", "/search", {"params": {"q": ""}}, 422, "empty_query", "q"),
@@ -227,6 +228,15 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
         "inputs",
     ),
     ("post", "/search", {"headers": {"content-type": "application/json"}}, 422, "invalid_request", None),
+    # JSON that json.loads cannot read (FastAPI's own 400, undocumented): not UTF-8, too deep, a 5,000-digit number
+    *[
+        ("post", "/search", {"content": body, "headers": JSON_TYPE}, 422, "invalid_json", None)
+        for body in (
+            b'{"query": "caf\xe9"}',
+            b'{"query": "a", "k": ' + b"[" * 2000 + b"]" * 2000 + b"}",
+            b'{"query": "a", "k": ' + b"9" * 5000 + b"}",
+        )
+    ],
     ("get", "/nowhere", {}, 404, "not_found", None),
     ("delete", "/search", {}, 405, "method_not_allowed", None),
     ("get", "/embed", {}, 405, "method_not_allowed", None),
