@@ -30,6 +30,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import retrieval
@@ -544,7 +545,10 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
             405: f"{request.method} is not allowed on {request.url.path}; see /docs",
             413: f"the request body is larger than {_max_body(request)} bytes",
         }.get(exc.status_code, str(exc.detail))
-        return error_response(exc.status_code, code, message, headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # Starlette names only the first route of the path (GET of /search's GET and POST)
+            headers = {"Allow": _allowed(request)}
+        return error_response(exc.status_code, code, message, headers=headers)
 
     def library_error(request: Request, exc: RetrievalError) -> JSONResponse:
         if isinstance(exc, Overloaded):
@@ -566,6 +570,15 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     app.add_exception_handler(StarletteHTTPException, counted(http_error))  # type: ignore[arg-type]
     app.add_exception_handler(RetrievalError, counted(library_error))  # type: ignore[arg-type]
     app.add_exception_handler(Exception, counted(unexpected))
+
+
+def _allowed(request: Request) -> str:
+    """The methods some route takes at the request's path (asked of the routes: included routers are nested)."""
+
+    def takes(method: str) -> bool:
+        return any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in request.app.routes)
+
+    return ", ".join(method for method in sorted(HTTP_METHODS) if takes(method))
 
 
 def _unreadable(cause: BaseException | None) -> str:

@@ -256,6 +256,12 @@ def test_bad_input_gets_a_clear_json_error(
         assert f"`{param}`" in error["message"]
 
 
+def test_method_not_allowed_names_every_method_of_the_path(client: TestClient) -> None:
+    for path, allowed in (("/search", "GET, POST"), ("/embed", "POST"), ("/health", "GET")):
+        response = client.request("PUT", path)
+        assert response.status_code == 405 and response.headers["allow"] == allowed, path
+
+
 def test_a_body_streamed_without_a_length_is_cut_off_at_the_limit(client: TestClient) -> None:
     chunks = (b'{"query": "' + b"a" * 10_000 for _ in range(4))  # no Content-Length: chunked upload
     response = client.post("/search", content=chunks, headers={"content-type": "application/json"})
