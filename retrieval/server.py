@@ -137,15 +137,29 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse, "description": text}
-    for code, text in {
-        401: "Missing or wrong API key",
-        413: "Body or batch too large",
-        422: "Invalid request",
-        429: "Too many queries waiting",
-        503: "Index not loaded yet, or shutting down",
-    }.items()
+ERROR_TEXTS = {
+    401: "Missing or wrong API key",
+    409: "The new version was refused; the old one serves on",
+    413: "Body or batch too large",
+    422: "Invalid request",
+    429: "Too many queries waiting",
+    503: "Index not loaded yet, or shutting down",
+}
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The error responses of a route, for the OpenAPI spec (client generators type only the statuses listed)."""
+    return {code: {"model": ErrorResponse, "description": ERROR_TEXTS[code]} for code in codes}
+
+
+ERRORS = errors(401, 413, 422, 429, 503)
+# A route whose own responses are not JSON (/metrics): FastAPI would give a `model` its media type, so the error is
+# given by reference (the search and embed routes put ErrorResponse among the spec's schemas).
+JSON_401: dict[int | str, dict[str, Any]] = {
+    401: {
+        "description": ERROR_TEXTS[401],
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
 }
 
 
@@ -406,21 +420,21 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @api.get("/ready", summary="Readiness: an index version is loaded and warmed")
+    @api.get("/ready", summary="Readiness: an index version is loaded and warmed", responses=errors(401, 503))
     async def ready() -> JSONResponse:
         if not service.ready:
             raise ApiError(503, "not_ready", service.last_error or "the index is still loading", ready=False)
         return JSONResponse({"ready": True, "generation": service.searcher().manifest.generation})
 
-    @api.get("/info", summary="What is served: `retrieval info` as JSON, and the server")
+    @api.get("/info", summary="What is served: `retrieval info` as JSON, and the server", responses=errors(401))
     async def info() -> JSONResponse:
         return JSONResponse(describe(service))
 
-    @api.get("/metrics", summary="Prometheus text format", response_class=PlainTextResponse)
+    @api.get("/metrics", summary="Prometheus text format", response_class=PlainTextResponse, responses=JSON_401)
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.registry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @api.post("/reload", summary="Load the index directory's current version now")
+    @api.post("/reload", summary="Load the index directory's current version now", responses=errors(401, 409))
     async def reload() -> JSONResponse:
         outcome = await asyncio.to_thread(service.reload)
         if not outcome.reloaded:

@@ -316,6 +316,19 @@ def test_an_api_key_protects_everything_but_health_the_page_and_the_docs(index: 
         assert response.status_code == 200 and response.json()["results"][0]["hits"][0]["id"] == "doc5"
 
 
+def test_the_spec_lists_every_status_a_route_answers_with(client: TestClient) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    statuses = {
+        f"{method.upper()} {path}": set(op["responses"]) for path, ops in paths.items() for method, op in ops.items()
+    }
+    assert all("401" in codes for route, codes in statuses.items() if route != "GET /health"), statuses  # the key
+    assert {"503"} <= statuses["GET /ready"] and {"409"} <= statuses["POST /reload"]
+    assert {"413", "422", "429", "503"} <= statuses["POST /search"] & statuses["GET /search"] & statuses["POST /embed"]
+    error = {"$ref": "#/components/schemas/ErrorResponse"}  # JSON, even where the route's own answer is text
+    assert paths["/metrics"]["get"]["responses"]["401"]["content"] == {"application/json": {"schema": error}}
+    assert paths["/ready"]["get"]["responses"]["503"]["content"] == {"application/json": {"schema": error}}
+
+
 # ----- reload --------------------------------------------------------------------------------------------------
 def add_documents(index: Path, tmp_path: Path, first: int, n: int = 20) -> list[str]:
     texts = [f"brand new document {i} about whitening" for i in range(first, first + n)]
