@@ -24,10 +24,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
+from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -298,7 +299,9 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     app.add_middleware(ObserveRequests, metrics=metrics)
     install_error_handlers(app, metrics)
     app.state.api_key = api_key.encode() if api_key else None
-    api = APIRouter(route_class=KeyedRoute)  # every route on it needs the key
+    # Every route on it needs the key; the spec says so (as HTTP bearer) when a key is set. KeyedRoute checks it.
+    bearer = [Depends(HTTPBearer(auto_error=False, description="The server's API key"))] if api_key else []
+    api = APIRouter(route_class=KeyedRoute, dependencies=bearer)
 
     # ----- search ------------------------------------------------------------------------------------------
     def search_params(k: int, rescore: int | None, ef: int | None, nprobe: int | None) -> SearchParams:

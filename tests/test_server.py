@@ -314,6 +314,15 @@ def test_an_api_key_protects_everything_but_health_the_page_and_the_docs(index: 
             time.sleep(0.02)
         response = client.get("/search", params={"q": QUERY}, headers=good)
         assert response.status_code == 200 and response.json()["results"][0]["hits"][0]["id"] == "doc5"
+        spec = client.get("/openapi.json").json()  # tells clients (and their generators) to send the key
+        assert list(spec["components"]["securitySchemes"].values()) == [
+            {"type": "http", "scheme": "bearer", "description": "The server's API key"}
+        ]
+        operations = {f"{m} {p}": op for p, ops in spec["paths"].items() for m, op in ops.items()}
+        assert [route for route, op in operations.items() if not op.get("security")] == ["get /health"]
+    keyless, _ = serve(index)
+    with keyless:
+        assert "securitySchemes" not in keyless.get("/openapi.json").json().get("components", {})
 
 
 def test_the_spec_lists_every_status_a_route_answers_with(client: TestClient) -> None:
