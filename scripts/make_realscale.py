@@ -18,9 +18,9 @@ the same time. Every step is appended to ``encode-log-NAME.json`` (rows, seconds
 average). It stops between steps, so each directory is always a complete index; run it again to continue.
 ``join`` then builds one index directory over both, ``joined/``, replaying their stashed vectors (``Replay``).
 
-    python scripts/make_realscale.py split
-    nice -n 10 python scripts/make_realscale.py encode --chunks chunk-00:chunk-06 &
-    nice -n 10 python scripts/make_realscale.py encode --chunks chunk-06: --name realtext-b &
+    python scripts/make_realscale.py split                  # 1M rows to index: blocks 00-04 and 05-09
+    nice -n 10 python scripts/make_realscale.py encode --chunks chunk-00:chunk-05 &
+    nice -n 10 python scripts/make_realscale.py encode --chunks chunk-05:chunk-10 --name realtext-b &
     python scripts/make_realscale.py join realtext realtext-b
 """
 
@@ -212,9 +212,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 wins on a busy 2-core machine)")
     ap.add_argument("--name", default="realtext", help="index directory under --data (default: %(default)s)")
     ap.add_argument(
-        "--chunks", default="chunk-00:chunk-06", help="FIRST:STOP chunk names (default: %(default)s; STOP excluded)"
+        "--chunks", default="chunk-00:chunk-05", help="FIRST:STOP chunk names (default: %(default)s; STOP excluded)"
     )
-    ap.add_argument("--starts", default="0,6", help="split: 100k blocks that begin a directory, kept whole")
+    ap.add_argument("--starts", default="0,5", help="split: 100k blocks that begin a directory, kept whole")
     args = ap.parse_args()
     if args.step == "split":
         split(args.corpus, args.data, [int(x) for x in args.starts.split(",")])
