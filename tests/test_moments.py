@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -61,10 +63,20 @@ def test_merge_of_unequal_shards_equals_one_shot(data: np.ndarray) -> None:
     assert_matches(merged, data)
 
 
+def test_merging_empty_shards_keeps_nothing_and_then_everything(data: np.ndarray) -> None:
+    """A worker that saw no rows merges into a driver that has none yet: still empty, no division by zero."""
+    merged = RunningMoments(D).merge(RunningMoments(D))
+    assert merged.n == 0
+    np.testing.assert_array_equal(merged.m2, np.zeros((D, D)))
+    assert_matches(merged.merge(RunningMoments.from_array(data)), data)
+
+
 def test_empty_batch_is_a_no_op(data: np.ndarray) -> None:
     moments = RunningMoments.from_array(data)
     before = moments.m2.copy()
-    moments.update(np.empty((0, D), dtype=np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "mean of empty slice" noise either
+        moments.update(np.empty((0, D), dtype=np.float32))
     assert moments.n == N
     np.testing.assert_array_equal(moments.m2, before)
 
@@ -87,19 +99,49 @@ def test_load_refuses_another_format_version(tmp_path) -> None:
         RunningMoments.load(path)
 
 
+@pytest.mark.parametrize(
+    ("arrays", "message"),
+    [
+        ({"n": -1, "mean": np.zeros(2), "m2": np.zeros((2, 2))}, "inconsistent moments"),
+        ({"n": 3, "mean": np.zeros(2), "m2": np.zeros((3, 3))}, "inconsistent moments"),
+        ({"n": 3, "mean": np.zeros(2)}, "cannot read moments"),  # no m2
+    ],
+)
+def test_load_refuses_inconsistent_or_incomplete_files(tmp_path, arrays: dict, message: str) -> None:
+    path = tmp_path / "moments.npz"
+    with open(path, "wb") as fh:
+        np.savez(fh, format_version=1, **arrays)
+    with pytest.raises(IndexDirError, match=message):
+        RunningMoments.load(path)
+
+
+def test_load_refuses_a_truncated_file(data: np.ndarray, tmp_path) -> None:
+    path = tmp_path / "moments.npz"
+    RunningMoments.from_array(data).save(path)
+    path.write_bytes(path.read_bytes()[:100])  # a bad zip
+    with pytest.raises(IndexDirError, match="cannot read moments"):
+        RunningMoments.load(path)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_non_finite_input_is_refused(bad: float) -> None:
     x = np.ones((4, 3), dtype=np.float32)
-    x[2, 1] = bad
+    x[2, 1:] = bad  # two bad values, one bad row
     moments = RunningMoments(3)
-    with pytest.raises(ConfigError, match="NaN or inf"):
+    with pytest.raises(ConfigError, match=r"NaN or inf values \(1 of 4 rows"):
         moments.update(x)
     assert moments.n == 0  # nothing was folded in
 
 
 def test_wrong_shape_is_a_programming_error() -> None:
     with pytest.raises(ValueError):
+        RunningMoments(0)
+    with pytest.raises(ValueError):
         RunningMoments(3).update(np.ones((2, 4)))
+    with pytest.raises(ValueError):
+        RunningMoments(3).update(np.ones((2, 1)))  # would broadcast silently into every coordinate
+    with pytest.raises(ValueError):
+        RunningMoments.from_array(np.ones(3))
     with pytest.raises(ValueError):
         RunningMoments(3).update(np.ones(3))
     with pytest.raises(ValueError):
