@@ -12,6 +12,7 @@ from retrieval.moments import RunningMoments
 from retrieval.whitening import (
     DEFAULT_CENTER_REDUCED,
     DEFAULT_GAMMA,
+    Drift,
     RawTransform,
     TransformSpec,
     Whitening,
@@ -354,3 +355,104 @@ def test_transform_spec_fit_follows_the_resolved_spec() -> None:
     assert isinstance(reduced, Whitening) and (reduced.dim_out, reduced.gamma) == (8, DEFAULT_GAMMA)
     assert reduced.center is DEFAULT_CENTER_REDUCED
     assert TransformSpec(dim=8, center=True).fit(moments).center  # type: ignore[union-attr]
+
+
+# ----- mutation-testing gaps: bounds, the round-off threshold, float32 centring, drift numbers ----------------
+def test_gamma_zero_needs_no_epsilon_on_singular_data() -> None:
+    """A PCA rotation raises nothing to a negative power: null directions are fine with epsilon 0."""
+    x = np.array([[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]], dtype=np.float32)  # rank 1
+    kernel = fit(x, gamma=0.0, epsilon=0.0).kernel
+    np.testing.assert_allclose(kernel.T @ kernel, np.eye(2), atol=TOL64)
+
+
+def test_eigenvalues_within_d_ulps_of_the_largest_count_as_zero() -> None:
+    """A diagonal covariance has exact eigenvalues: 1e-15 (4.5 ulps of 1, below d = 16 ulps) is round-off of a
+    zero, so epsilon 0 refuses it; 1e-13 (450 ulps) is a real, if small, direction."""
+    d = 16
+    for tiny, refused in [(1e-15, True), (1e-13, False)]:
+        cov = np.diag(np.r_[1.0, 0.5, np.full(d - 2, tiny)])
+        if refused:
+            with pytest.raises(ConfigError, match="singular"):
+                Whitening.fit_arrays(np.zeros(d), cov, 1000, dim=3, gamma=1.0, epsilon=0.0)
+        else:
+            kernel = Whitening.fit_arrays(np.zeros(d), cov, 1000, dim=3, gamma=1.0, epsilon=0.0).kernel
+            np.testing.assert_allclose(np.abs(kernel).max(axis=0), [1.0, 0.5**-0.5, tiny**-0.5], rtol=1e-12)
+
+
+def test_float32_transform_is_exact_for_a_large_mean() -> None:
+    """A mean of ~1e4 loses ~5e-4 per coordinate in float32 (half an ulp); the transform puts that back, so it
+    matches float64 centring to float32 rounding of the unit-scale result (1e-5), not to ~1e-3."""
+    rng = np.random.default_rng(5)
+    x = (1e4 + np.pi + rng.normal(size=(400, 8))).astype(np.float32)
+    whitening = fit(x, gamma=1.0)
+    expected = (x.astype(np.float64) - whitening.mean) @ whitening.kernel
+    y = whitening.transform(x, normalize=False)
+    np.testing.assert_allclose(y, expected, atol=1e-5 * np.abs(expected).max())
+
+
+def test_gamma_and_epsilon_bounds() -> None:
+    x = np.random.default_rng(0).normal(size=(200, 4)) * [3.0, 2.0, 1.0, 0.5]
+    full = fit(x, gamma=2.0, epsilon=1.0)  # both upper bounds are allowed
+    rotation = fit(x, gamma=0.0)
+    lam = rotation.eigenvalues
+    np.testing.assert_allclose(full.kernel, rotation.kernel / (lam + lam[0]), rtol=1e-12)
+    with pytest.raises(ConfigError, match="`gamma` must be between 0 and 2"):
+        fit(x, gamma=2.5)
+    with pytest.raises(ConfigError, match="`epsilon` must be between 0 and 1"):
+        fit(x, epsilon=1.5)
+    with pytest.raises(ConfigError, match="no eigenvalues to raise"):
+        TransformSpec(gamma=0.5, whiten=False).check(4)
+
+
+def test_fit_arrays_copies_the_callers_mean() -> None:
+    mean, cov = np.full(3, 2.0), np.diag([3.0, 2.0, 1.0])
+    whitening = Whitening.fit_arrays(mean, cov, 100)
+    mean[:] = 0.0
+    np.testing.assert_array_equal(whitening.mean, np.full(3, 2.0))
+
+
+def test_a_transform_file_with_mismatched_shapes_is_refused(data: np.ndarray, tmp_path) -> None:
+    whitening = fit(data, dim=6)
+    path = tmp_path / "transform.npz"
+    whitening.save(path)
+    arrays = dict(np.load(path))
+    arrays["kernel"] = arrays["kernel"][:-1]  # 15 x 6 for a 16-dimensional mean
+    with open(path, "wb") as fh:
+        np.savez(fh, **arrays)
+    with pytest.raises(IndexDirError, match="corrupt whitening"):
+        load_transform(path)
+
+
+def test_drift_numbers_equal_a_one_shot_reference(data: np.ndarray) -> None:
+    """Mean shift, principal angles and overlap against an independent float64 computation: the stored top-k
+    eigenvectors against those of the new data's covariance, after a rotation that mixes kept and dropped
+    directions and a shift of the mean."""
+    k, gamma, eps = 4, 0.5, 1e-6
+    x = data.astype(np.float64)
+    transform = fit(data, dim=k, gamma=gamma, epsilon=eps)
+    rng = np.random.default_rng(11)
+    turn, _ = np.linalg.qr(np.eye(D) + 0.3 * rng.normal(size=(D, D)))
+    new = (x - x.mean(axis=0)) @ turn + x.mean(axis=0) + 0.2
+    drift = kernel_drift(transform, RunningMoments.from_array(new))
+
+    def top(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        lam, u = np.linalg.eigh(np.cov(a.T, bias=True))
+        return lam[::-1], u[:, ::-1][:, :k]
+
+    lam, u_old = top(x)
+    _, u_new = top(new)
+    cosines = np.linalg.svd(u_old.T @ u_new, compute_uv=False)
+    at_fit = lam[:k] ** (1 - gamma) / (1 + eps * lam[0] / lam[:k]) ** gamma
+    shift = new.mean(axis=0) - x.mean(axis=0)
+    assert drift.subspace_overlap == pytest.approx(np.mean(cosines**2), rel=1e-8)
+    assert drift.max_principal_angle_deg == pytest.approx(np.degrees(np.arccos(cosines.min())), rel=1e-6)
+    assert drift.mean_shift == pytest.approx(np.linalg.norm(shift @ transform.kernel) / np.sqrt(at_fit.sum()))
+    assert 0.1 < drift.subspace_overlap < 0.9 and drift.max_principal_angle_deg > 30  # a real change
+
+
+def test_refit_is_advised_on_either_threshold() -> None:
+    def drift(covariance: float, overlap: float) -> bool:
+        return Drift(100, 200, covariance, 0.0, overlap, 0.0).refit_advised
+
+    assert not drift(0.05, 0.95)
+    assert drift(0.2, 0.95) and drift(0.05, 0.5)
