@@ -573,6 +573,35 @@ def test_stash_float16(tmp_path: Path) -> None:
     np.testing.assert_allclose(got, x, rtol=2**-11, atol=1e-4)
 
 
+def test_a_size_only_stash_check_catches_a_truncated_part(stash: tuple[VectorStash, np.ndarray]) -> None:
+    """``verify(full=False)`` (what add does before linking the vectors) hashes nothing but checks every size."""
+    s, _ = stash
+    part = s.root / s.parts[1].vectors["cls"]
+    part.write_bytes(part.read_bytes()[:-4])
+    with pytest.raises(IndexDirError, match="checksum mismatch"):
+        s.verify(full=False)
+
+
+def test_a_stash_of_another_format_is_refused(stash: tuple[VectorStash, np.ndarray]) -> None:
+    s, _ = stash
+    state = json.loads((s.root / "stash.json").read_text())
+    (s.root / "stash.json").write_text(json.dumps(state | {"format": 1}))
+    with pytest.raises(IndexDirError, match="has format 1; this version reads 2"):
+        VectorStash.open(s.root)
+
+
+def test_a_part_of_the_wrong_shape_or_poolings_is_refused(stash: tuple[VectorStash, np.ndarray]) -> None:
+    s, x = stash
+    np.save(s.root / s.parts[0].vectors["mean"], x[:9])  # a readable .npy, one row short of its part's 10
+    with pytest.raises(IndexDirError, match=r"has shape \(9, 5\)"):
+        list(VectorStash.open(s.root).iter_parts("mean"))
+    with pytest.raises(ValueError, match="holds poolings"):
+        s.register([s.parts[1].__class__(1, {"mean": "p.mean.npy"}, "p.parquet")])  # no "cls"
+    assert len(VectorStash.open(s.root)) == 23  # nothing registered
+    with pytest.raises(ValueError, match="vectors \\(2, 5\\) for 3 rows"):
+        s.append({"mean": x[:3], "cls": x[:2]}, ["a", "b", "c"], ["a", "b", "c"])
+
+
 def test_stash_errors(stash: tuple[VectorStash, np.ndarray], tmp_path: Path) -> None:
     s, _ = stash
     with pytest.raises(ConfigError, match="not 'first-last-avg'"):

@@ -5,6 +5,7 @@ user files that survive a publish."""
 from __future__ import annotations
 
 import ast
+import errno
 import json
 import subprocess
 import sys
@@ -184,3 +185,89 @@ def test_search_params_reject_floats_and_bools() -> None:
     with pytest.raises(Exception, match="`k` must be an integer"):
         SearchParams(k=True).check()
     assert np.isfinite(1.0)
+
+
+def test_quick_sha256_samples_a_large_file_from_its_first_byte_to_its_last(tmp_path: Path, monkeypatch) -> None:
+    """8 MiB, 64 blocks of 64 KiB: the first and last bytes are in the sample (a damaged head or tail is caught),
+    and a byte between two blocks is not (it is a sample, not the whole file)."""
+    monkeypatch.setattr(files, "QUICK_FULL_BELOW", 1024)
+    path = tmp_path / "big.bin"
+    data = np.random.default_rng(0).integers(0, 256, size=8 << 20, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    fingerprint = files.quick_sha256(path)
+    assert fingerprint != files.sha256(path)
+    step = ((8 << 20) - files.QUICK_BLOCK_BYTES) / (files.QUICK_BLOCKS - 1)  # ~130 KiB between block starts
+    between = (files.QUICK_BLOCK_BYTES + int(step)) // 2  # after the first block ends, before the second starts
+    for offset, caught in [(0, True), (len(data) - 1, True), (between, False)]:
+        damaged = bytearray(data)
+        damaged[offset] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+        assert (files.quick_sha256(path) != fingerprint) is caught, offset
+
+
+@pytest.mark.parametrize(
+    ("code", "raised", "message"),
+    [
+        (errno.ENOSPC, IndexDirError, "no space left on the device while writing /x/out.npz"),
+        (errno.EDQUOT, IndexDirError, "no space left"),
+        (errno.EROFS, IndexDirError, r"cannot write /x/out.npz \(boom\)"),
+        (errno.EIO, OSError, "boom"),  # not a write refusal: the original error, traceback and all
+    ],
+)
+def test_write_errors_turn_only_write_refusals_into_one_line(code: int, raised: type, message: str) -> None:
+    with pytest.raises(raised, match=message) as caught:
+        with files.write_errors(Path("/x")):
+            raise OSError(code, "boom", "/x/out.npz")
+    assert (caught.type is IndexDirError) == (raised is IndexDirError)
+
+
+def test_inside_refuses_names_that_escape_through_a_symbolic_link(tmp_path: Path) -> None:
+    root, outside = tmp_path / "stash", tmp_path / "elsewhere"
+    root.mkdir()
+    outside.mkdir()
+    (root / "link").symlink_to(outside)
+    assert files.inside(root, "part-00000.mean.npy") and files.inside(root, "sub/part.npy")
+    assert not files.inside(root, "link/secret.npy")  # no "..", not absolute: only resolving shows it
+    assert not files.inside(root, "../elsewhere/secret.npy") and not files.inside(root, str(outside / "x"))
+    assert not files.inside(root, "")
+
+
+def test_publish_carries_only_foreign_entries_over_as_hard_links(tmp_path: Path) -> None:
+    target, work = tmp_path / "idx", tmp_path / ".idx.building"
+    target.mkdir()
+    (target / "index.faiss").write_text("old index")
+    (target / "rescore.npz").write_text("old scorer, dropped by the new version")
+    (target / "NOTES.md").write_text("the user's")
+    work.mkdir()
+    (work / "index.faiss").write_text("new index")
+    notes = (target / "NOTES.md").stat().st_ino
+    files.publish(work, target, own={"index.faiss", "rescore.npz"})
+    assert sorted(p.name for p in target.iterdir()) == ["NOTES.md", "index.faiss"]
+    assert (target / "index.faiss").read_text() == "new index"
+    assert (target / "NOTES.md").stat().st_ino == notes  # linked, not copied
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx"]  # neither the work nor the old one left
+
+
+def test_replacing_discards_the_work_and_keeps_the_target_when_the_block_fails(tmp_path: Path) -> None:
+    target = tmp_path / "idx"
+    target.mkdir()
+    (target / "index.faiss").write_text("old index")
+    with pytest.raises(RuntimeError, match="encoder crashed"):
+        with files.replacing(target, "adding") as work:
+            (work / "index.faiss").write_text("half a new index")
+            raise RuntimeError("encoder crashed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx"]
+    assert (target / "index.faiss").read_text() == "old index"
+
+
+def test_verify_refuses_a_manifest_that_lists_a_file_outside_the_index(index: Path, tmp_path: Path) -> None:
+    """The manifest's checksum is not a signature: a rewritten one with a fresh checksum still cannot make a
+    reader hash (or vouch for) a file outside the directory."""
+    (tmp_path / "outside.bin").write_bytes(b"x")
+    data = json.loads((index / MANIFEST).read_text())
+    data["files"]["../outside.bin"] = {"bytes": 1, "sha256": files.sha256(tmp_path / "outside.bin")}
+    data["checksum"] = checksum(data)
+    (index / MANIFEST).write_text(json.dumps(data))
+    directory = IndexDir(index)
+    with pytest.raises(IndexDirError, match=r"does not list \.\./outside.bin as an index file"):
+        directory.verify(directory.manifest(), "full")
