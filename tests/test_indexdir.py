@@ -5,6 +5,7 @@ user files that survive a publish."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import errno
 import json
 import subprocess
@@ -16,13 +17,13 @@ import numpy as np
 import pytest
 from conftest import ROOT, FakeEncoder, write_corpus
 
-from retrieval import files, update
+from retrieval import files, indexdir, update
 from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import IndexDirError
 from retrieval.indexdir import INDEX, MANIFEST, IndexDir, Manifest, checksum, load
 from retrieval.search import Searcher, SearchParams
-from retrieval.whitening import TransformSpec
+from retrieval.whitening import TransformSpec, Whitening
 
 
 @pytest.fixture
@@ -271,3 +272,62 @@ def test_verify_refuses_a_manifest_that_lists_a_file_outside_the_index(index: Pa
     directory = IndexDir(index)
     with pytest.raises(IndexDirError, match=r"does not list \.\./outside.bin as an index file"):
         directory.verify(directory.manifest(), "full")
+
+
+def test_a_publish_that_changes_no_shape_is_read_again_too(index: Path, monkeypatch) -> None:
+    """A refit to the same spec between the manifest and the FAISS index: every shape agrees, so only the
+    directory's identity shows the reader holds generation 1's manifest with generation 2's files."""
+    real = IndexDir.faiss_index
+    published = []
+
+    def publish_first(self, mmap=False):  # type: ignore[no-untyped-def]
+        if not published:
+            published.append(update.refit(index, TransformSpec(dim=8)))
+        return real(self, mmap)
+
+    monkeypatch.setattr(IndexDir, "faiss_index", publish_first)
+    loaded = load(index, "quick")
+    assert published and loaded.manifest.generation == 2
+    assert loaded.identity == IndexDir(index).identity()
+
+
+def test_a_publish_keeps_created_and_stamps_updated(index: Path, monkeypatch) -> None:
+    created = Manifest.load(index).created
+    monkeypatch.setattr(indexdir, "now", lambda: "2099-01-01T00:00:00+00:00")
+    manifest = update.refit(index, TransformSpec(dim=4))
+    assert (manifest.created, manifest.updated) == (created, "2099-01-01T00:00:00+00:00")
+    assert Manifest.load(index).created == created
+
+
+def test_only_a_manifest_this_tool_wrote_makes_an_index_dir(index: Path, tmp_path: Path) -> None:
+    assert indexdir.is_index_dir(index)
+    data = json.loads((index / MANIFEST).read_text())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / MANIFEST).write_text(json.dumps(data | {"versions": {"someone-else": "1.0"}}))
+    assert not indexdir.is_index_dir(other)  # the right shape, but not ours: an overwrite must not take it
+
+
+def _rerecord(index: Path, name: str) -> None:
+    """Re-record ``name`` in the manifest, checksum and all: only the consistency checks can object now."""
+    data = json.loads((index / MANIFEST).read_text())
+    data["files"][name] = indexdir._record(index / name)
+    data["checksum"] = checksum(data)
+    (index / MANIFEST).write_text(json.dumps(data))
+
+
+def test_a_transform_fitted_with_another_gamma_than_recorded_is_refused(index: Path) -> None:
+    transform = IndexDir(index).transform()
+    assert isinstance(transform, Whitening)
+    dataclasses.replace(transform, gamma=transform.gamma + 0.5).save(index / indexdir.TRANSFORM)
+    _rerecord(index, indexdir.TRANSFORM)
+    with pytest.raises(IndexDirError, match="does not match its manifest"):
+        load(index, "full")
+
+
+def test_a_stash_with_more_rows_than_the_index_is_refused(index: Path) -> None:
+    stash = IndexDir(index).stash()
+    stash.append({p: np.zeros((2, stash.dim), np.float32) for p in stash.poolings}, ["y1", "y2"], ["a", "b"])
+    _rerecord(index, f"{indexdir.STASH}/stash.json")
+    with pytest.raises(IndexDirError, match="vector stash does not match its manifest"):
+        load(index, "quick")
