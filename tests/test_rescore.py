@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import FakeEncoder, write_corpus
 
-from retrieval import update
+from retrieval import indexdir, update
 from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
-from retrieval.errors import ConfigError
-from retrieval.indexdir import MANIFEST, RESCORE, RESCORE_DEPTH, IndexDir, Manifest, RescoreRecord, checksum
+from retrieval.errors import ConfigError, IndexDirError
+from retrieval.indexdir import MANIFEST, RESCORE, RESCORE_DEPTH, IndexDir, Manifest, RescoreRecord, checksum, load
 from retrieval.moments import RunningMoments
 from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import TransformSpec, Whitening, l2_normalize
@@ -153,3 +153,29 @@ def test_refit_back_to_raw_scoring_removes_the_file(reduced: Path, tmp_path: Pat
     manifest = update.refit(index, TransformSpec(dim=4), scorer=TransformSpec.raw())
     assert manifest.rescore == RescoreRecord(RESCORE_DEPTH, RAW16) and not (index / RESCORE).exists()
     Searcher.load(index, encoder=FakeEncoder()).search_raw(queries(2), SearchParams(k=3))
+
+
+def scored_copy(reduced: Path, tmp_path: Path) -> Path:
+    """A copy of ``reduced`` re-scored by a full-rank whitening (what `tune --apply` may choose)."""
+    index = Path(shutil.copytree(reduced, tmp_path / "idx"))
+    update.refit(index, TransformSpec(dim=4), scorer=TransformSpec(gamma=1.0, whiten=True))
+    return index
+
+
+def test_a_replaced_scorer_file_is_refused_by_the_quick_check(reduced: Path, tmp_path: Path) -> None:
+    index = scored_copy(reduced, tmp_path)
+    other = Whitening.fit(RunningMoments.load(index / "moments.npz"), dim=16, gamma=0.5)  # valid, but not recorded
+    other.save(index / RESCORE)
+    with pytest.raises(IndexDirError, match=RESCORE):
+        load(index, "quick")  # what every search does: the scorer is among the files it checks
+
+
+def test_a_scorer_that_is_not_full_rank_is_refused(reduced: Path, tmp_path: Path) -> None:
+    index = scored_copy(reduced, tmp_path)
+    Whitening.fit(RunningMoments.load(index / "moments.npz"), dim=8, gamma=1.0).save(index / RESCORE)
+    data = json.loads((index / MANIFEST).read_text())  # recorded as it is now: only the shape check can object
+    data["files"][RESCORE] = indexdir._record(index / RESCORE)
+    data["checksum"] = checksum(data)
+    (index / MANIFEST).write_text(json.dumps(data))
+    with pytest.raises(IndexDirError, match="not full-rank"):
+        load(index, "full")
