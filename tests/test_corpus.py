@@ -76,6 +76,36 @@ def test_title_is_prepended_to_the_text(tmp_path: Path) -> None:
     assert texts == ["Cats purr", "bark", "moo"]
 
 
+def test_a_title_does_not_make_a_null_text_usable(tmp_path: Path) -> None:
+    """A null text stays null with a title (the row is empty); an empty-string text gives the title alone."""
+    path = write_table(
+        tmp_path / "c.parquet", id=["a", "b", "c"], title=["Cats", "Dogs", "Cows"], text=["purr", None, ""]
+    )
+    source = Corpus(CorpusSpec(path, title_column="title"))
+    with pytest.raises(CorpusError, match=r"^1 of 3 rows have null or empty text \(first ids: b\)"):
+        source.validate()
+    skipping = Corpus(CorpusSpec(path, title_column="title", skip_empty=True))
+    assert skipping.validate().first_skipped == ["b"]
+    assert read_all(skipping) == (["a", "c"], ["Cats purr", "Cows"])
+
+
+def test_a_text_column_of_nulls_only_is_counted_as_empty(tmp_path: Path) -> None:
+    """A column parquet stores as type null (every value missing) is text with no values, not a type error."""
+    path = write_table(tmp_path / "c.parquet", id=["a", "b", "c"], text=pa.array([None] * 3, pa.null()))
+    with pytest.raises(CorpusError, match=r"^3 of 3 rows have null or empty text \(first ids: a, b, c\)"):
+        Corpus(CorpusSpec(path)).validate()
+
+
+def test_invalid_utf8_names_the_row_in_the_file_not_in_the_window(tmp_path: Path) -> None:
+    texts = [f"text {i}".encode() for i in range(8)]
+    texts[5] = b"\xff\xfe not utf-8"
+    path = write_table(tmp_path / "c.parquet", id=[f"d{i}" for i in range(8)], text=pa.array(texts, pa.binary()))
+    with pytest.raises(
+        CorpusError, match=r"column 'text' of .*c\.parquet holds bytes that are not UTF-8 text \(row 5\)"
+    ):
+        list(Corpus(CorpusSpec(path)).batches(4))
+
+
 # ----- empty texts -----------------------------------------------------------------------------------------
 def empty_corpus(tmp_path: Path) -> Path:
     texts = [f"text {i}" for i in range(20)]
@@ -112,6 +142,18 @@ def test_skip_empty_skips_and_reports(tmp_path: Path, caplog: pytest.LogCaptureF
     ids, texts = read_all(source, rows=4)
     assert len(ids) == 16 and "d3" not in ids and "d15" not in ids
     assert all(t.strip() for t in texts)
+
+
+def test_first_ids_are_in_row_order_across_windows(tmp_path: Path) -> None:
+    """Validation in windows smaller than the file merges each window's findings in row order, at most five."""
+    source = Corpus(CorpusSpec(empty_corpus(tmp_path), skip_empty=True))
+    report = source.validate(rows=4)
+    assert (report.rows, report.usable, report.skipped) == (20, 16, 4)
+    assert report.first_skipped == ["d3", "d7", "d11", "d15"]
+    texts = ["ok"] * 3 + [None] * 9
+    path = write_table(tmp_path / "m.parquet", id=[f"m{i}" for i in range(12)], text=texts)
+    with pytest.raises(CorpusError, match=r"^9 of 12 rows .*\(first ids: m3, m4, m5, m6, m7\)"):
+        Corpus(CorpusSpec(path)).validate(rows=2)
 
 
 def test_skip_empty_still_needs_two_usable_rows(tmp_path: Path) -> None:
@@ -235,6 +277,18 @@ def test_a_folder_is_read_file_by_file_in_sorted_order(tmp_path: Path) -> None:
     assert source.windows(32) == 9
 
 
+def test_files_under_hidden_or_underscore_folders_are_skipped(tmp_path: Path) -> None:
+    """Spark writes work in progress to ``_temporary/``, tools stage to dot-folders, pyarrow writes
+    ``_metadata``: none of it is corpus, at any depth."""
+    split_corpus(tmp_path / "c", sizes=(3,))
+    for stray in ("_temporary/0/part-0.parquet", ".staging/part-0.parquet", "_common.parquet", "sub/_x/p.parquet"):
+        (tmp_path / "c" / stray).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"id": [stray], "text": ["stray"]}), tmp_path / "c" / stray)
+    source = Corpus(CorpusSpec(tmp_path / "c"))
+    assert [f.name for f in source.files] == ["part-0.parquet"]
+    assert read_all(source)[0] == ["doc0", "doc1", "doc2"]
+
+
 def test_a_glob_reads_the_files_it_matches(tmp_path: Path) -> None:
     split_corpus(tmp_path / "c")
     source = Corpus(CorpusSpec(tmp_path / "c" / "part-[23].parquet"))
@@ -255,14 +309,26 @@ def test_without_an_id_column_a_folders_ids_are_file_and_row(tmp_path: Path) -> 
     assert ids == ["sub/part-1.parquet:0", "sub/part-1.parquet:1"]  # relative to the glob's fixed directory
 
 
+@pytest.mark.parametrize("ids", [True, False], ids=["id-column", "row-numbers"])
 @pytest.mark.parametrize("rows", [1, 7, 16, 50, 1000])
-def test_any_range_of_windows_reads_what_a_full_pass_reads(tmp_path: Path, rows: int) -> None:
-    split_corpus(tmp_path / "c")
+def test_any_range_of_windows_reads_what_a_full_pass_reads(tmp_path: Path, rows: int, ids: bool) -> None:
+    """Windows that start inside a row group (7 rows in groups of 16) re-cut pyarrow's batches: every row
+    once, in order; without an id column a window read on its own names its rows by their number in the file."""
+    sizes = (70, 0, 45, 100)
+    split_corpus(tmp_path / "c", sizes, ids=ids)
     source = Corpus(CorpusSpec(tmp_path / "c"))
     full = [b.ids for b in source.batches(rows)]
     assert len(full) == source.windows(rows)
+    if ids:
+        expected = [f"doc{i}" for i in range(sum(sizes))]
+    else:
+        expected = [f"part-{n}.parquet:{r}" for n, size in enumerate(sizes) for r in range(size)]
+    assert [i for window in full for i in window] == expected
+    assert [len(w) for w in full] == [min(rows, s - w * rows) for s in sizes for w in range(-(-s // rows))]
     for start, stop in [(0, 1), (1, 3), (len(full) // 2, len(full)), (len(full) - 1, None)]:
         assert [b.ids for b in source.batches(rows, start, stop)] == full[start:stop]
+    for start in range(len(full)):  # every start, also inside a row group at an offset not a multiple of rows
+        assert [b.ids for b in source.batches(rows, start, start + 2)] == full[start : start + 2]
 
 
 def test_duplicate_ids_across_files_are_refused(tmp_path: Path) -> None:
@@ -323,6 +389,67 @@ def test_vectors_column_of_strings_is_refused(tmp_path: Path) -> None:
         Corpus(CorpusSpec(path, vectors_column="emb"))
 
 
+def vectors_file(path: Path, rows: list, width: int | None = None, row_group_size: int = 4) -> Path:
+    kind = pa.list_(pa.float32(), width) if width is not None else pa.list_(pa.float32())
+    ids = [f"v{i}" for i in range(len(rows))]
+    pq.write_table(pa.table({"id": ids, "emb": pa.array(rows, kind)}), path, row_group_size=row_group_size)
+    return path
+
+
+def test_non_finite_vectors_are_counted_and_named_across_windows(tmp_path: Path) -> None:
+    """Every NaN or inf (one component is enough) is counted, in every window; the ids named are those rows', in
+    row order, also when null vectors skipped before them shift the window's kept rows."""
+    rows: list = [[1.0, 2.0, 3.0]] * 12
+    rows[1] = None  # skipped
+    rows[2] = [1.0, float("nan"), 3.0]
+    rows[6] = [float("inf"), 2.0, 3.0]
+    rows[10] = [1.0, 2.0, float("-inf")]
+    source = Corpus(
+        CorpusSpec(vectors_file(tmp_path / "v.parquet", rows, width=3), vectors_column="emb", skip_empty=True)
+    )
+    with pytest.raises(CorpusError, match=r"^3 of 12 vectors contain NaN or inf \(first ids: v2, v6, v10\)"):
+        source.validate(rows=4)
+
+
+def test_null_vectors_are_empty_rows(tmp_path: Path) -> None:
+    rows: list = [[float(i), 1.0] for i in range(6)]
+    rows[4] = None
+    path = vectors_file(tmp_path / "v.parquet", rows)
+    with pytest.raises(CorpusError, match=r"^1 of 6 rows have null vectors \(first ids: v4\)"):
+        Corpus(CorpusSpec(path, vectors_column="emb")).validate()
+    source = Corpus(CorpusSpec(path, vectors_column="emb", skip_empty=True))
+    assert source.validate().first_skipped == ["v4"]
+    batches = list(source.batches(4))
+    assert [b.ids for b in batches] == [["v0", "v1", "v2", "v3"], ["v5"]]
+    np.testing.assert_array_equal(batches[1].vectors, [[5.0, 1.0]])
+
+
+def test_vector_widths_that_differ_between_files_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "c").mkdir()
+    vectors_file(tmp_path / "c" / "a.parquet", [[1.0, 2.0, 3.0]] * 3, width=3)
+    pq.write_table(
+        pa.table({"id": ["w0", "w1"], "emb": pa.array([[1.0] * 4] * 2, pa.list_(pa.float32(), 4))}),
+        tmp_path / "c" / "b.parquet",
+    )
+    with pytest.raises(CorpusError, match=r"b\.parquet holds 4-d vectors where other files hold 3-d"):
+        Corpus(CorpusSpec(tmp_path / "c", vectors_column="emb"))
+
+
+def test_a_fixed_width_of_zero_is_refused_on_opening(tmp_path: Path) -> None:
+    """The width is the column's type: refused when the corpus is opened, before any row is read."""
+    path = vectors_file(tmp_path / "v.parquet", [[], []], width=0)
+    with pytest.raises(CorpusError, match=r"column 'emb' holds empty vectors \(width 0\)"):
+        Corpus(CorpusSpec(path, vectors_column="emb"))
+
+
+def test_a_one_file_folders_fingerprint_covers_the_files_name(tmp_path: Path) -> None:
+    """In a folder, rows without ids are named "file:row": renaming its only file changes the rows' ids."""
+    split_corpus(tmp_path / "c", sizes=(5,), ids=False)
+    before = Corpus(CorpusSpec(tmp_path / "c")).fingerprint()
+    (tmp_path / "c" / "part-0.parquet").rename(tmp_path / "c" / "part-1.parquet")
+    assert Corpus(CorpusSpec(tmp_path / "c")).fingerprint() != before
+
+
 def test_fingerprint_changes_with_content(tmp_path: Path) -> None:
     a = write_corpus(tmp_path / "a.parquet", n=10)
     b = write_corpus(tmp_path / "b.parquet", n=10)
@@ -351,6 +478,16 @@ def test_npy_windows_are_the_rows_as_float32_and_are_read_not_kept_mapped(tmp_pa
     assert [b.ids[0] for b in batches[:2]] == ["0", "300"]
     if order == "C" and Path("/proc/self/smaps").is_file():
         assert mapped_rss_kib(path.resolve()) <= 8  # at most the header's page, not the 2000 rows read
+
+
+def test_an_npy_whose_last_window_is_one_row(tmp_path: Path) -> None:
+    values = np.arange(14, dtype=np.float32).reshape(7, 2)
+    np.save(tmp_path / "v.npy", values)
+    source = Corpus(CorpusSpec(tmp_path / "v.npy"))
+    batches = list(source.batches(3))
+    assert source.windows(3) == 3 and [b.ids for b in batches] == [["0", "1", "2"], ["3", "4", "5"], ["6"]]
+    np.testing.assert_array_equal(np.concatenate([b.vectors for b in batches]), values)
+    assert [b.ids for b in source.batches(3, 2)] == [["6"]]
 
 
 @pytest.mark.parametrize("shape", ["file", "folder"])
