@@ -21,7 +21,7 @@ from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.docs import Docs
 from retrieval.errors import ConfigError, CorpusError, IndexDirError, RetrievalError
-from retrieval.index import flat_vectors, load_index
+from retrieval.index import IndexSpec, flat_vectors, load_index
 from retrieval.indexdir import SCHEMA_VERSION, IndexDir, Manifest, StashRecord
 from retrieval.moments import RunningMoments
 from retrieval.search import Searcher, SearchParams
@@ -267,7 +267,7 @@ def test_skip_empty_indexes_only_the_usable_rows(tmp_path: Path) -> None:
     path = write_corpus(tmp_path / "c.parquet", n=40, text=texts)
     out = tmp_path / "idx"
     manifest = build_index(CorpusSpec(path, skip_empty=True), FakeEncoder(), out, TransformSpec(dim=4))
-    assert manifest.n == 38 and (manifest.corpus.rows, manifest.corpus.skipped) == (40, 2)
+    assert manifest.n == 38 and (manifest.corpus.rows, manifest.corpus.indexed, manifest.corpus.skipped) == (40, 38, 2)
     ids, _ = texts_of(out / "docs.arrow")
     assert "doc3" not in ids and "doc30" not in ids and len(ids) == 38
 
@@ -618,3 +618,72 @@ def test_truncated_npz_files_are_index_errors(built: tuple[Path, FakeEncoder, Ma
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(IndexDirError, match="cannot read"):
         RunningMoments.load(path) if name == "moments.npz" else load_transform(path)
+
+
+# ----- found by mutation testing -------------------------------------------------------------------------
+def test_window_rows_below_one_is_refused_before_anything_is_written(corpus: Path, tmp_path: Path) -> None:
+    encoder = FakeEncoder()
+    with pytest.raises(ConfigError, match=r"`window_rows` must be at least 1 \(got 0\)"):
+        build(corpus, tmp_path / "idx", encoder, options=BuildOptions(window_rows=0))
+    assert encoder.calls == 0 and list(tmp_path.iterdir()) == [corpus]
+
+
+def test_an_ivf_is_checked_against_the_usable_rows_before_encoding(tmp_path: Path) -> None:
+    """40 rows, 30 of them empty: 10 usable rows cannot train 20 lists; said before any row is encoded."""
+    texts = [f"text number {i}" if i % 4 == 0 else "" for i in range(40)]
+    path = write_corpus(tmp_path / "c.parquet", n=40, text=texts)
+    encoder = FakeEncoder()
+    with pytest.raises(ConfigError, match=r"IVF with 20 lists needs at least that many training rows \(got 10\)"):
+        build_index(
+            CorpusSpec(path, skip_empty=True),
+            encoder,
+            tmp_path / "idx",
+            TransformSpec(dim=4),
+            IndexSpec("ivf", nlist=20),
+        )
+    assert encoder.calls == 0
+
+
+def test_a_pooling_the_build_does_not_stash_is_refused_before_encoding(corpus: Path, tmp_path: Path) -> None:
+    encoder = FakeEncoder()  # mean pooling only
+    with pytest.raises(ConfigError, match=r"cannot fit on pooling 'cls': this build stashes mean"):
+        build_index(CorpusSpec(corpus), encoder, tmp_path / "idx", TransformSpec(dim=4, pooling="cls"))
+    assert encoder.calls == 0 and not (tmp_path / "idx").exists()
+
+
+def test_resume_refuses_a_work_directory_holding_a_symbolic_link(
+    built: tuple[Path, FakeEncoder, Manifest], corpus: Path, tmp_path: Path
+) -> None:
+    out = built[0]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        build(corpus, out, FailingEncoder(3, "crash"), options=BuildOptions(overwrite=True, window_rows=50))
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the index's")
+    (files.work_dir(out) / "vectors" / "planted").symlink_to(outside)
+    with pytest.raises(IndexDirError, match=r"contains a symbolic link \(planted\)"):
+        build(corpus, out, FakeEncoder(), options=BuildOptions(overwrite=True, window_rows=50, resume=True))
+    assert outside.read_text() == "not the index's"
+
+
+def test_a_build_without_resume_starts_over_from_an_interrupted_one(
+    built: tuple[Path, FakeEncoder, Manifest], corpus: Path
+) -> None:
+    out = built[0]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        build(corpus, out, FailingEncoder(3, "crash"), options=BuildOptions(overwrite=True, window_rows=50))
+    encoder = FakeEncoder()
+    manifest = build(corpus, out, encoder, options=BuildOptions(overwrite=True, window_rows=50))
+    assert encoder.rows == N and manifest.n == N  # every row encoded again, none taken from the work left
+
+
+def test_replacing_an_index_whose_manifest_cannot_be_read_starts_the_count_at_one(
+    built: tuple[Path, FakeEncoder, Manifest], corpus: Path
+) -> None:
+    """An index this tool built (a manifest of a newer schema, say) whose manifest this version cannot read."""
+    out = built[0]
+    data = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps(data | {"schema_version": SCHEMA_VERSION + 1}))
+    with pytest.raises(IndexDirError):
+        IndexDir(out).manifest()
+    manifest = build(corpus, out, options=BuildOptions(overwrite=True))
+    assert manifest.generation == 1 and IndexDir(out).manifest().generation == 1
