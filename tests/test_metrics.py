@@ -11,6 +11,7 @@ from retrieval.metrics import (
     EvalResult,
     average_precision_at_k,
     evaluate_run,
+    knn_recall,
     mrr_at_k,
     ndcg_at_k,
     pearson,
@@ -314,3 +315,20 @@ def test_matches_scipy_on_random_data_with_ties() -> None:
         # both compute in float64 but in different orders of operations: agree to ~1e-12
         assert spearman(x, y) == pytest.approx(stats.spearmanr(x, y).statistic, rel=1e-10, abs=1e-12)
         assert pearson(x, y) == pytest.approx(stats.pearsonr(x, y).statistic, rel=1e-10, abs=1e-12)
+
+
+def test_pearson_of_an_exact_linear_relation_stays_within_one() -> None:
+    # y = a x + b exactly (up to rounding in y): the unclipped ratio rounds to 1.0000000000000002 here
+    x = [0.1257302210933933, -0.1321048632913019, 0.6404226504432821, 0.10490011715303971, -0.535669373161111]
+    y = [2.2150642890811607, -0.14058929112833396, 6.917438548186283, 2.0247546225734845, -3.827667738147997]
+    assert pearson(x, y) == 1.0
+    assert pearson(x, [-v for v in y]) == -1.0
+
+
+def test_knn_recall_counts_minus_one_as_a_miss_and_cuts_at_the_truths_width() -> None:
+    # -1 pads a row that found fewer hits than asked: never a hit, even where the truth is padded too
+    assert knn_recall(np.array([[4, -1]]), np.array([[4, -1]])) == 0.5
+    # default k is the truth's width (2), not the found rows' (4): both true neighbours found -> 1.0, not 2 / 4
+    assert knn_recall(np.array([[0, 1, 2, 3]]), np.array([[1, 0]])) == 1.0
+    # two queries, k = 2: hits 1 of 2 and 2 of 2 -> 3 / 4
+    assert knn_recall(np.array([[5, 9], [7, 8]]), np.array([[5, 6], [8, 7]])) == 0.75
