@@ -18,6 +18,7 @@ from retrieval.errors import CorpusError
 from retrieval.evaluate import (
     Pairs,
     evaluate_ir,
+    evaluate_sts,
     pair_cosines,
     read_pairs,
     read_qrels,
@@ -58,6 +59,20 @@ def test_read_qrels_keeps_grades_and_groups_by_query(tmp_path: Path) -> None:
     assert read_qrels(path) == {"q1": {"d1": 2, "d2": 1}, "q2": {"d1": 0}, "q3": {"d9": 3}}
     numeric = write(tmp_path / "n.parquet", query_id=[1], doc_id=[7], score=[1])
     assert read_qrels(numeric) == {"1": {"7": 1}}
+
+
+def test_a_query_without_an_id_is_refused_with_its_row(tmp_path: Path) -> None:
+    path = write(tmp_path / "q.parquet", query_id=["q1", None, "q3"], text=["a", "b", "c"])
+    with pytest.raises(CorpusError, match=r"^row 1 of .*q\.parquet has a null 'query_id': every query needs an id"):
+        read_queries(path)
+
+
+@pytest.mark.parametrize("grade", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_grade_is_refused_with_its_row(tmp_path: Path, grade: float) -> None:
+    """Refused as a bad grade in one line, not a ValueError or OverflowError from int()."""
+    path = write(tmp_path / "r.parquet", query_id=["q1", "q1"], doc_id=["d1", "d2"], score=[1.0, grade])
+    with pytest.raises(CorpusError, match=r"^row 1 of .*r\.parquet has the grade .*: relevance grades must be whole"):
+        read_qrels(path)
 
 
 @pytest.mark.parametrize(
@@ -272,3 +287,22 @@ def test_pair_cosines_match_numpy() -> None:
     np.testing.assert_allclose(
         raw_cos, (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1), atol=1e-6
     )
+
+
+def test_evaluate_sts_fits_on_every_sentence_and_scores_raw_and_transformed() -> None:
+    """A target fit sees the sentences of the fit sets too; "raw" is the untransformed cosine, "transformed" the
+    fitted whitening's: both as ``sts_result`` gives them on a transform fitted by hand from the same vectors."""
+    gold = np.arange(30, dtype=np.float64)
+    scored = Pairs("a", [f"a{i}" for i in range(30)], [f"b{i}" for i in range(30)], gold, ["a"] * 30)
+    extra = Pairs("x", [f"x{i}" for i in range(30)], [f"y{i}" for i in range(30)], gold, ["x"] * 30)
+    report = evaluate_sts([scored], FakeEncoder(), TransformSpec(dim=4), fit_sets=[extra])
+    sentences = scored.sentences() + extra.sentences()
+    vectors = dict(zip(sentences, FakeEncoder().encode(sentences), strict=True))
+    moments = RunningMoments(16)
+    moments.update(np.stack([vectors[s] for s in sentences]))
+    fitted = TransformSpec(dim=4).fit(moments)
+    assert report.fit == "target (120 sentences of a, x)"
+    [result] = report.results
+    assert result["transformed"] == pytest.approx(sts_result(vectors, scored, fitted), abs=1e-9)
+    assert result["raw"] == pytest.approx(sts_result(vectors, scored, RawTransform(16)), abs=1e-9)
+    assert result["raw"]["a"] != pytest.approx(result["transformed"]["a"], abs=1e-3)
