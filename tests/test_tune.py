@@ -115,6 +115,16 @@ def test_pick_one_se_keeps_the_best_when_the_others_are_clearly_worse() -> None:
     assert pick_one_se(plain, "m") is pick(plain, "m") is plain[1]
 
 
+def test_pick_one_se_refuses_per_query_scores_of_another_length() -> None:
+    """Scores of another set of queries cannot be paired: refused, not broadcast (one score against 400 would
+    compare every query with the first)."""
+    best = np.random.default_rng(7).random(400) < 0.6
+    strongest = per_query_trial("mean", 8, 1.0, best)
+    short = per_query_trial("mean", 32, None, np.array([False]))  # dev 0.0: not the best
+    with pytest.raises(ValueError, match=r"^mean raw: 1 per-query scores, the best has 400$"):
+        pick_one_se([strongest, short], "m")
+
+
 # ----- IR --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ir_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FakeEncoder]:
