@@ -98,3 +98,14 @@ def test_sentences_come_first_and_cuts_in_two_fill_up() -> None:
     assert few.split_by == ["sentence"] * 5 and all(r >= 50 for r in few.rows)
     more = make_pseudo_queries(len(texts), read, str, n=20, seed=0)
     assert more.split_by == ["sentence"] * 8 + ["words"] * 12 and len(set(more.rows)) == 20
+
+
+def test_split_out_bounds_are_inclusive() -> None:
+    """A sentence of exactly MIN_WORDS words is a query, a rest of exactly MIN_REST words a positive, and a cut
+    in two may leave exactly MIN_WORDS words on either side."""
+    query = "Four words right here."  # 4 words
+    rest = " ".join(["Filler"] + ["word"] * (MIN_REST - 2) + ["end."])  # MIN_REST words
+    for seed in range(5):
+        assert split_out(f"{query} {rest}", np.random.default_rng(seed)) == (query, rest, "sentence")
+    words = "one two three four five six seven eight"  # 2 * MIN_WORDS: the only cut is in the middle
+    assert split_out(words, np.random.default_rng(0)) == ("one two three four", "five six seven eight", "words")
