@@ -305,10 +305,11 @@ def _check_no_links(work: Path) -> None:
 
 
 def _identity(info: dict[str, Any] | None) -> Any:
-    """What of an encoder record decides the vectors (not the precision "auto" settled on)."""
+    """What of an encoder record decides the vectors: not the precision "auto" settled on (a resumed build takes
+    the recorded one) nor the CPU it was measured on (a build may be resumed on another machine)."""
     if info is None:
         return None
-    return {k: v for k, v in info.items() if k != "precision_used"}
+    return {k: v for k, v in info.items() if k not in ("precision_used", "precision_cpu")}
 
 
 def _flat(meta: dict[str, Any]) -> dict[str, Any]:

@@ -296,6 +296,7 @@ def test_a_resumed_build_keeps_the_precision_auto_chose(tiny_bert: Path, tmp_pat
         build(tmp_path / "idx", stop_after=3)
     assert VectorStash.open(files.work_dir(tmp_path / "idx") / STASH).meta["encoder"]["precision_used"] == "bf16"
     faster["bf16"] = False  # this run's timing would choose fp32
+    monkeypatch.setattr(enc, "cpu_model", lambda: "another CPU")  # and it runs on another machine: still resumable
     build(tmp_path / "idx", resume=True)
     assert IndexDir(tmp_path / "idx").manifest().encoder.precision_used == "bf16"
     whole = np.concatenate(list(IndexDir(tmp_path / "bf16").stash().iter_blocks()))
