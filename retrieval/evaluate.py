@@ -95,7 +95,12 @@ def read_qrels(
             )
         if not math.isfinite(s) or s != int(s):
             raise CorpusError(f"row {row} of {path} has the grade {s}: relevance grades must be whole numbers")
-        qrels.setdefault(str(q), {})[str(d)] = int(s)
+        judged = qrels.setdefault(str(q), {})
+        if judged.setdefault(str(d), int(s)) != int(s):
+            raise CorpusError(
+                f"row {row} of {path} grades doc {d!r} for query {q!r} {int(s)}, an earlier row {judged[str(d)]}: "
+                "keep one judgement per (query, doc) pair"
+            )
     return qrels
 
 

@@ -67,6 +67,15 @@ def test_a_query_without_an_id_is_refused_with_its_row(tmp_path: Path) -> None:
         read_queries(path)
 
 
+def test_a_pair_judged_twice_alike_is_kept_and_differently_refused(tmp_path: Path) -> None:
+    """Which of two grades for one (query, doc) would count is a guess (BEIR keeps the last, others the first)."""
+    alike = write(tmp_path / "a.parquet", query_id=["q1", "q1"], doc_id=["d1", "d1"], score=[2, 2])
+    assert read_qrels(alike) == {"q1": {"d1": 2}}
+    path = write(tmp_path / "r.parquet", query_id=["q1", "q2", "q1"], doc_id=["d1", "d1", "d1"], score=[2, 1, 0])
+    with pytest.raises(CorpusError, match=r"^row 2 of .*r\.parquet grades doc 'd1' for query 'q1' 0, an earlier row 2"):
+        read_qrels(path)
+
+
 @pytest.mark.parametrize("grade", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_grade_is_refused_with_its_row(tmp_path: Path, grade: float) -> None:
     """Refused as a bad grade in one line, not a ValueError or OverflowError from int()."""
