@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -89,6 +90,11 @@ def test_k_larger_than_n_returns_every_document(tmp_path: Path) -> None:
         (SearchParams(rescore=-5), "`rescore` must be an integer between 0 and 10,000 (got -5)"),
         (SearchParams(ef_search=0), "`ef_search` must be an integer between 1"),
         (SearchParams(nprobe=-3), "`nprobe` must be an integer between 1"),
+        # bool is an int subclass: True would otherwise be read as k=1 / ef_search=1
+        (SearchParams(k=True), "`k` must be an integer between 1 and 10,000 (got True)"),
+        (SearchParams(rescore=False), "`rescore` must be an integer between 0 and 10,000 (got False)"),
+        (SearchParams(ef_search=True), "`ef_search` must be an integer between 1"),
+        (SearchParams(nprobe=True), "`nprobe` must be an integer between 1"),
     ],
 )
 def test_bad_search_params_are_refused(searcher: Searcher, params: SearchParams, message: str) -> None:
@@ -100,6 +106,33 @@ def test_bad_search_params_are_refused(searcher: Searcher, params: SearchParams,
 def test_query_vectors_of_the_wrong_width_are_refused(searcher: Searcher) -> None:
     with pytest.raises(ConfigError, match="query vectors have 8 dims; this index takes 16"):
         searcher.search_vectors(np.zeros((1, 8), dtype=np.float32))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_query_vectors_with_nan_or_inf_are_refused(searcher: Searcher, bad: float) -> None:
+    raw = queries(2)
+    raw[1, 3] = bad  # one bad value in the second query of a batch
+    with pytest.raises(ConfigError, match="query vectors contain NaN or inf"):
+        searcher.search_vectors(raw)
+
+
+@pytest.mark.parametrize(
+    ("texts", "message"),
+    [
+        (["topic 3", "   \t\n"], "`query` is empty (or only whitespace)"),
+        (["topic 3", ""], "`query` is empty (or only whitespace)"),
+        (["topic 3", "bad \ud800 byte"], "`query` 1 holds a lone surrogate"),
+        (["topic 3", 42], "`query` 1 is int, not text"),
+    ],
+)
+def test_queries_that_are_not_searchable_text_are_refused_before_encoding(
+    index_dir: Path, texts: list, message: str
+) -> None:
+    encoder = FakeEncoder()
+    searcher = Searcher.load(index_dir, encoder=encoder)
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        searcher.search_batch(texts, SearchParams(k=3))
+    assert info.value.param == "query" and encoder.calls == 0  # refused whole, before any encoding
 
 
 def test_search_batch_equals_single_searches(searcher: Searcher) -> None:
@@ -311,6 +344,22 @@ def test_warm_up_makes_docs_and_stash_resident_within_its_budget(tmp_path: Path,
     assert sum(mapped_rss_kib(p) for p in parts) >= stash_bytes // 1024 - 8
     assert mapped_rss_kib(docs) >= searcher.docs.nbytes // 1024 - 8
     assert Searcher.load(tmp_path / "idx", encoder=FakeEncoder()).warm_up(prefault=False) == 0
+    encoder = FakeEncoder()
+    Searcher.load(tmp_path / "idx", encoder=encoder).warm_up(prefault=False)
+    assert (encoder.calls, encoder.rows) == (1, 1)  # ... and runs one search, so no user pays the first one
 
     monkeypatch.setattr(retrieval.search, "available_memory", lambda: 1 << 20)  # 1 MiB free: over the share
     assert Searcher.load(tmp_path / "idx", encoder=FakeEncoder()).warm_up() == 0
+
+
+def test_warm_up_leaves_the_stash_alone_when_the_index_does_not_rescore(tmp_path: Path) -> None:
+    """An index at full dimension keeps its stash (for refit and add) but never re-scores from it: warm-up makes
+    only its docs resident, not the stash that no request reads."""
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=3000)
+    build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "idx", TransformSpec())
+    searcher = Searcher.load(tmp_path / "idx", encoder=FakeEncoder())
+    assert searcher.manifest.rescoring.depth == 0 and searcher.manifest.stash is not None
+    stash_bytes = sum(p.stat().st_size for p in searcher.stash().files() if p.suffix == ".npy")
+    assert stash_bytes > 0.5 * searcher.docs.nbytes  # the stash would be visible in the count
+    touched = searcher.warm_up()
+    assert 0.95 * searcher.docs.nbytes <= touched <= searcher.docs.nbytes + 0.25 * stash_bytes  # Arrow padding
