@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from retrieval import scan as scan_module
-from retrieval.scan import FlatScan
+from retrieval.scan import FlatScan, TopK
 
 SCORE_ATOL = 1e-5  # float32 dot products of unit vectors against float64
 
@@ -65,6 +65,11 @@ def test_k_larger_than_a_slice_and_than_the_matrix() -> None:
     assert rows[0, 0] == 0 and scores[0, 0] == pytest.approx(1.0, abs=1e-6)
     _, rows = scan.search(matrix[:1], 50_000)  # capped at n
     assert rows.shape == (1, 9000) and set(rows[0].tolist()) == set(range(9000))
+    for nq, path in ((8, "numpy"), (30, "numpy"), (30, "faiss")):  # batches too: capped, never padded with -1
+        scan.batch_path = path
+        scores, rows = scan.search(matrix[:nq], 50_000)
+        assert rows.shape == scores.shape == (nq, 9000) and rows.min() >= 0 and np.isfinite(scores).all()
+        assert all(set(r.tolist()) == set(range(9000)) for r in rows)
 
 
 @pytest.mark.parametrize("nq", [1, 8])  # the sliced scans, the tiled product
@@ -84,6 +89,8 @@ def test_small_matrices_are_one_slice_and_bad_matrices_are_refused() -> None:
         FlatScan(np.zeros((100, 4), dtype=np.float64))
     with pytest.raises(ValueError, match="C-contiguous"):
         FlatScan(np.zeros((4, 100), dtype=np.float32).T)
+    with pytest.raises(ValueError, match=r"\(n, d\) matrix"):
+        FlatScan(np.zeros(100, dtype=np.float32))  # one vector is not a matrix
 
 
 def test_importing_retrieval_shortens_the_openmp_spin_unless_the_user_set_it() -> None:
@@ -118,6 +125,8 @@ def test_tiles_of_a_misaligned_matrix_are_aligned_copies(monkeypatch: pytest.Mon
             np.testing.assert_array_equal(tile, matrix[first : first + len(tile)])
             seen.append((first, len(tile)))
         assert seen == [(50, 300), (350, 300), (650, 300), (950, 50)]
+        inner = [(first, len(tile)) for first, tile in scan_module.tiles(source, 100, 450)]  # stops at `stop`
+        assert inner == [(100, 300), (400, 50)]
     assert not misaligned(matrix).flags.aligned  # the test really fed a misaligned matrix
 
 
@@ -131,3 +140,41 @@ def test_batches_over_a_misaligned_matrix_match_the_reference(monkeypatch: pytes
         scores, rows = scan.search(queries[:nq], 20)
         np.testing.assert_allclose(scores, -np.sort(-reference[:nq], axis=1)[:, :20], atol=SCORE_ATOL)
         np.testing.assert_allclose(np.take_along_axis(reference[:nq], rows, axis=1), scores, atol=SCORE_ATOL)
+
+
+def test_topk_streamed_in_blocks_equals_a_one_shot_top_k() -> None:
+    """TopK (tune's and bench_scale's exact neighbours) over column blocks of every size around k: the same rows
+    and scores as one argsort over the whole (nq, N) matrix (distinct float32 scores: no ties, exact equality)."""
+    rng = np.random.default_rng(11)
+    nq, k = 5, 10
+    scores = rng.standard_normal((nq, 1000)).astype(np.float32)
+    top = TopK(nq, k)
+    first = 0
+    for width in (3, 10, 1, 250, 11, 725):  # fewer than k, exactly k, one, many, k + 1, the rest
+        top.push(scores[:, first : first + width].astype(np.float64), first)  # float64 in, float32 kept
+        first += width
+    assert first == scores.shape[1]
+    got_scores, got_rows = top.result()
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(got_rows, order)
+    np.testing.assert_array_equal(got_scores, np.take_along_axis(scores, order, axis=1))
+    assert got_scores.dtype == np.float32 and got_rows.dtype == np.int64
+
+
+def test_topk_with_fewer_rows_than_k_keeps_them_all_best_first() -> None:
+    top = TopK(2, 10)
+    assert top.result()[0].shape == (2, 0)
+    top.push(np.array([[0.1, 0.5, 0.3], [0.9, 0.2, 0.4]]), 100)
+    top.push(np.array([[0.4, 0.0], [0.1, 0.95]]), 103)
+    scores, rows = top.result()
+    assert rows.tolist() == [[101, 103, 102, 100, 104], [104, 100, 102, 101, 103]]
+    np.testing.assert_array_equal(scores, np.float32([[0.5, 0.4, 0.3, 0.1, 0.0], [0.95, 0.9, 0.4, 0.2, 0.1]]))
+
+
+def test_topk_ties_across_blocks_keep_the_lower_row() -> None:
+    """Equal scores in different blocks (of at most k: inside a larger block a tie at the k-th place may go either
+    way): the earlier rows win, as FAISS orders ties."""
+    top = TopK(1, 2)
+    for first in (4, 0, 2):  # blocks need not come in row order
+        top.push(np.ones((1, 2)), first)
+    assert top.result()[1].tolist() == [[0, 1]]
