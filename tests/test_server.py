@@ -4,6 +4,7 @@ a refused corrupt version, and micro-batching that batches concurrent requests w
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -679,3 +680,161 @@ def test_the_engine_runs_with_the_blas_threads_asked(index: Path, threads: int) 
             assert test_client.post("/embed", json={"inputs": ["a text"]}).status_code == 200
             assert test_client.get("/info").json()["server"]["threads"]["blas"] == threads
     assert seen and seen[-1] == {min(threads, os.cpu_count() or 1)}
+
+
+# ----- engine limits, draining and isolation (each kills a mutant the tests above let through) -----------------
+def wait_for(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_queue_holds_exactly_max_queue_queries_and_an_idle_one_takes_a_larger_job(index: Path) -> None:
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    batcher = Batcher(lambda: searcher, max_queue=4)
+    batcher.submit_search(["a", "b", "c"], SearchParams(k=1))
+    fourth = batcher.submit_search(["d"], SearchParams(k=1))  # 4 of 4: still taken
+    assert batcher.queued == 4
+    with pytest.raises(Overloaded):
+        batcher.submit_search(["e"], SearchParams(k=1))
+    batcher.start()
+    try:
+        assert fourth.result(10).hits[0]
+        wait_for(lambda: batcher.queued == 0)  # every query of a batch of several jobs leaves the count
+        # an empty queue takes a job larger than the limit (it could never be taken otherwise), as a batch of its own
+        big = batcher.submit_search([f"document number {i}" for i in range(6)], SearchParams(k=1))
+        assert len(big.result(10).hits) == 6
+        wait_for(lambda: batcher.queued == 0)
+        more = [batcher.submit_search([f"q{i}"], SearchParams(k=1)) for i in range(4)]  # not refused by a stale count
+        assert all(f.result(10).hits[0] for f in more)
+    finally:
+        batcher.stop(timeout=10)
+
+
+def test_stop_answers_every_queued_job_before_the_engine_ends(index: Path) -> None:
+    """Shutdown drains: jobs queued while a batch runs are still answered after stop() was called."""
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    batcher = Batcher(lambda: searcher, max_batch=32)
+    running, release = threading.Event(), threading.Event()
+    batcher.start()
+    blocker = batcher.call(lambda: (running.set(), release.wait(10)))
+    assert running.wait(10)
+    queued = [batcher.submit_search([f"document number {i} about topic {i % 7}"], SearchParams(k=1)) for i in range(3)]
+    stopper = threading.Thread(target=batcher.stop, kwargs={"timeout": 10})
+    stopper.start()
+    wait_for(lambda: not batcher.running)  # stopping: no new work from here on
+    release.set()
+    stopper.join(15)
+    assert not stopper.is_alive() and blocker.done()
+    assert [f.result(0).hits[0][0].id for f in queued] == ["doc0", "doc1", "doc2"]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_stop_ends_every_idle_worker_at_once(index: Path, workers: int) -> None:
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    batcher = Batcher(lambda: searcher, workers=workers)
+    batcher.start()
+    assert batcher.submit_search(["whitening"], SearchParams(k=1)).result(10).hits[0]
+    began = time.monotonic()
+    batcher.stop(timeout=10)
+    assert time.monotonic() - began < 5  # every waiting worker woken, not left to the join's timeout
+    assert not any(thread.is_alive() for thread in batcher._threads)
+
+
+def test_the_engine_waits_up_to_max_wait_for_more_queries(index: Path) -> None:
+    """max_wait: a job taken alone waits for more; one arriving meanwhile joins its batch. (Whenever the second
+    job comes, within the 10 s, the two are one batch; without the wait they are only when it comes first.)"""
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    sizes: list[int] = []
+    batcher = Batcher(lambda: searcher, max_batch=2, max_wait=10.0, on_batch=lambda s: sizes.append(s.queries))
+    batcher.start()
+    try:
+        first = batcher.submit_search(["document number 1 about topic 1"], SearchParams(k=1))
+        time.sleep(0.2)  # the engine has taken it and waits (up to 10 s) for a second query
+        second = batcher.submit_search(["document number 2 about topic 2"], SearchParams(k=1))
+        assert [f.result(10).hits[0][0].id for f in (first, second)] == ["doc1", "doc2"]
+    finally:
+        batcher.stop(timeout=10)
+    assert sizes == [2]  # one batch of both, answered as soon as it was full (not after the 10 s)
+
+
+@pytest.mark.parametrize("error", [ValueError("the tokenizer choked"), ConfigError("the query is too long", "query")])
+def test_a_request_error_of_one_job_fails_only_that_job(index: Path, error: Exception) -> None:
+    """A ConfigError raised for one request's text is that request's fault too: the others are answered."""
+
+    class Fussy(FakeEncoder):
+        def encode(self, texts: list[str]) -> np.ndarray:
+            if "boom" in texts:
+                raise error
+            return super().encode(texts)
+
+    searcher = Searcher.load(index, encoder=Fussy())
+    batcher = Batcher(lambda: searcher, max_batch=8)
+    good = [batcher.submit_search([f"document number {i} about topic {i % 7}"], SearchParams(k=1)) for i in range(2)]
+    bad = batcher.submit_search(["boom"], SearchParams(k=1))
+    batcher.start()
+    try:
+        assert [f.result(10).hits[0][0].id for f in good] == ["doc0", "doc1"]
+        with pytest.raises(type(error), match=str(error)):
+            bad.result(10)
+    finally:
+        batcher.stop(timeout=10)
+
+
+def test_a_search_that_fails_fails_only_its_own_group_and_the_engine_goes_on(index: Path) -> None:
+    """Jobs with other knobs are searched apart: knobs FAISS refuses fail that group, not the batch or the engine."""
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    batcher = Batcher(lambda: searcher, max_batch=8)
+    bad = batcher.submit_search(["document number 3 about topic 3"], SearchParams(k=0))
+    good = batcher.submit_search(["document number 4 about topic 4"], SearchParams(k=1))
+    batcher.start()
+    try:
+        with pytest.raises(ConfigError, match="`k` must be"):
+            bad.result(10)
+        assert good.result(10).hits[0][0].id == "doc4"
+        assert batcher.submit_search(["document number 5"], SearchParams(k=1)).result(10).hits[0]
+    finally:
+        batcher.stop(timeout=10)
+
+
+def test_a_cancelled_job_is_skipped_and_the_others_are_answered(index: Path) -> None:
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    sizes: list[int] = []
+    batcher = Batcher(lambda: searcher, max_batch=8, on_batch=lambda s: sizes.append(s.queries))
+    futures = [batcher.submit_search([f"document number {i} about topic {i % 7}"], SearchParams(k=1)) for i in range(3)]
+    assert futures[1].cancel()  # the client went away while its job waited
+    batcher.start()
+    try:
+        assert [futures[i].result(10).hits[0][0].id for i in (0, 2)] == ["doc0", "doc2"]
+        assert batcher.submit_search(["document number 6"], SearchParams(k=1)).result(10).hits[0]  # engine alive
+    finally:
+        batcher.stop(timeout=10)
+    assert sizes == [2, 1]  # the cancelled job's text was not encoded
+
+
+# ----- the watcher -----------------------------------------------------------------------------------------------
+def test_the_watcher_reloads_a_replaced_directory_once_and_a_refused_one_not_again(index: Path, tmp_path: Path) -> None:
+    """Unchanged: never loaded again. A replacement that fails to load: refused once (not retried every interval),
+    the old version serving on; the next good replacement is served and clears the error."""
+    test_client, service = serve(index, watch_interval=0.01)
+    with test_client as client:
+        wait_ready(client)
+        time.sleep(0.3)  # ~30 looks at an unchanged directory
+        assert service.reloads == {"ok": 1, "failed": 0}
+        good = Path(shutil.copytree(index, tmp_path / "good"))
+        broken = Path(shutil.copytree(index, tmp_path / "broken"))
+        data = bytearray((broken / INDEX).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (broken / INDEX).write_bytes(bytes(data))
+        os.rename(index, tmp_path / "old")
+        os.rename(broken, index)  # a replacement that fails its checksums
+        wait_for(lambda: service.reloads["failed"] == 1)
+        time.sleep(0.3)  # ~30 more looks at the refused version
+        assert service.reloads == {"ok": 1, "failed": 1} and "checksum" in (service.last_error or "")
+        assert client.get("/search", params={"q": QUERY, "k": 1}).json()["generation"] == 1
+        os.rename(index, tmp_path / "broken-again")
+        os.rename(good, index)
+        wait_for(lambda: service.reloads["ok"] == 2)
+        assert service.last_error is None and service.last_error_at is None
+        assert client.get("/search", params={"q": QUERY, "k": 1}).status_code == 200
