@@ -429,3 +429,25 @@ def test_a_failure_midway_through_add_leaves_the_index_as_it_was(tmp_path, corpu
         update.add(directory, CorpusSpec(more_docs(tmp_path / "more.parquet", ["new1", "new2"])), FakeEncoder())
     assert {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()} == before
     assert not files_beside(directory)
+
+
+def test_each_add_is_a_new_generation_and_joins_the_history(tmp_path, corpus):
+    directory = tmp_path / "idx"
+    assert build(corpus, directory).generation == 1
+    first = update.add(directory, CorpusSpec(more_docs(tmp_path / "a.parquet", ["a1", "a2", "a3"])), FakeEncoder())
+    second = update.add(directory, CorpusSpec(more_docs(tmp_path / "b.parquet", ["b1", "b2"])), FakeEncoder())
+    assert (first.generation, second.generation) == (2, 3)
+    assert [(Path(a["path"]).name, a["rows"]) for a in second.corpus.added] == [("a.parquet", 3), ("b.parquet", 2)]
+    assert second.n == 305 and ids_of(directory)[-5:] == ["a1", "a2", "a3", "b1", "b2"]
+    assert update.refit(directory, TransformSpec(dim=4)).corpus.added == second.corpus.added
+
+
+def test_row_number_ids_continue_past_the_highest_ascii_number(tmp_path):
+    stash = VectorStash.create(tmp_path / "stash", 2, ["mean"])
+    stash.append({"mean": np.zeros((3, 2), np.float32)}, ["0", "1", "7"], [""] * 3)
+    assert update.next_row_number(stash) == 8  # past the highest id, not the row count
+    stash.append({"mean": np.zeros((2, 2), np.float32)}, ["x12", "\u0669\u0669"], [""] * 2)  # not ASCII row numbers
+    assert update.next_row_number(stash) == 8
+    other = VectorStash.create(tmp_path / "other", 2, ["mean"])
+    other.append({"mean": np.zeros((3, 2), np.float32)}, ["a", "b", "1"], [""] * 3)
+    assert update.next_row_number(other) == 3  # past the row count when no id is higher
