@@ -123,3 +123,25 @@ def test_choices() -> None:
     assert {machine.batch(chooser, 3) for _ in range(10)} == {1} and machine.applied == [1]
     with pytest.raises(ValueError):
         ThreadChooser(machine.applied.append, (0, 2))
+
+
+def test_switches_count_changes_only_and_forget_applied_applies_again() -> None:
+    machine = Machine({1: 0.010, 2: 0.006})
+    chooser = chooser_on(machine)
+    for _ in range(20):
+        machine.batch(chooser, 8)
+    assert machine.applied == [1, 2] and chooser.switches == 1  # the first setting applied is not a switch
+    chooser.forget_applied()  # someone else set torch's threads (the warm-up does)
+    assert chooser.current is None
+    assert machine.batch(chooser, 8) == 2 and machine.applied == [1, 2, 2] and chooser.current == 2
+    assert chooser.switches == 1
+
+
+def test_empty_batches_and_negative_timings_are_not_recorded() -> None:
+    machine = Machine({1: 0.010})
+    chooser = chooser_on(machine, choices=(1,))
+    chooser.record(0, 1, 0.5)
+    chooser.record(4, 1, -0.001)
+    assert chooser.describe()["ms_per_query"] == {}
+    chooser.record(4, 1, 0.008)
+    assert chooser.describe()["ms_per_query"] == {"4-7": {"1": 2.0}}
