@@ -404,9 +404,7 @@ def test_non_finite_vectors_are_counted_and_named_across_windows(tmp_path: Path)
     rows[2] = [1.0, float("nan"), 3.0]
     rows[6] = [float("inf"), 2.0, 3.0]
     rows[10] = [1.0, 2.0, float("-inf")]
-    source = Corpus(
-        CorpusSpec(vectors_file(tmp_path / "v.parquet", rows, width=3), vectors_column="emb", skip_empty=True)
-    )
+    source = Corpus(CorpusSpec(vectors_file(tmp_path / "v.parquet", rows), vectors_column="emb", skip_empty=True))
     with pytest.raises(CorpusError, match=r"^3 of 12 vectors contain NaN or inf \(first ids: v2, v6, v10\)"):
         source.validate(rows=4)
 
