@@ -28,7 +28,7 @@ from retrieval.errors import ConfigError  # noqa: E402
 from retrieval.indexdir import INDEX  # noqa: E402
 from retrieval.search import Searcher, SearchParams  # noqa: E402
 from retrieval.server import create_app  # noqa: E402
-from retrieval.service import ServeOptions, Service  # noqa: E402
+from retrieval.service import NotReady, ServeOptions, Service  # noqa: E402
 from retrieval.whitening import DEFAULT_GAMMA, TransformSpec  # noqa: E402
 
 QUERY = "document number 5 about topic 5"  # the exact text of doc5: the fake encoder puts it first
@@ -838,3 +838,84 @@ def test_the_watcher_reloads_a_replaced_directory_once_and_a_refused_one_not_aga
         wait_for(lambda: service.reloads["ok"] == 2)
         assert service.last_error is None and service.last_error_at is None
         assert client.get("/search", params={"q": QUERY, "k": 1}).status_code == 200
+
+
+# ----- engine settings and batch statistics (each kills a mutant the tests above let through) -----------------
+@pytest.mark.parametrize("bad", [{"max_batch": 0}, {"max_wait": -0.001}, {"max_queue": 0}, {"workers": 0}])
+def test_the_engine_refuses_settings_it_cannot_work_with(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        Batcher(lambda: pytest.fail("never called"), **bad)
+
+
+def test_batch_results_name_their_version_and_stats_time_the_oldest_job(index: Path, tmp_path: Path) -> None:
+    """Every answer carries the generation of the version that gave it; ``waited`` is how long the batch's oldest
+    job queued (what a client of the batch waited at most)."""
+    add_documents(index, tmp_path, 0)  # generation 2
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    stats: list[BatchStats] = []
+    batcher = Batcher(lambda: searcher, max_batch=8, on_batch=stats.append)
+    futures = [batcher.submit_search([f"document number {i} about topic {i}"], SearchParams(k=1)) for i in range(3)]
+    embedded = batcher.submit_embed(["whitening"])
+    batcher._jobs[0].enqueued -= 100.0  # the first job has queued 100 s longer (a fake clock: no sleep)
+    batcher.start()
+    try:
+        results = [f.result(10) for f in futures]
+        assert [r.hits[0][0].id for r in results] == ["doc0", "doc1", "doc2"]
+        assert [r.generation for r in results] == [2, 2, 2] and embedded.result(10).generation == 2
+    finally:
+        batcher.stop(timeout=10)
+    assert [(s.queries, s.jobs) for s in stats] == [(4, 4)]
+    assert 100.0 <= stats[0].waited < 150.0 and 0 <= stats[0].seconds < 10
+
+
+# ----- the service's options ---------------------------------------------------------------------------------
+def test_serve_options_defaults_are_the_measured_ones() -> None:
+    """`serve` takes its defaults from ServeOptions: B = 32 and T = 0 ms (measured, see its comments), a reload
+    fully checked, at most 100 hits a query."""
+    options = ServeOptions()
+    assert (options.max_batch, options.max_wait_ms, options.verify, options.max_k) == (32, 0.0, "full", 100)
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({"max_wait_ms": 3600.5}, "max_wait_ms"),
+        ({"watch_interval": 3601}, "watch_interval"),
+        ({"max_rescore": -1}, "max_rescore"),
+        ({"verify": "fast"}, "verify"),
+        ({"max_queue": 0}, "max_queue"),
+        ({"max_batch": 0}, "max_batch"),
+    ],
+)
+def test_serve_options_refuse_each_bad_value_by_name(options: dict[str, Any], name: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        ServeOptions(**options).check()
+    assert refused.value.param == name
+    ServeOptions(max_wait_ms=3600, watch_interval=0, max_rescore=0, verify="none").check()  # the bounds are taken
+
+
+def test_the_service_hands_its_options_to_the_engine(tmp_path: Path) -> None:
+    options = ServeOptions(max_batch=3, max_wait_ms=250, max_queue=7, engine_workers=2, torch_threads=1)
+    batcher = Service(tmp_path, options).batcher  # nothing loaded before start()
+    assert (batcher.max_batch, batcher.max_wait, batcher.max_queue, batcher.workers) == (3, 0.25, 7, 2)
+
+
+def test_stop_ends_the_watcher_too(index: Path) -> None:
+    service = Service(index, ServeOptions(watch_interval=0.01), encoder=FakeEncoder())
+    service.start(background=False)
+    watcher = service._watcher
+    assert watcher is not None and watcher.is_alive()
+    service.stop(timeout=5)
+    assert not watcher.is_alive()
+
+
+def test_not_ready_says_why_the_index_could_not_be_loaded(tmp_path: Path) -> None:
+    service = Service(tmp_path / "missing", ServeOptions(watch_interval=0), encoder=FakeEncoder())
+    service.start(background=False)
+    try:
+        assert not service.ready and service.last_error and service.reloads == {"ok": 0, "failed": 1}
+        with pytest.raises(NotReady) as refused:
+            service.searcher()
+        assert str(refused.value) == service.last_error
+    finally:
+        service.stop(timeout=5)
