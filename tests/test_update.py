@@ -451,3 +451,14 @@ def test_row_number_ids_continue_past_the_highest_ascii_number(tmp_path):
     other = VectorStash.create(tmp_path / "other", 2, ["mean"])
     other.append({"mean": np.zeros((3, 2), np.float32)}, ["a", "b", "1"], [""] * 3)
     assert update.next_row_number(other) == 3  # past the row count when no id is higher
+
+
+def test_add_refuses_a_corpus_without_a_usable_row_and_writes_nothing(tmp_path, corpus):
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    before = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"id": ["new1", "new2"], "text": ["", None]}), empty)
+    with pytest.raises(CorpusError, match=r"0 usable row\(s\) \(2 skipped .*at least 1 are needed to add"):
+        update.add(directory, CorpusSpec(empty, skip_empty=True), FakeEncoder())
+    assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == before
