@@ -95,10 +95,10 @@ def read_qrels(
             )
         if not math.isfinite(s) or s != int(s):
             raise CorpusError(f"row {row} of {path} has the grade {s}: relevance grades must be whole numbers")
-        judged = qrels.setdefault(str(q), {})
-        if judged.setdefault(str(d), int(s)) != int(s):
+        judged, doc, grade = qrels.setdefault(str(q), {}), str(d), int(s)
+        if judged.setdefault(doc, grade) != grade:
             raise CorpusError(
-                f"row {row} of {path} grades doc {d!r} for query {q!r} {int(s)}, an earlier row {judged[str(d)]}: "
+                f"row {row} of {path} grades doc {d!r} for query {q!r} {grade}, an earlier row {judged[doc]}: "
                 "keep one judgement per (query, doc) pair"
             )
     return qrels

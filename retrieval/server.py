@@ -462,8 +462,7 @@ class KeyedRoute(APIRoute):
 
         async def checked(request: Request) -> Response:
             key: bytes | None = request.app.state.api_key
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if key is not None and (scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key)):
+            if key is not None and not _has_key(request, key):
                 raise ApiError(
                     401,
                     "unauthorized",
@@ -587,6 +586,11 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     app.add_exception_handler(StarletteHTTPException, counted(http_error))  # type: ignore[arg-type]
     app.add_exception_handler(RetrievalError, counted(library_error))  # type: ignore[arg-type]
     app.add_exception_handler(Exception, counted(unexpected))
+
+
+def _has_key(request: Request, key: bytes) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key)
 
 
 def _allowed(request: Request) -> str:
