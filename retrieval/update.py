@@ -69,8 +69,7 @@ def transform_spec(directory: Path, **changes: Any) -> TransformSpec:
         given["center"] = None  # a new `dim` without a word on centring: the default for that dim (raw: none)
     if "whiten" not in given and ("dim" in given or "gamma" in given):
         given["whiten"] = None  # a new `dim` or `gamma` without a word on whitening: the defaults decide
-        if not current.whiten and "gamma" not in given:
-            given["gamma"] = None  # a raw index has no gamma to keep: the default one
+    # (a raw index records no gamma: TransformRecord.of resolves it away, so a raw index gets the default one)
     return dataclasses.replace(current, **given)
 
 

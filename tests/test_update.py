@@ -119,6 +119,69 @@ def test_refit_to_another_pooling_streams_the_stash(tmp_path, monkeypatch):
     )
 
 
+def test_refit_to_a_stashed_pooling_fits_and_records_that_pooling(tmp_path, corpus, tiny_bert):
+    """A build that stashed cls beside mean, refitted to cls: the kernel comes from the cls vectors (one float64
+    pass over the stash), queries are pooled with cls, and the re-scoring scorer is recorded for cls too."""
+    from retrieval.encoder import TransformerEncoder
+
+    encoder = TransformerEncoder(str(tiny_bert), max_length=48, precision="fp32")
+    directory = tmp_path / "idx"
+    build_index(
+        CorpusSpec(corpus), encoder, directory, TransformSpec(dim=8), options=BuildOptions(extra_poolings=("cls",))
+    )
+    stash = IndexDir(directory).stash()
+    cls = np.concatenate(list(stash.iter_parts("cls"))).astype(np.float64)
+    mean = np.concatenate(list(stash.iter_parts("mean"))).astype(np.float64)
+    assert np.abs(cls.mean(axis=0) - mean.mean(axis=0)).max() > 1e-2  # the two poolings differ
+
+    # an explicit scorer without a pooling: it is fitted and recorded for the pooling of the refit
+    manifest = update.refit(directory, TransformSpec(dim=8, pooling="cls"), None, scorer=TransformSpec(gamma=0.5))
+    fitted = load_transform(directory / TRANSFORM)
+    assert isinstance(fitted, Whitening)
+    np.testing.assert_allclose(fitted.mean, cls.mean(axis=0), rtol=1e-9, atol=1e-9)  # float64 sums of float32 rows
+    reference = TransformSpec(dim=8, pooling="cls").fit(RunningMoments.from_array(cls))  # one-shot float64
+    np.testing.assert_allclose(np.abs(fitted.kernel), np.abs(reference.kernel), rtol=1e-6, atol=1e-9)
+    assert manifest.transform.pooling == manifest.encoder.pooling == "cls"
+    assert manifest.rescoring.scorer.pooling == "cls" and manifest.rescoring.scorer.gamma == 0.5
+    assert Manifest.load(directory).encoder.pooling == "cls"
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        (IndexSpec("hnsw", m=1000), r"`m` \(HNSW neighbours per node\) must be between 2 and 512 \(got 1000\)"),
+        (IndexSpec("ivf", nlist=1000), r"IVF with 1000 lists needs at least that many training rows \(got 300\)"),
+    ],
+)
+def test_refit_refuses_an_index_it_cannot_build_before_any_work(tmp_path, corpus, monkeypatch, index, message):
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    monkeypatch.setattr(update, "write_version", lambda *a, **k: pytest.fail("refit started building"))
+    with pytest.raises(ConfigError, match=message):
+        update.refit(directory, TransformSpec(dim=4), index)
+    assert Manifest.load(directory).generation == 1 and not files_beside(directory)
+
+
+def test_transform_spec_applies_the_given_changes_and_lets_defaults_fill_the_rest(tmp_path, corpus):
+    whitened, raw = tmp_path / "whitened", tmp_path / "raw"
+    build(corpus, whitened, transform=TransformSpec(dim=8, gamma=0.5, center=True))
+    build(corpus, raw, transform=TransformSpec.raw())
+    kept = update.transform_spec(whitened)
+    assert (kept.dim, kept.gamma, kept.center, kept.whitens, kept.pooling) == (8, 0.5, True, True, "mean")
+    # no whitening: no kernel, so no kept dim, gamma or centring either
+    off = update.transform_spec(whitened, whiten=False)
+    assert (off.dim, off.gamma, off.center, off.whiten) == (None, None, None, False)
+    assert off.resolve(16).dim == 16
+    # a new dim: gamma kept, centring and whitening back to the defaults for that dim
+    narrower = update.transform_spec(whitened, dim=4)
+    assert (narrower.dim, narrower.gamma, narrower.center, narrower.whiten) == (4, 0.5, None, None)
+    # a raw index reduced by a dim: it had no gamma to keep, so the default one
+    reduced = update.transform_spec(raw, dim=4)
+    assert (reduced.dim, reduced.gamma, reduced.whiten) == (4, None, None)
+    assert reduced.resolve(16).whiten is True
+    assert update.transform_spec(raw, dim=4, gamma=0.25).gamma == 0.25
+
+
 def test_refit_refuses_a_directory_without_stash(tmp_path, corpus):
     directory = tmp_path / "idx"
     build_index(
