@@ -148,6 +148,8 @@ class Batcher:
 
     # ----- the worker ------------------------------------------------------------------------------------
     def start(self) -> None:
+        if self._stopping:
+            raise RuntimeError("this engine was stopped and cannot start again: make a new one")
         if not self._threads:
             for i in range(self.workers):
                 thread = threading.Thread(target=self._run, name=f"retrieval-batcher-{i}", daemon=True)

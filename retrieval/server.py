@@ -425,6 +425,8 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
 
     @api.get("/ready", summary="Readiness: an index version is loaded and warmed", responses=errors(401, 503))
     async def ready() -> JSONResponse:
+        if service.stopping:  # a balancer stops sending here while the engine drains what it holds
+            raise ApiError(503, "shutting_down", "the server is shutting down", ready=False)
         if not service.ready:
             raise ApiError(503, "not_ready", service.last_error or "the index is still loading", ready=False)
         return JSONResponse({"ready": True, "generation": service.searcher().manifest.generation})

@@ -169,7 +169,12 @@ class Service:
     # ----- state -----------------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self._searcher is not None
+        """A version is loaded and the service is not stopping (``stop`` ends readiness before it drains)."""
+        return self._searcher is not None and not self._stopping.is_set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
 
     def searcher(self) -> Searcher:
         """The version serving now (one attribute read: a reload swaps it whole)."""
@@ -184,7 +189,8 @@ class Service:
 
     # ----- life cycle ------------------------------------------------------------------------------------
     def start(self, background: bool = True) -> None:
-        """Start the engine, then load the index (in a thread when ``background``) and watch the directory."""
+        """Start the engine, then load the index (in a thread when ``background``) and watch the directory.
+        A stopped service does not start again: make a new one."""
         self.batcher.start()
         if background:
             self._watcher = threading.Thread(target=self._load_and_watch, name="retrieval-reload", daemon=True)

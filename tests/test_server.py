@@ -909,6 +909,22 @@ def test_stop_ends_the_watcher_too(index: Path) -> None:
     assert not watcher.is_alive()
 
 
+def test_a_stopped_service_is_not_ready_and_does_not_start_again(index: Path) -> None:
+    test_client, service = serve(index)
+    with test_client as client:
+        wait_ready(client)
+        assert service.ready and not service.stopping
+        service.stop(timeout=5)  # what the app's shutdown does; readiness ends before the engine drains
+        ready = client.get("/ready")
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "shutting_down"
+        assert ready.json()["ready"] is False and not service.ready
+        searched = client.get("/search", params={"q": "document number 3"})
+        assert searched.status_code == 503 and searched.json()["error"]["code"] == "shutting_down"
+        assert metric(client, "retrieval_ready") == 0.0
+        with pytest.raises(RuntimeError, match="stopped and cannot start again"):
+            service.start(background=False)
+
+
 def test_not_ready_says_why_the_index_could_not_be_loaded(tmp_path: Path) -> None:
     service = Service(tmp_path / "missing", ServeOptions(watch_interval=0), encoder=FakeEncoder())
     service.start(background=False)
