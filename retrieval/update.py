@@ -172,8 +172,12 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
     width = input_dim(source, encoder)
     if width != stash.dim:
         raise CorpusError(f"{corpus.path} gives {width}-d vectors; the index at {old.path} takes {stash.dim}-d")
-    offset = next_row_number(stash) if source.id_column is None and not source.named_files else 0
-    _check_new_ids(stash, source, window_rows, offset)
+    offset = 0
+    if source.id_column is None and not source.named_files:
+        # Row-number ids start past every ASCII row number the index holds, so none can clash: no second pass.
+        offset = next_row_number(stash)
+    else:
+        _check_new_ids(stash, source, window_rows)
 
     transform = old.transform()
     timer = Timer()
@@ -236,13 +240,13 @@ def next_row_number(stash: VectorStash) -> int:
     return top
 
 
-def _check_new_ids(stash: VectorStash, source: Corpus, window_rows: int, offset: int) -> None:
+def _check_new_ids(stash: VectorStash, source: Corpus, window_rows: int) -> None:
     """Refuse ids the index already holds. Memory: 8 bytes per new id (``id_hashes``) and one stash part's ids at a
     time; the index's ids are never all held (a set of 1M id strings is ~100 MB)."""
 
     def new_ids() -> Iterator[list[str]]:
         for batch in source.batches(window_rows):
-            yield [str(int(i) + offset) for i in batch.ids] if offset else batch.ids
+            yield batch.ids
 
     new = np.unique(np.concatenate([id_hashes(ids) for ids in new_ids()]))
     existing: set[str] = set()  # the index's ids whose hash is also a new id's: clashes, or equal hashes

@@ -297,7 +297,7 @@ def test_the_clash_check_does_not_hold_the_index_ids(tmp_path):
             ids = [f"document-{i:012d}" for i in range(start, start + 2_000)]
             stash.append({"mean": np.zeros((2_000, 2), np.float32)}, ids, [""] * 2_000)
         tracemalloc.start()
-        update._check_new_ids(stash, new, 64, 0)
+        update._check_new_ids(stash, new, 64)
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
     assert peaks[1] < 1.5 * peaks[0], peaks
@@ -514,6 +514,20 @@ def test_row_number_ids_continue_past_the_highest_ascii_number(tmp_path):
     other = VectorStash.create(tmp_path / "other", 2, ["mean"])
     other.append({"mean": np.zeros((3, 2), np.float32)}, ["a", "b", "1"], [""] * 3)
     assert update.next_row_number(other) == 3  # past the row count when no id is higher
+
+
+def test_adding_row_number_ids_reads_the_index_ids_once(tmp_path, monkeypatch):
+    """Row-number ids start past every row number the index holds, so they need no clash pass over its ids."""
+    np.save(tmp_path / "a.npy", anisotropic(150))
+    np.save(tmp_path / "b.npy", anisotropic(20, seed=5))
+    directory = tmp_path / "idx"
+    build_index(CorpusSpec(tmp_path / "a.npy"), None, directory, TransformSpec(dim=4), options=OPTIONS)
+    passes = []
+    iter_ids = VectorStash.iter_ids
+    monkeypatch.setattr(VectorStash, "iter_ids", lambda self: passes.append(1) or iter_ids(self))
+    manifest = update.add(directory, CorpusSpec(tmp_path / "b.npy"), None)
+    assert len(passes) == 1 and manifest.n == 170
+    assert ids_of(directory)[148:] == [str(i) for i in range(148, 170)]
 
 
 def test_add_refuses_a_corpus_without_a_usable_row_and_writes_nothing(tmp_path, corpus):
