@@ -212,6 +212,7 @@ class Batcher:
         if not live:
             return
         texts = [text for job in live for text in job.texts]
+        asked = live  # the requests whose texts this batch encodes (not the cancelled ones, nor calls)
         searcher: Searcher | None = None
         try:
             searcher = self.current()
@@ -244,9 +245,9 @@ class Batcher:
         for params, group in groups.items():
             self._search(searcher, params, group, vectors, generation)
         if self._on_batch is not None:
-            waited = start - min(job.enqueued for job in jobs)
+            waited = start - min(job.enqueued for job in asked)
             try:
-                self._on_batch(BatchStats(len(texts), len(jobs), waited, time.perf_counter() - start))
+                self._on_batch(BatchStats(len(texts), len(asked), waited, time.perf_counter() - start))
             except Exception:  # noqa: BLE001 - a broken hook must not end the worker: every later request would hang
                 log.exception("the batch hook failed")
 

@@ -593,6 +593,32 @@ def test_auto_threads_warm_every_count_in_the_engine_thread_before_ready(
         torch.set_num_threads(before)
 
 
+def test_a_new_version_with_another_encoder_is_served_with_its_own(tiny_bert: Path, tmp_path: Path) -> None:
+    """The serving encoder is reused while the new version's record matches it; a version rebuilt with another
+    pooling gets its own encoder, loaded from its record (queries must be pooled as its documents were)."""
+    from retrieval.build import BuildOptions
+    from retrieval.encoder import EncoderSpec
+
+    index = tmp_path / "idx"
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=40)
+    build_index(CorpusSpec(corpus), EncoderSpec(str(tiny_bert), precision="fp32").load(), index, TransformSpec(dim=8))
+    service = Service(index, ServeOptions(watch_interval=0, torch_threads=1))
+    try:
+        service.start(background=False)
+        first = service.searcher().encoder
+        assert first is not None and first.info().pooling == "mean"
+        assert service.reload().reloaded and service.searcher().encoder is first  # same record: reused
+        cls = EncoderSpec(str(tiny_bert), pooling="cls", precision="fp32").load()
+        build_index(CorpusSpec(corpus), cls, index, TransformSpec(dim=8), options=BuildOptions(overwrite=True))
+        outcome = service.reload()
+        assert outcome.reloaded and service.last_error is None
+        assert service.searcher().encoder is not first and service.searcher().encoder.info().pooling == "cls"
+        found = service.batcher.submit_search(["document number 3 about topic 3"], SearchParams(k=1)).result(30)
+        assert found.hits[0][0].id == "doc3" and found.hits[0][0].score == pytest.approx(1.0, abs=1e-4)
+    finally:
+        service.stop(10)
+
+
 def test_auto_torch_threads_need_one_engine_worker() -> None:
     with pytest.raises(ConfigError, match="engine_workers"):
         ServeOptions(engine_workers=2).check()
@@ -856,6 +882,9 @@ def test_batch_results_name_their_version_and_stats_time_the_oldest_job(index: P
     batcher = Batcher(lambda: searcher, max_batch=8, on_batch=stats.append)
     futures = [batcher.submit_search([f"document number {i} about topic {i}"], SearchParams(k=1)) for i in range(3)]
     embedded = batcher.submit_embed(["whitening"])
+    cancelled = batcher.submit_search(["a request whose client went away", "and its second query"], SearchParams())
+    assert cancelled.cancel()  # neither encoded nor counted
+    batcher._jobs[-1].enqueued -= 500.0  # ... nor its time in the queue
     batcher._jobs[0].enqueued -= 100.0  # the first job has queued 100 s longer (a fake clock: no sleep)
     batcher.start()
     try:
