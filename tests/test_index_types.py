@@ -23,14 +23,20 @@ from retrieval.cli import app
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError
 from retrieval.index import (
+    MAX_KNOB,
     REFINE_K_FACTOR,
     IndexSpec,
+    _check_training_rows,
     _hnsw,
     _ivf,
+    create_index,
+    describe,
     flat_vectors,
     load_for_adding,
     load_index,
     search_parameters,
+    set_search_params,
+    train_size,
 )
 from retrieval.indexdir import INDEX, IndexDir
 from retrieval.metrics import knn_recall
@@ -344,3 +350,56 @@ def test_cli_index_type_and_search_knobs(tiny_bert: Path, tmp_path: Path, monkey
         assert calls == [(64, None)] if kind == "hnsw" else calls == [(None, 2)]
     ivf_info = json.loads(runner.invoke(app, ["info", str(tmp_path / "ivf"), "--json"]).stdout)
     assert ivf_info["manifest"]["index"]["faiss"]["nlist"] == 3  # 120 // 39: few rows, few lists
+
+
+# ----- the spec's bounds, training rows and stored knobs, without a build ------------------------------------
+KNOBS = ("ef_construction", "ef_search", "nlist", "nprobe", "train_size")  # count-like: 1 to MAX_KNOB
+
+
+def test_spec_knob_bounds_are_inclusive() -> None:
+    IndexSpec("hnsw", m=2).check()
+    IndexSpec("hnsw", m=512).check()
+    IndexSpec("ivf", ef_construction=1, ef_search=1, nlist=1, nprobe=1, train_size=1).check()
+    IndexSpec("ivf", nlist=MAX_KNOB, nprobe=MAX_KNOB, train_size=MAX_KNOB).check()
+    refused = [IndexSpec("hnsw", m=1), IndexSpec("hnsw", m=513), IndexSpec(" ")]
+    refused += [IndexSpec("ivf", **{name: value}) for name in KNOBS for value in (0, MAX_KNOB + 1)]
+    params = []
+    for spec in refused:
+        with pytest.raises(ConfigError) as error:
+            spec.check()
+        params.append(error.value.param)
+    assert params == ["m", "m", "index_type"] + [name for name in KNOBS for _ in range(2)]
+
+
+def test_training_rows_follow_the_lists_and_never_pass_n() -> None:
+    def rows(spec: IndexSpec, n: int) -> int:
+        return train_size(create_index(spec, 8, n), spec, n)
+
+    assert rows(IndexSpec("flat"), 1_000) == 0 and rows(IndexSpec("hnsw"), 1_000) == 0  # nothing to train
+    assert rows(IndexSpec("ivf", nlist=16), 1_000_000) == 10_000  # at least 10k rows, however few the lists
+    assert rows(IndexSpec("ivf", nlist=1_000), 1_000_000) == 50_000  # else 50 per list
+    assert rows(IndexSpec("ivf", nlist=1_000), 20_000) == 20_000  # never more than there are
+    assert rows(IndexSpec("ivf", nlist=16, train_size=5_000), 3_000) == 3_000  # the knob too
+    assert rows(IndexSpec("ivf", nlist=16, train_size=500), 3_000) == 500
+    ivf = create_index(IndexSpec("ivf", nlist=16), 8, 100)
+    _check_training_rows(ivf, 16)  # one row per list: FAISS's own floor
+    with pytest.raises(ConfigError, match=r"IVF with 16 lists needs at least that many training rows \(got 15\)"):
+        _check_training_rows(ivf, 15)
+
+
+def test_stored_knobs_are_clamped_and_only_flat_inner_product_is_sliced() -> None:
+    import faiss
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 8)).astype(np.float32)
+    ivf = create_index(IndexSpec("ivf", nlist=16), 8, len(x))
+    ivf.train(x)
+    set_search_params(ivf, ef_search=9, nprobe=1_000)  # no HNSW: ef_search ignored; nprobe at most the lists
+    assert describe(ivf)["nprobe"] == 16 and "efSearch" not in describe(ivf)
+    ip = faiss.IndexFlatIP(8)
+    ip.add(x)
+    np.testing.assert_array_equal(flat_vectors(ip), x)
+    l2 = faiss.IndexFlatL2(8)
+    l2.add(x)
+    assert flat_vectors(l2) is None  # its scores are distances: a sliced inner-product scan would misrank
+    assert flat_vectors(faiss.IndexFlatIP(8)) is None  # empty
