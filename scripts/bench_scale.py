@@ -45,6 +45,7 @@ import benchlib  # noqa: E402
 K = 10
 RECALL_TARGET = 0.95
 EF_GRID = [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+IVF_KINDS = ("ivf", "ivf-sq8")
 NPROBE_GRID = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
 
 
@@ -67,7 +68,7 @@ def locked(path: Path | None) -> Iterator[None]:
 
 def job_name(kind: str, dim: int, nlist: int | None = None) -> str:
     """A build's name under --work; IVF builds with --ivf-nlist carry it (the default's builds keep theirs)."""
-    return f"{kind}-{dim}" + (f"-nlist{nlist}" if kind == "ivf" and nlist else "")
+    return f"{kind}-{dim}" + (f"-nlist{nlist}" if kind in IVF_KINDS and nlist else "")
 
 
 def run_worker(step: str, cfg: dict[str, Any], work: Path, lock: Path | None) -> dict[str, Any]:
@@ -194,9 +195,9 @@ def search_worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     curve: list[dict[str, Any]] = []
     knob: dict[str, int] = {}
-    if kind in ("hnsw", "ivf"):
+    if kind == "hnsw" or kind in IVF_KINDS:
         name, grid = ("ef_search", EF_GRID) if kind == "hnsw" else ("nprobe", NPROBE_GRID)
-        if kind == "ivf":
+        if kind in IVF_KINDS:
             grid = [g for g in grid if g <= searcher.manifest.index.faiss["nlist"]]
         for value in grid:
             params = SearchParams(k=K, rescore=0, **{name: value})  # the index alone, not its default re-scoring
@@ -383,7 +384,8 @@ def main() -> None:
     ap.add_argument("--index", type=Path, help="a text index directory with its stash")
     ap.add_argument("--queries", type=Path, help="held-out rows (title, text) of the same corpus")
     ap.add_argument("--dims", default="384,256,128", help="k of each transform (default: %(default)s)")
-    ap.add_argument("--kinds", default="flat,hnsw,ivf", help="index kinds (default: %(default)s)")
+    kinds_help = "index kinds: flat, hnsw, ivf, ivf-sq8 (IVF lists of 8-bit codes) (default: %(default)s)"
+    ap.add_argument("--kinds", default="flat,hnsw,ivf", help=kinds_help)
     ap.add_argument("--only", default=None, help="comma-separated kind:dim to (re)run, e.g. hnsw:128")
     ap.add_argument("--hnsw-m", type=int, default=32)
     ap.add_argument("--hnsw-ef-construction", type=int, default=64)
@@ -416,6 +418,11 @@ def main() -> None:
                 (work / f"{step}-{job_name(kind, int(dim), args.ivf_nlist)}.json").unlink(missing_ok=True)
     specs = {"flat": {"kind": "flat"}, "ivf": {"kind": "ivf", "nlist": args.ivf_nlist}}
     specs["hnsw"] = {"kind": "hnsw", "m": args.hnsw_m, "ef_construction": args.hnsw_ef_construction}
+    from retrieval.index import IndexSpec
+    from retrieval.indexdir import IndexDir
+
+    lists = args.ivf_nlist or IndexSpec("ivf").nlist_for(IndexDir(args.index).manifest().n)
+    specs["ivf-sq8"] = {"kind": f"IVF{lists},SQ8"}  # the same lists, codes of 1 byte per dimension
     builds = []
     for kind, dim in jobs:
         name = job_name(kind, dim, args.ivf_nlist)
