@@ -152,6 +152,33 @@ def train(index: faiss.Index, sample: np.ndarray) -> None:
         raise ConfigError(f"FAISS could not train the index ({str(err).splitlines()[0]})", "index_type") from err
 
 
+class FaissProduct:
+    """``rows @ matrix`` in float32 by the BLAS the FAISS wheel bundles, which runs on FAISS's OpenMP pool.
+
+    numpy's OpenBLAS keeps a pool of its own, whose threads spin for a while after each threaded product: a
+    query batch's transform by numpy, then FAISS's search on OpenMP threads, had the two pools fighting for the
+    cores. At 1M rows, batches of 16-256 queries took 1.05-1.3x as long on HNSW and 1.2-1.6x on IVF, up to 1.7x
+    without re-scoring (``scripts/bench_batches.py``, README). FAISS's BLAS is slower per product (a fifth to a
+    third of numpy's rate here), which costs microseconds on a query batch: use it for queries, not a corpus."""
+
+    def __init__(self, matrix: np.ndarray):
+        import faiss
+
+        d_in, d_out = matrix.shape
+        self.shape = (d_in, d_out)
+        self._linear = faiss.LinearTransform(d_in, d_out, False)
+        faiss.copy_array_to_vector(np.ascontiguousarray(matrix.T, dtype=np.float32).ravel(), self._linear.A)
+        self._linear.is_trained = True
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        if rows.ndim != 2 or rows.shape[1] != self.shape[0]:
+            raise ValueError(f"rows of shape {rows.shape} cannot multiply a {self.shape[0]} x {self.shape[1]} matrix")
+        if rows.shape[0] == 0:  # BLAS refuses an empty product
+            return np.empty((0, self.shape[1]), dtype=np.float32)
+        return self._linear.apply(rows)
+
+
 def set_search_params(index: faiss.Index, ef_search: int | None = None, nprobe: int | None = None) -> None:
     """Store default search-time knobs in the index (what a build saves); ignore those it does not have."""
     hnsw = _hnsw(index)

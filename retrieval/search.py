@@ -19,11 +19,11 @@ import numpy as np
 from retrieval.encoder import Encoder, from_info
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.files import available_memory, touch_pages
-from retrieval.index import flat_vectors, search_parameters
+from retrieval.index import FaissProduct, flat_vectors, search_parameters
 from retrieval.indexdir import Loaded, Verify, load
 from retrieval.scan import FlatScan
 from retrieval.stash import VectorStash
-from retrieval.whitening import RawTransform, l2_normalize
+from retrieval.whitening import RawTransform, Whitening, l2_normalize
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,10 @@ def valid_unicode(text: str) -> bool:
     return True
 
 
+def _faiss_product(transform: Whitening | RawTransform | None) -> FaissProduct | None:
+    return FaissProduct(transform.kernel) if isinstance(transform, Whitening) else None
+
+
 @dataclass(frozen=True)
 class Hit:
     """One ranked result. ``row`` is the document's position in the index."""
@@ -100,6 +104,10 @@ class Searcher:
         flat = flat_vectors(self.index)
         self._scan = FlatScan(flat) if flat is not None else None
         self._stash_lock = threading.Lock()
+        # Queries searched by FAISS (HNSW, IVF...) are multiplied by FAISS's BLAS, on the pool it then searches
+        # with (``index.FaissProduct``); a flat scan's own products are numpy's, and so are its queries'.
+        self._query_product = _faiss_product(self.transform) if self._scan is None else None
+        self._rescore_product = _faiss_product(loaded.rescorer) if self._scan is None else None
 
     @classmethod
     def load(
@@ -187,7 +195,8 @@ class Searcher:
                 "rescore",
             )
         depth = max(params.k, rescore)
-        vectors = self.transform.transform(raw)
+        # one query: numpy's product, measured 3% faster than FAISS's at batch 1, where no pools fight
+        vectors = self.transform.transform(raw, product=self._query_product if len(raw) > 1 else None)
         scores, rows = self.search_transformed(vectors, depth, params.ef_search, params.nprobe)
         if rescore:
             scores, rows = self._rescore(raw, rows, params.k)
@@ -225,10 +234,11 @@ class Searcher:
         full-rank transform) of their stashed vectors. Every query's candidates are read in one pass over the
         stash; a query's -1 rows (fewer candidates than asked) score -inf and stay last."""
         scorer = self.loaded.rescorer or RawTransform(self.transform.dim_in)
-        queries = scorer.transform(raw)
+        queries = scorer.transform(raw, product=self._rescore_product)
         found = rows >= 0
         scores = np.full(rows.shape, -np.inf, dtype=np.float32)
-        vectors = scorer.transform(self.stash().read_rows(rows[found], self.manifest.transform.pooling))
+        candidates = self.stash().read_rows(rows[found], self.manifest.transform.pooling)
+        vectors = scorer.transform(candidates, product=self._rescore_product)
         scores[found] = np.einsum("ij,ij->i", vectors, np.repeat(queries, found.sum(axis=1), axis=0))
         order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
         return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)

@@ -6,7 +6,7 @@ import logging
 import math
 import os
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
@@ -20,6 +20,9 @@ from retrieval.moments import RunningMoments
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2 added ``center``; version 1 files are read as centred kernels
+
+Product = Callable[[np.ndarray], np.ndarray]  # rows (n, d) float32 -> rows @ kernel (n, k) float32
+
 READS_VERSIONS = (1, 2)
 
 # The kernel used with a reduced `dim`: the gamma and centring with the smallest worst-case loss against raw at
@@ -175,13 +178,17 @@ class Whitening:
         # product makes the float32 transform as exact as centring in float64 (it matters for a large mean).
         return ((self.mean - self._mean32) @ self.kernel).astype(np.float32)
 
-    def transform(self, x: np.ndarray, normalize: bool = True) -> np.ndarray:
-        """(n, d) or (d,) raw vectors -> (n, k) float32; L2-normalised unless ``normalize=False``."""
+    def transform(self, x: np.ndarray, normalize: bool = True, product: Product | None = None) -> np.ndarray:
+        """(n, d) or (d,) raw vectors -> (n, k) float32; L2-normalised unless ``normalize=False``.
+
+        ``product``: what computes ``rows @ kernel`` in float32 (default numpy's); a searcher passes FAISS's
+        (``index.FaissProduct``) so that the query's product runs in the thread pool FAISS then searches with."""
         x32 = _rows(x, self.dim_in).astype(np.float32)
+        multiply = product or (lambda rows: rows @ self._kernel32)
         if not self.center:
-            y = x32 @ self._kernel32
+            y = multiply(x32)
         else:
-            y = (x32 - self._mean32) @ self._kernel32
+            y = multiply(x32 - self._mean32)
             y -= self._offset32
         return l2_normalize(y) if normalize else y
 
@@ -242,8 +249,9 @@ class RawTransform:
     def dim_out(self) -> int:
         return self.dim
 
-    def transform(self, x: np.ndarray, normalize: bool = True) -> np.ndarray:
-        """(n, d) or (d,) raw vectors -> (n, d) float32; L2-normalised unless ``normalize=False``."""
+    def transform(self, x: np.ndarray, normalize: bool = True, product: Product | None = None) -> np.ndarray:
+        """(n, d) or (d,) raw vectors -> (n, d) float32; L2-normalised unless ``normalize=False``. There is no
+        kernel, so no ``product``."""
         y = _rows(x, self.dim).astype(np.float32)
         return l2_normalize(y) if normalize else y
 

@@ -25,6 +25,7 @@ from retrieval.errors import ConfigError
 from retrieval.index import (
     MAX_KNOB,
     REFINE_K_FACTOR,
+    FaissProduct,
     IndexSpec,
     _check_training_rows,
     _hnsw,
@@ -403,3 +404,63 @@ def test_stored_knobs_are_clamped_and_only_flat_inner_product_is_sliced() -> Non
     l2.add(x)
     assert flat_vectors(l2) is None  # its scores are distances: a sliced inner-product scan would misrank
     assert flat_vectors(faiss.IndexFlatIP(8)) is None  # empty
+
+
+def test_faiss_product_equals_a_float64_product() -> None:
+    """FAISS's BLAS multiplies as numpy's does, to float32 rounding: rows of unit scale, a 16 x 8 matrix, error
+    within 1e-6 of the largest entry (a float32 product over 16 terms stays ~1e-7)."""
+    rng = np.random.default_rng(3)
+    matrix = rng.normal(size=(16, 8))
+    product = FaissProduct(matrix)
+    for n in (1, 7, 300):
+        rows = rng.normal(size=(n, 16)).astype(np.float32)
+        expected = rows.astype(np.float64) @ matrix.astype(np.float32).astype(np.float64)
+        got = product(rows)
+        assert got.dtype == np.float32 and got.shape == (n, 8)
+        np.testing.assert_allclose(got, expected, atol=1e-6 * np.abs(expected).max())
+    assert product(np.empty((0, 16), np.float32)).shape == (0, 8)
+    np.testing.assert_allclose(product(rows[::2]), expected[::2], atol=1e-6 * np.abs(expected).max())  # strided
+    with pytest.raises(ValueError, match="cannot multiply a 16 x 8"):
+        product(np.ones((2, 8), np.float32))
+
+
+@pytest.mark.parametrize("kind", ["flat", "hnsw", "ivf", "RR16,IVF16,Flat"])
+def test_queries_searched_by_faiss_are_transformed_by_faiss_blas(setup, kind: str, tmp_path: Path) -> None:
+    """HNSW/IVF query batches go through FAISS's product (numpy's thread pool spinning beside FAISS's OpenMP
+    slowed them up to 1.6x, scripts/bench_batches.py); a flat scan keeps numpy's, and so does a single query.
+    Either way, the same hits as numpy's transform gives, and scores equal to float32 rounding."""
+    corpus, _, queries = setup
+    spec = IndexSpec(kind, ef_construction=40)
+    build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "idx", TransformSpec(dim=8, gamma=0.5), spec)
+    searcher = Searcher.load(tmp_path / "idx", encoder=FakeEncoder())
+    assert (searcher._query_product is None) == (kind == "flat")
+    called = []
+    if searcher._query_product is not None:
+        product = searcher._query_product
+
+        def counting(rows: np.ndarray) -> np.ndarray:
+            called.append(len(rows))
+            return product(rows)
+
+        searcher._query_product = counting  # type: ignore[assignment]
+    scores, rows = searcher.search_raw(queries, SearchParams(k=10, rescore=0))  # the index's own scores
+    assert called == ([] if kind == "flat" else [len(queries)])
+    searcher.search_raw(queries[:1], SearchParams(k=10, rescore=0))
+    assert called == ([] if kind == "flat" else [len(queries)])  # a single query keeps numpy's product
+    vectors = searcher.transform.transform(queries)  # numpy's product
+    expected = searcher.search_transformed(vectors, 10)
+    assert knn_recall(rows, expected[1]) >= 0.99  # a tie broken by a last-bit difference may swap a pair
+    np.testing.assert_allclose(scores, expected[0], atol=1e-5)
+    if kind == "flat":
+        return
+    # a full-rank re-scoring kernel (what tune may record) multiplies its queries and candidates the same way
+    retrieval.update.refit(
+        tmp_path / "idx", TransformSpec(dim=8, gamma=0.5), scorer=TransformSpec(gamma=1.0, whiten=True)
+    )
+    searcher = Searcher.load(tmp_path / "idx", encoder=FakeEncoder())
+    assert isinstance(searcher._rescore_product, FaissProduct)
+    scores, rows = searcher.search_raw(queries, SearchParams(k=10))
+    searcher._rescore_product = None
+    numpy_scores, numpy_rows = searcher.search_raw(queries, SearchParams(k=10))
+    assert knn_recall(rows, numpy_rows) >= 0.99
+    np.testing.assert_allclose(scores, numpy_scores, atol=1e-5)

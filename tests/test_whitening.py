@@ -456,3 +456,22 @@ def test_refit_is_advised_on_either_threshold() -> None:
 
     assert not drift(0.05, 0.95)
     assert drift(0.2, 0.95) and drift(0.05, 0.5)
+
+
+def test_a_given_product_replaces_numpys_and_nothing_else(data: np.ndarray) -> None:
+    """``product`` computes only rows @ kernel: centring before it and the float32 offset after it stay the
+    transform's (centred and uncentred kernels alike); a raw transform has no kernel and ignores it."""
+    seen = []
+    for center in (True, False):
+        whitening = fit(data, dim=5, gamma=0.5, center=center)
+
+        def product(rows: np.ndarray, kernel: np.ndarray = whitening.kernel) -> np.ndarray:
+            seen.append(rows.copy())
+            return (rows.astype(np.float64) @ kernel).astype(np.float32)
+
+        got = whitening.transform(data[:20], product=product)
+        np.testing.assert_allclose(got, whitening.transform(data[:20]), atol=1e-6)
+        centred = data[:20].astype(np.float32) - (whitening.mean.astype(np.float32) if center else 0)
+        np.testing.assert_array_equal(seen.pop(), centred)
+    raw = RawTransform(data.shape[1])
+    np.testing.assert_array_equal(raw.transform(data[:3], product=lambda rows: 1 / 0), raw.transform(data[:3]))

@@ -1,0 +1,105 @@
+"""Query batches through ``Searcher.search_raw``: the query transform by numpy's BLAS or by FAISS's, side by side.
+
+numpy's OpenBLAS and the FAISS wheel's OpenMP each keep a thread pool; numpy's threads spin for a while after a
+threaded product. A batch of queries transformed by numpy and then searched by FAISS (HNSW, IVF) had the two
+pools competing for the cores. ``Searcher`` now multiplies the queries of such indexes with FAISS's own BLAS
+(``index.FaissProduct``). This script times both ways in one process, alternating, at each batch size:
+milliseconds per query (the whole batch's wall time over its queries), the median of ``--runs`` passes over
+``--queries`` query vectors. The queries are rows of the index's own stash (raw encoder vectors). Flat indexes
+are skipped: their scan uses numpy's BLAS, and so do their queries.
+
+    python scripts/bench_batches.py --index /work/scale-1m-work/joined/hnsw-256 --index .../ivf-256
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+BATCHES = [1, 4, 8, 16, 32, 64, 256]
+
+
+def time_batches(
+    directory: str, queries: int, runs: int, batches: list[int], rescore: int | None
+) -> list[dict[str, Any]]:
+    from retrieval.indexdir import load
+    from retrieval.search import Searcher, SearchParams
+
+    searcher = Searcher(load(directory, "quick"), encoder=None)
+    faiss_product = searcher._query_product
+    if faiss_product is None:
+        raise SystemExit(f"{directory}: a flat or unwhitened index: its queries never go through FAISS's BLAS")
+    raw = searcher.stash().sample(queries, seed=1, pooling=searcher.manifest.transform.pooling)
+    params = SearchParams(k=10, rescore=rescore)  # None: the index's default re-scoring, as a user's call gets
+    searcher.search_raw(raw, params)  # warm: pages of the maps, FAISS's buffers
+
+    def per_query_ms(batch: int) -> float:
+        start = time.perf_counter()
+        for i in range(0, len(raw), batch):
+            searcher.search_raw(raw[i : i + batch], params)
+        return 1000 * (time.perf_counter() - start) / len(raw)
+
+    rows = []
+    for batch in batches:
+        times: dict[str, list[float]] = {"numpy": [], "faiss": []}
+        for _ in range(runs):
+            for way, product in (("numpy", None), ("faiss", faiss_product)):
+                searcher._query_product = product
+                times[way].append(per_query_ms(batch))
+        numpy_ms, faiss_ms = (benchlib.median(times[way]) for way in ("numpy", "faiss"))
+        row = {"index": Path(directory).name, "kind": searcher.manifest.index.kind, "batch": batch}
+        row |= {"numpy_ms": numpy_ms, "faiss_ms": faiss_ms, "speedup": numpy_ms / faiss_ms, "runs": times}
+        print(f"  {row['index']} batch {batch}: numpy {numpy_ms:.3f} ms/query, faiss {faiss_ms:.3f} ms/query")
+        rows.append(row)
+    searcher._query_product = faiss_product
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--index", action="append", required=True, help="an HNSW or IVF index directory (repeat)")
+    ap.add_argument("--queries", type=int, default=512, help="query vectors per pass (default: %(default)s)")
+    ap.add_argument("--runs", type=int, default=5, help="passes per way and batch size (default: %(default)s)")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes (default: %(default)s)")
+    ap.add_argument("--rescore", type=int, default=None, help="re-scoring depth (default: the index's own)")
+    ap.add_argument("--out", type=Path, default=benchlib.RESULTS / "batches")
+    args = ap.parse_args()
+
+    info = benchlib.machine()
+    benchlib.print_machine(info)
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = [
+        row
+        for directory in args.index
+        for row in time_batches(directory, args.queries, args.runs, batches, args.rescore)
+    ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"command": benchlib.command_line(), "machine": info, "queries": args.queries, "rescore": args.rescore}
+    result["rows"] = rows
+    benchlib.write_json(args.out / "bench_batches.json", result)
+    columns = [("index", "index"), ("kind", "kind"), ("batch", "batch"), ("numpy_ms", "numpy BLAS, ms/query")]
+    columns += [("faiss_ms", "FAISS BLAS, ms/query"), ("speedup", "x")]
+    rescoring = "re-scoring" if args.rescore is None else f"re-scoring depth {args.rescore}"
+    text = "\n\n".join(
+        [
+            "# Query batches: the query transform by numpy's BLAS or FAISS's",
+            f"`{result['command']}`",
+            benchlib.machine_md(info),
+            f"Each cell: median of {args.runs} passes over {args.queries} stash rows as queries, "
+            f"`Searcher.search_raw` with the index's default knobs and {rescoring}, the two ways alternating; "
+            "a single query takes numpy's product either way.",
+            benchlib.md_table(rows, columns),
+        ]
+    )
+    (args.out / "bench_batches.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
