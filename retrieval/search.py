@@ -19,7 +19,7 @@ import numpy as np
 from retrieval.encoder import Encoder, from_info
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.files import available_memory, touch_pages
-from retrieval.index import FaissProduct, flat_vectors, search_parameters
+from retrieval.index import FaissProduct, flat_vectors, one_query_twin, search_parameters
 from retrieval.indexdir import Loaded, Verify, load
 from retrieval.scan import FlatScan
 from retrieval.stash import VectorStash
@@ -103,6 +103,7 @@ class Searcher:
         self.encoder = encoder
         flat = flat_vectors(self.index)
         self._scan = FlatScan(flat) if flat is not None else None
+        self._one_query = one_query_twin(self.index)  # an IVF index's twin for single queries, on every core
         self._stash_lock = threading.Lock()
         # Queries searched by FAISS (HNSW, IVF...) are multiplied by FAISS's BLAS, on the pool it then searches
         # with (``index.FaissProduct``); a flat scan's own products are numpy's, and so are its queries'.
@@ -215,12 +216,13 @@ class Searcher:
         if self._scan is not None:
             return self._scan.search(vectors, k)
         defaults = self.manifest.index.search
+        index = self._one_query if self._one_query is not None and len(vectors) == 1 else self.index
         params = search_parameters(
-            self.index,
+            index,
             ef_search=defaults.get("ef_search") if ef_search is None else ef_search,
             nprobe=defaults.get("nprobe") if nprobe is None else nprobe,
         )
-        return self.index.search(np.ascontiguousarray(vectors, dtype=np.float32), k, params=params)
+        return index.search(np.ascontiguousarray(vectors, dtype=np.float32), k, params=params)
 
     def stash(self) -> VectorStash:
         """This version's raw-vector stash, its parts memory-mapped (``Loaded.open_stash``)."""

@@ -464,3 +464,44 @@ def test_queries_searched_by_faiss_are_transformed_by_faiss_blas(setup, kind: st
     numpy_scores, numpy_rows = searcher.search_raw(queries, SearchParams(k=10))
     assert knn_recall(rows, numpy_rows) >= 0.99
     np.testing.assert_allclose(scores, numpy_scores, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_single_ivf_queries_go_to_a_twin_that_shares_the_lists(setup, kind: str) -> None:
+    """An IVF-Flat index gets a twin searching one query over all its threads (parallel_mode 1), sharing the
+    quantizer and lists; it answers a single query as the index itself does, and keeps the original alive.
+    Batches and every other kind use the index as it is."""
+    import gc
+
+    import faiss
+
+    _, built, queries = setup
+    searcher = Searcher.load(built[kind], encoder=FakeEncoder())
+    twin = searcher._one_query
+    assert (twin is not None) == (kind in ("ivf", "IVF16,Flat"))
+    if twin is None:
+        return
+    assert twin.parallel_mode == 1 and faiss.downcast_index(searcher.index).parallel_mode == 0
+    assert twin.invlists.this == faiss.extract_index_ivf(searcher.index).invlists.this  # shared, not copied
+    used = []
+    original = twin.search
+
+    def counting(*args, **kwargs):
+        used.append(len(args[0]))
+        return original(*args, **kwargs)
+
+    twin.search = counting
+    vectors = searcher.transform.transform(queries)
+    for nprobe in (1, 4, 16):
+        params = search_parameters(searcher.index, nprobe=nprobe)
+        expected_scores, expected_rows = searcher.index.search(vectors, 10, params=params)
+        for q in range(0, len(queries), 10):
+            scores, rows = searcher.search_transformed(vectors[q : q + 1], 10, nprobe=nprobe)
+            np.testing.assert_array_equal(scores[0], expected_scores[q])
+            assert knn_recall(rows, expected_rows[q : q + 1]) == 1.0
+    searcher.search_transformed(vectors[:5], 10)  # a batch: the index itself
+    assert used == [1] * 30
+
+    lone = retrieval.index.one_query_twin(load_index(built[kind] / INDEX))  # its original dropped at once
+    gc.collect()
+    np.testing.assert_array_equal(lone.search(vectors[:1], 10)[1], searcher.search_transformed(vectors[:1], 10)[1])
