@@ -55,6 +55,7 @@ KINDS = {
     "HNSW16": ("IndexHNSWFlat", "ef_search", [8, 16, 32, 64, 256], 256),
     "IVF16,Flat": ("IndexIVFFlat", "nprobe", [1, 2, 4, 8, 16], 16),
     "IVF16,SQ8": ("IndexIVFScalarQuantizer", "nprobe", [1, 2, 4, 8, 16], 16),
+    "IVF16_HNSW32,Flat": ("IndexIVFFlat", "nprobe", [1, 2, 4, 8, 16], 16),  # lists found by an HNSW
     # "np": no polysemous training (seconds here, and unused by a refined search); PQ8x4 = 8 codes of 4 bits
     "IVF8,PQ8x4np,Refine(Flat)": ("IndexRefineFlat", "nprobe", [1, 2, 4, 8], 8),
     # a pre-transform (random rotation) wraps the index: the knobs must still reach the inner one
@@ -478,7 +479,7 @@ def test_single_ivf_queries_go_to_a_twin_that_shares_the_lists(setup, kind: str)
     _, built, queries = setup
     searcher = Searcher.load(built[kind], encoder=FakeEncoder())
     twin = searcher._one_query
-    assert (twin is not None) == (kind in ("ivf", "IVF16,Flat"))
+    assert (twin is not None) == (kind in ("ivf", "IVF16,Flat", "IVF16_HNSW32,Flat"))
     if twin is None:
         return
     assert twin.parallel_mode == 1 and faiss.downcast_index(searcher.index).parallel_mode == 0
@@ -505,3 +506,24 @@ def test_single_ivf_queries_go_to_a_twin_that_shares_the_lists(setup, kind: str)
     lone = retrieval.index.one_query_twin(load_index(built[kind] / INDEX))  # its original dropped at once
     gc.collect()
     np.testing.assert_array_equal(lone.search(vectors[:1], 10)[1], searcher.search_transformed(vectors[:1], 10)[1])
+
+
+def test_an_hnsw_coarse_quantizer_files_rows_with_the_specs_beam(setup) -> None:
+    """FAISS's efSearch of 16 filed 1M real rows in wrong lists (recall@10 capped at 0.931): the quantizer's
+    HNSW gets the spec's efConstruction and efSearch, saved with the index; every row sits in the list of its
+    exactly nearest centroid, as with a flat quantizer."""
+    import faiss
+
+    _, built, _ = setup
+    index = load_index(built["IVF16_HNSW32,Flat"] / INDEX)
+    coarse = retrieval.index._coarse_hnsw(index)
+    spec = IndexSpec("IVF16_HNSW32,Flat", ef_construction=40)
+    assert (coarse.efConstruction, coarse.efSearch) == (spec.ef_construction, spec.ef_search)
+    assert retrieval.index._coarse_hnsw(load_index(built["IVF16,Flat"] / INDEX)) is None
+    ivf = faiss.extract_index_ivf(index)
+    centroids = ivf.quantizer.reconstruct_n(0, ivf.nlist)
+    lists = faiss.extract_index_ivf(index).invlists
+    for number in range(ivf.nlist):
+        rows = faiss.rev_swig_ptr(lists.get_codes(number), lists.list_size(number) * ivf.code_size)
+        vectors = np.frombuffer(bytes(rows), dtype=np.float32).reshape(-1, ivf.d)
+        assert (np.argmax(vectors @ centroids.T, axis=1) == number).all()
