@@ -39,7 +39,7 @@ from retrieval.index import (
     set_search_params,
     train_size,
 )
-from retrieval.indexdir import INDEX, IndexDir
+from retrieval.indexdir import INDEX, RESCORE_DEPTH, IndexDir
 from retrieval.metrics import knn_recall
 from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import TransformSpec
@@ -460,7 +460,15 @@ def test_queries_searched_by_faiss_are_transformed_by_faiss_blas(setup, kind: st
     )
     searcher = Searcher.load(tmp_path / "idx", encoder=FakeEncoder())
     assert isinstance(searcher._rescore_product, FaissProduct)
+    rescore_product, multiplied = searcher._rescore_product, []
+
+    def counting_rescore(rows: np.ndarray) -> np.ndarray:
+        multiplied.append(len(rows))
+        return rescore_product(rows)
+
+    searcher._rescore_product = counting_rescore  # type: ignore[assignment]
     scores, rows = searcher.search_raw(queries, SearchParams(k=10))
+    assert multiplied == [len(queries), len(queries) * RESCORE_DEPTH]  # the queries, then their candidates
     searcher._rescore_product = None
     numpy_scores, numpy_rows = searcher.search_raw(queries, SearchParams(k=10))
     assert knn_recall(rows, numpy_rows) >= 0.99
