@@ -45,7 +45,7 @@ import benchlib  # noqa: E402
 K = 10
 RECALL_TARGET = 0.95
 EF_GRID = [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
-IVF_KINDS = ("ivf", "ivf-sq8", "ivf-hnsw")
+IVF_KINDS = ("ivf", "ivf-sq8", "ivf-fp16", "ivf-hnsw")
 NPROBE_GRID = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
 
 
@@ -384,8 +384,8 @@ def main() -> None:
     ap.add_argument("--index", type=Path, help="a text index directory with its stash")
     ap.add_argument("--queries", type=Path, help="held-out rows (title, text) of the same corpus")
     ap.add_argument("--dims", default="384,256,128", help="k of each transform (default: %(default)s)")
-    kinds_help = "index kinds: flat, hnsw, ivf, ivf-sq8 (IVF lists of 8-bit codes), ivf-hnsw (IVF lists found by an "
-    kinds_help += "HNSW over the centroids) (default: %(default)s)"
+    kinds_help = "index kinds: flat, hnsw, ivf, ivf-sq8 (IVF lists of 8-bit codes), ivf-fp16 (of 16-bit floats), "
+    kinds_help += "ivf-hnsw (IVF lists found by an HNSW over the centroids) (default: %(default)s)"
     ap.add_argument("--kinds", default="flat,hnsw,ivf", help=kinds_help)
     ap.add_argument("--only", default=None, help="comma-separated kind:dim to (re)run, e.g. hnsw:128")
     ap.add_argument("--hnsw-m", type=int, default=32)
@@ -424,6 +424,7 @@ def main() -> None:
 
     lists = args.ivf_nlist or IndexSpec("ivf").nlist_for(IndexDir(args.index).manifest().n)
     specs["ivf-sq8"] = {"kind": f"IVF{lists},SQ8"}  # the same lists, codes of 1 byte per dimension
+    specs["ivf-fp16"] = {"kind": f"IVF{lists},SQfp16"}  # the same lists, 16-bit floats: half the bytes read
     specs["ivf-hnsw"] = {"kind": f"IVF{lists}_HNSW32,Flat"}  # the same lists, found by an HNSW over the centroids
     builds = []
     for kind, dim in jobs:

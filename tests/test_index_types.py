@@ -55,6 +55,7 @@ KINDS = {
     "HNSW16": ("IndexHNSWFlat", "ef_search", [8, 16, 32, 64, 256], 256),
     "IVF16,Flat": ("IndexIVFFlat", "nprobe", [1, 2, 4, 8, 16], 16),
     "IVF16,SQ8": ("IndexIVFScalarQuantizer", "nprobe", [1, 2, 4, 8, 16], 16),
+    "IVF16,SQfp16": ("IndexIVFScalarQuantizer", "nprobe", [1, 2, 4, 8, 16], 16),  # half the bytes of floats
     "IVF16_HNSW32,Flat": ("IndexIVFFlat", "nprobe", [1, 2, 4, 8, 16], 16),  # lists found by an HNSW
     # "np": no polysemous training (seconds here, and unused by a refined search); PQ8x4 = 8 codes of 4 bits
     "IVF8,PQ8x4np,Refine(Flat)": ("IndexRefineFlat", "nprobe", [1, 2, 4, 8], 8),
@@ -487,7 +488,7 @@ def test_single_ivf_queries_go_to_a_twin_that_shares_the_lists(setup, kind: str)
     _, built, queries = setup
     searcher = Searcher.load(built[kind], encoder=FakeEncoder())
     twin = searcher._one_query
-    assert (twin is not None) == (kind in ("ivf", "IVF16,Flat", "IVF16_HNSW32,Flat"))
+    assert (twin is not None) == (kind in ("ivf", "IVF16,Flat", "IVF16,SQ8", "IVF16,SQfp16", "IVF16_HNSW32,Flat"))
     if twin is None:
         return
     assert twin.parallel_mode == 1 and faiss.downcast_index(searcher.index).parallel_mode == 0
