@@ -27,7 +27,7 @@ ADD_CHUNK_BYTES = 1 << 25  # a flat index read for adding comes from its file 32
 class IndexSpec:
     """Which FAISS index to build over the transformed vectors (inner product on L2-normalised rows).
 
-    ``kind`` is flat, hnsw, ivf, or any FAISS ``index_factory`` string for what follows the transform
+    ``kind`` is flat, hnsw, ivf (lists of 16-bit floats), or any FAISS ``index_factory`` string for what follows the transform
     (``HNSW32``, ``IVF4096,SQ8``, ``IVF1024,PQ32x8,Refine(Flat)``...). ``None`` knobs get defaults from N.
     """
 
@@ -45,7 +45,10 @@ class IndexSpec:
         if self.kind == "hnsw":
             return f"HNSW{self.m}"
         if self.kind == "ivf":
-            return f"IVF{self.nlist_for(n)},Flat"
+            # Lists of 16-bit floats: half the bytes of 32-bit ones to read per probed list. 1M real rows, 4,000
+            # lists, nprobe 48: the same recall@10 (0.956 at 256 dims, 0.958 at 128), single queries 1.4x and
+            # batches 1.6-1.8x faster, half the memory (README, "Scale on real text"). IVF<n>,Flat keeps floats.
+            return f"IVF{self.nlist_for(n)},SQfp16"
         return self.kind
 
     def nlist_for(self, n: int) -> int:

@@ -51,7 +51,7 @@ runner = CliRunner()
 KINDS = {
     "flat": ("IndexFlatIP", None, [], None),
     "hnsw": ("IndexHNSWFlat", "ef_search", [8, 16, 32, 64, 256], 256),
-    "ivf": ("IndexIVFFlat", "nprobe", [1, 2, 4, 8, 16, 51], 51),  # nlist 51 for N = 2000
+    "ivf": ("IndexIVFScalarQuantizer", "nprobe", [1, 2, 4, 8, 16, 51], 51),  # nlist 51 for N = 2000, fp16
     "HNSW16": ("IndexHNSWFlat", "ef_search", [8, 16, 32, 64, 256], 256),
     "IVF16,Flat": ("IndexIVFFlat", "nprobe", [1, 2, 4, 8, 16], 16),
     "IVF16,SQ8": ("IndexIVFScalarQuantizer", "nprobe", [1, 2, 4, 8, 16], 16),
@@ -253,7 +253,7 @@ def test_default_nlist_is_sane(n: int) -> None:
     if n >= 25_000:  # from here on 4 sqrt(N) <= N / 39
         assert nlist == int(4 * np.sqrt(n))
     assert IndexSpec("ivf", nlist=7).nlist_for(n) == 7
-    assert IndexSpec("ivf").factory(n) == f"IVF{nlist},Flat"
+    assert IndexSpec("ivf").factory(n) == f"IVF{nlist},SQfp16"
 
 
 def test_ivf_trains_on_a_transformed_sample_of_the_stash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -320,7 +320,7 @@ def test_add_keeps_the_factory_string_the_index_was_built_with(tmp_path: Path) -
     more = write_corpus(tmp_path / "b.parquet", n=1000, id=[f"new{i}" for i in range(1000)])
     retrieval.update.add(out, CorpusSpec(more), FakeEncoder())
     after = IndexDir(out).manifest().index
-    assert after.factory == built.factory == f"IVF{after.faiss['nlist']},Flat" and after.ntotal == 1500
+    assert after.factory == built.factory == f"IVF{after.faiss['nlist']},SQfp16" and after.ntotal == 1500
 
 
 # ----- the CLI ---------------------------------------------------------------------------------------------
