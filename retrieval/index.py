@@ -27,8 +27,9 @@ ADD_CHUNK_BYTES = 1 << 25  # a flat index read for adding comes from its file 32
 class IndexSpec:
     """Which FAISS index to build over the transformed vectors (inner product on L2-normalised rows).
 
-    ``kind`` is flat, hnsw, ivf (lists of 16-bit floats), or any FAISS ``index_factory`` string for what follows the transform
-    (``HNSW32``, ``IVF4096,SQ8``, ``IVF1024,PQ32x8,Refine(Flat)``...). ``None`` knobs get defaults from N.
+    ``kind`` is flat, hnsw, ivf (lists of 16-bit floats), or any FAISS ``index_factory`` string for what follows
+    the transform (``HNSW32``, ``IVF4096,SQ8``, ``IVF1024,PQ32x8,Refine(Flat)``...). ``None`` knobs get defaults
+    from N.
     """
 
     kind: str = "flat"
