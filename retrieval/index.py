@@ -302,8 +302,9 @@ def one_query_twin(index: faiss.Index) -> faiss.Index | None:
     twin.replace_invlists(lists, False)
     twin.ntotal, twin.is_trained, twin.nprobe = ivf.ntotal, True, ivf.nprobe
     twin.parallel_mode = 1
-    # the quantizer and lists are the original's: it must outlive the twin (``index``, the proxy that owns it)
-    twin.referenced_objects = [index, ivf]
+    # the quantizer and lists are the original's: it must outlive the twin. ``index`` is the proxy that owns it
+    # (a downcast proxy such as ``ivf`` does not)
+    twin.referenced_objects = [index]
     return twin
 
 
