@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from retrieval import files
+from retrieval.calibrate import Calibration
 from retrieval.corpus import Corpus, CorpusReport, CorpusSpec
 from retrieval.encoder import POOLINGS, Encoder, EncoderInfo
 from retrieval.errors import ConfigError, IndexDirError, RetrievalError
@@ -353,15 +354,22 @@ def write_version(
     return TransformRecord.of(transform, spec), index_record(faiss_index, index_spec, len(stash))
 
 
-def index_record(faiss_index: Any, spec: IndexSpec, n: int, factory: str | None = None) -> IndexRecord:
+def index_record(
+    faiss_index: Any, spec: IndexSpec, n: int, factory: str | None = None, calibration: Calibration | None = None
+) -> IndexRecord:
     """The manifest's record of a FAISS index; ``factory``: the string it was built from, when that was not at
-    ``n`` rows (``add`` grows an index built for fewer: its lists stay those it was trained with)."""
+    ``n`` rows (``add`` grows an index built for fewer: its lists stay those it was trained with);
+    ``calibration``: a default knob measured on queries (``retrieval calibrate``), which replaces the spec's."""
+    search = default_search_params(faiss_index, spec)
+    if calibration is not None:
+        search[calibration.knob] = calibration.value
     return IndexRecord(
         spec=spec,
         factory=factory or spec.factory(n),
         ntotal=int(faiss_index.ntotal),
-        search=default_search_params(faiss_index, spec),
+        search=search,
         faiss=describe(faiss_index),
+        calibration=calibration,
     )
 
 

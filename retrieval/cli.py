@@ -483,6 +483,72 @@ def refit(
     err.print(summary_line(index_dir, manifest, "refitted"), markup=False)
 
 
+@app.command()
+@user_errors
+def calibrate(
+    index_dir: IndexDirArg,
+    queries: Annotated[
+        Path,
+        typer.Option(
+            help="Queries like the ones the index will serve: a parquet file (a text column) or a .npy of encoder "
+            "vectors. No judgements needed: their exact neighbours are the truth.",
+            exists=True,
+            dir_okay=False,
+        ),
+    ],
+    text_column: Annotated[str, typer.Option(help="The queries' text column.")] = "text",
+    target_recall: Annotated[float, typer.Option(help="recall@10 the chosen ef-search / nprobe must reach.")] = 0.95,
+    apply: Annotated[bool, typer.Option(help="Make the chosen value the index's default (atomic).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the measurement as JSON.")] = False,
+) -> None:
+    """Measure the smallest ef-search (HNSW) or nprobe (IVF) whose recall@10 on your queries reaches a target."""
+    import numpy as np
+
+    from retrieval.calibrate import MAX_QUERIES, check_target
+    from retrieval.evaluate import read_texts
+    from retrieval.update import calibrate_index
+
+    check_target(target_recall)
+    if queries.suffix == ".npy":
+        raw = _read_vectors(queries)
+    else:
+        from retrieval.search import Searcher
+
+        if not Manifest.load(index_dir).encoder.encodes_text:
+            raise ConfigError(
+                f"{index_dir} was built from precomputed vectors: give --queries as a .npy of query vectors", "queries"
+            )
+        texts = read_texts(queries, text_column)
+        if len(texts) > MAX_QUERIES:  # the sample calibrate_index would take, before any encoding
+            texts = [texts[i] for i in np.sort(np.random.default_rng(0).choice(len(texts), MAX_QUERIES, False))]
+        raw = Searcher.load(index_dir).encode(texts)
+    with sigterm_exits():
+        result, manifest = calibrate_index(index_dir, raw, target_recall, str(queries.resolve()), apply)
+    if as_json:
+        print(json.dumps(result.to_dict() | {"applied": apply}))
+        return
+    table = Table()
+    table.add_column(result.knob, justify="right")
+    table.add_column("recall@10", justify="right")
+    for value, recall in result.curve:
+        table.add_row(str(value), f"{recall:.4f}", style="bold" if value == result.value else None)
+    out.print(table)
+    reached = "reaches" if result.reached else "is this index's best, short of"
+    line = f"{result.knob} {result.value}: recall@10 {result.recall:.4f} on {result.queries} queries {reached} the "
+    line += f"target {target_recall:g}"
+    now = f"; now the default (version {manifest.generation})" if apply else "; --apply makes it the default"
+    err.print(line + now, markup=False)
+
+
+def _read_vectors(path: Path) -> Any:
+    import numpy as np
+
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path} is not a readable .npy of query vectors ({error})", "queries") from error
+
+
 # ----- demo ------------------------------------------------------------------------------------------------
 @app.command()
 @user_errors

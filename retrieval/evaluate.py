@@ -80,6 +80,16 @@ def read_queries(path: Path, id_column: str = "query_id", text_column: str = "te
     return Queries(strings, texts)
 
 
+def read_texts(path: Path, text_column: str = "text") -> list[str]:
+    """The non-blank texts of one column: queries that need no ids (``calibrate``)."""
+    table = _read(path, [text_column], "queries")
+    _require(table, text_column, path, _is_text, ", not text")
+    texts = [text for text in table.column(text_column).to_pylist() if text is not None and text.strip()]
+    if not texts:
+        raise CorpusError(f"{path} holds no query text in column {text_column!r}")
+    return texts
+
+
 def read_qrels(
     path: Path, query_column: str = "query_id", doc_column: str = "doc_id", score_column: str = "score"
 ) -> Qrels:

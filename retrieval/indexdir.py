@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from retrieval import files
+from retrieval.calibrate import Calibration
 from retrieval.docs import Docs
 from retrieval.encoder import EncoderInfo
 from retrieval.errors import IndexDirError
@@ -106,16 +107,19 @@ class IndexRecord:
     search: dict[str, int] = field(default_factory=dict)  # default ef_search / nprobe
     faiss: dict[str, Any] = field(default_factory=dict)  # index.describe()
     metric: str = "inner_product"
+    calibration: Calibration | None = None  # how the build measured the default knob, when it did
 
     @property
     def kind(self) -> str:
         return self.spec.kind
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"spec": self.spec.to_dict()}
+        calibration = self.calibration.to_dict() if self.calibration else None
+        return asdict(self) | {"spec": self.spec.to_dict(), "calibration": calibration}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> IndexRecord:
+        calibration = data.get("calibration")
         return cls(
             IndexSpec.from_dict(data["spec"]),
             data["factory"],
@@ -123,6 +127,7 @@ class IndexRecord:
             dict(data.get("search", {})),
             dict(data.get("faiss", {})),
             data.get("metric", "inner_product"),
+            Calibration.from_dict(calibration) if calibration else None,
         )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.indexdir import IndexDir, Manifest, Verify
+from retrieval.indexdir import IndexDir, IndexRecord, Manifest, Verify
 from retrieval.whitening import RawTransform, Whitening, kernel_drift
 
 
@@ -43,6 +43,7 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
         "dims": f"{t.d} -> {t.k}",
         "rows (N)": f"{manifest.n:,}",
         "index": f"{idx.kind} ({idx.factory}) {_params(idx.faiss)}".strip(),
+        "search default": _search_default(idx),
         "corpus": manifest.corpus.path,
         "stash": "none" if not stash else f"{stash.rows:,} rows, {stash.dtype}, poolings {', '.join(stash.poolings)}",
         "re-scoring": _rescoring(manifest),
@@ -87,6 +88,21 @@ def spectrum_summary(eigenvalues: np.ndarray, k: int) -> dict[str, Any]:
         "dims_for_90pct": int(np.searchsorted(cumulative, 0.9) + 1),
         "dims_for_99pct": int(np.searchsorted(cumulative, 0.99) + 1),
     }
+
+
+def _search_default(index: IndexRecord) -> str:
+    """Each default knob, and where it came from."""
+    if not index.search:
+        return "exact (no knob)"
+    knobs = ", ".join(f"{name} {value}" for name, value in sorted(index.search.items()))
+    cal = index.calibration
+    if cal is None:
+        return f"{knobs}, as built (`retrieval calibrate --queries` measures what your queries need)"
+    outcome = f"target {cal.target:g}" if cal.reached else f"short of the target {cal.target:g}: this index's best"
+    return (
+        f"{knobs}: measured on {cal.queries} queries ({cal.source}), recall@10 {cal.recall:.3f} ({outcome}); "
+        "search --ef / --nprobe overrides it"
+    )
 
 
 def _params(faiss_info: dict[str, Any]) -> str:

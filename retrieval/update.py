@@ -1,4 +1,5 @@
-"""Growing and re-fitting an index directory from its stash: add and refit.
+"""Growing and re-fitting an index directory from its stash: add and refit; and calibrate, which sets the
+default search knob to the value measured on queries.
 
 ``refit`` fits a new kernel from the stored moments (or from the stash, for another pooling) and rebuilds the
 FAISS index from the stash: nothing is encoded again. ``add`` encodes only new rows, appends them to the stash
@@ -23,11 +24,15 @@ import numpy as np
 
 from retrieval import files
 from retrieval.build import WINDOW_ROWS, index_record, input_dim, write_version
+from retrieval.calibrate import MAX_QUERIES, Calibration, calibrate, check_target
 from retrieval.corpus import Corpus, CorpusSpec, id_hashes
 from retrieval.encoder import Encoder, from_info
 from retrieval.errors import ConfigError, CorpusError
-from retrieval.index import IndexSpec, check_buildable
+from retrieval.index import IndexSpec, check_buildable, set_search_params
 from retrieval.indexdir import (
+    DOCS,
+    INDEX,
+    MOMENTS,
     OWN_NAMES,
     RESCORE,
     STASH,
@@ -201,12 +206,64 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
             added |= {"sha256": source.fingerprint(), "at": now(), **corpus.settings()}
             new = manifest.next_version(
                 corpus=dataclasses.replace(manifest.corpus, added=[*manifest.corpus.added, added]),
-                index=index_record(faiss_index, manifest.index.spec, len(grown), manifest.index.factory),
+                # a knob measured on queries (`calibrate`) stays: same lists or graph, more rows
+                index=index_record(
+                    faiss_index, manifest.index.spec, len(grown), manifest.index.factory, manifest.index.calibration
+                ),
                 stash=StashRecord.of(grown),
                 timings=timer.seconds,
             )
             new = write_manifest(work, new)
     log.info("added %d rows to %s (now %d)", ingest.moments.n, old.path, new.n)
+    return new
+
+
+# ----- calibrate -------------------------------------------------------------------------------------------
+def calibrate_index(
+    directory: Path, raw_queries: np.ndarray, target: float = 0.95, source: str = "", apply: bool = False
+) -> tuple[Calibration, Manifest]:
+    """Measure the smallest efSearch / nprobe of the index at ``directory`` whose recall@10 on ``raw_queries``
+    (encoder vectors, up to ``MAX_QUERIES`` of them, a seeded sample beyond) reaches ``target``
+    (``retrieval.calibrate``). ``apply``: publish a new version whose default is that value (the FAISS file
+    stores it too); the previous version stays intact on any failure. Returns the measurement and the manifest
+    now in place."""
+    check_target(target)
+    directory = files.resolved(directory)
+    if not apply:
+        return _measure(IndexDir(directory), raw_queries, target, source), IndexDir(directory).manifest()
+    with files.write_errors(directory), files.writing(directory):
+        old = IndexDir(directory)
+        calibration = _measure(old, raw_queries, target, source)
+        return calibration, _publish_calibration(old, calibration)
+
+
+def _measure(old: IndexDir, raw_queries: np.ndarray, target: float, source: str) -> Calibration:
+    manifest = old.manifest()
+    old.verify(manifest, "full", [INDEX, TRANSFORM])
+    stash = old.stash("calibrate")
+    raw = np.asarray(raw_queries, dtype=np.float32)
+    if raw.ndim != 2 or raw.shape[1] != stash.dim:
+        raise ConfigError(f"the queries are vectors of shape {raw.shape}; this index takes {stash.dim}-d rows")
+    if len(raw) > MAX_QUERIES:
+        raw = raw[np.sort(np.random.default_rng(0).choice(len(raw), MAX_QUERIES, replace=False))]
+    transform = old.transform()
+    queries = transform.transform(raw)
+    return calibrate(old.faiss_index(mmap=True), stash, transform, queries, target, source, manifest.transform.pooling)
+
+
+def _publish_calibration(old: IndexDir, calibration: Calibration) -> Manifest:
+    manifest = old.manifest()
+    stash = old.stash("calibrate")
+    index = old.faiss_index()
+    set_search_params(index, **{calibration.knob: calibration.value})
+    with files.replacing(old.path, "calibrating", OWN_NAMES) as work:
+        link_stash(stash, work / STASH)
+        for name in (TRANSFORM, MOMENTS, DOCS) + ((RESCORE,) if manifest.has_rescorer else ()):
+            link_from(work, old, name)
+        save_faiss_index(work, index)
+        record = index_record(index, manifest.index.spec, manifest.n, manifest.index.factory, calibration)
+        new = write_manifest(work, manifest.next_version(index=record))
+    log.info("%s: default %s %d (recall@10 %.3f)", old.path, calibration.knob, calibration.value, calibration.recall)
     return new
 
 

@@ -1,0 +1,192 @@
+"""Search knobs measured on the user's queries: the smallest efSearch (HNSW) or nprobe (IVF) whose recall@10
+reaches a target.
+
+A build sets these by rule of thumb (efSearch 128; about sqrt(nlist) lists probed), and no rule holds for every
+corpus and every kind of query. On real text the rule's recall@10 ranged from 0.83 to 0.91 for IVF at 100k rows
+and from 0.96 to 0.99 where it probed or searched more than it needed to (README, "Search knobs measured on your
+queries"). ``retrieval calibrate INDEX --queries q.parquet`` measures instead: the queries are encoded and
+transformed as a search does, their exact neighbours in the index's space come from one streamed pass over the
+stash, and the knob grows along a grid until recall@10 reaches the target.
+
+Why queries and not the corpus's own rows: measured, rows of the corpus make a knob look far better than it is.
+An HNSW search for a vector that is itself a node of the graph finds it and, through its links, its neighbours:
+efSearch 16 gave recall 0.98-0.99 on corpus rows at 100k and 0.81-0.87 on held-out queries.
+
+Rows whose exact score ties the k-th neighbour's count as found (as ann-benchmarks counts), so duplicated
+documents do not make the measure depend on which of equal rows a search returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from retrieval.errors import ConfigError
+from retrieval.index import _hnsw, _ivf, search_parameters
+from retrieval.stash import BLOCK_ROWS
+
+if TYPE_CHECKING:
+    import faiss
+
+    from retrieval.stash import VectorStash
+    from retrieval.whitening import RawTransform, Whitening
+
+log = logging.getLogger(__name__)
+
+K = 10
+MAX_QUERIES = 1000  # more are sampled down (seeded): recall@10 over 10,000 neighbours, a standard error ~0.003
+TIE_TOLERANCE = 1e-5  # scores within this of the k-th exact score are ties (float32 sums over a few hundred dims)
+EXTRA = 22  # exact neighbours kept beyond k, so that rows tied with the k-th are seen
+EF_GRID = (16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+PLATEAU = 0.002  # when the target is out of reach: the smallest knob within this of the best recall seen
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What ``calibrate`` measured: ``knob`` (ef_search or nprobe) at ``value`` gave ``recall`` (recall@10 of
+    ``queries`` queries from ``source`` against their exact neighbours in the index's space); ``reached``:
+    recall >= ``target``. ``curve``: every (value, recall) measured on the way."""
+
+    knob: str
+    value: int
+    recall: float
+    target: float
+    queries: int
+    source: str
+    reached: bool
+    curve: list[tuple[int, float]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"curve": [list(point) for point in self.curve]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        curve = [(int(value), float(recall)) for value, recall in data["curve"]]
+        return cls(
+            data["knob"], int(data["value"]), float(data["recall"]), float(data["target"]), int(data["queries"]),
+            str(data["source"]), bool(data["reached"]), curve,
+        )  # fmt: skip
+
+
+def knob_of(index: faiss.Index) -> str | None:
+    """The knob that trades speed for recall in this index: HNSW's beam width, else IVF's lists probed, else None
+    (a flat index is exact; an IVF whose coarse quantizer is an HNSW is tuned by its nprobe)."""
+    if _hnsw(index) is not None:
+        return "ef_search"
+    if _ivf(index) is not None:
+        return "nprobe"
+    return None
+
+
+def grid(knob: str, index: faiss.Index) -> list[int]:
+    """The values tried, smallest first: steps of a quarter to a half, up to every list for IVF."""
+    if knob == "ef_search":
+        return list(EF_GRID)
+    nlist = int(_ivf(index).nlist)
+    values, value = [], 1
+    while value < nlist:
+        values.append(value)
+        value = max(value + 1, int(round(value * 1.25)))
+    return values + [nlist]
+
+
+def check_target(target: float) -> None:
+    if not 0 < target <= 1:  # also refuses NaN
+        raise ConfigError(f"`target_recall` must be above 0 and at most 1 (got {target})", "target_recall")
+
+
+def exact_neighbours(
+    stash: VectorStash,
+    transform: Whitening | RawTransform,
+    queries: np.ndarray,
+    pooling: str | None = None,
+    keep: int = K + EXTRA,
+    block_rows: int = BLOCK_ROWS,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``keep`` best stash rows (and scores) by inner product in the transformed space for each of ``queries``
+    (already transformed). One pass over the stash, a block at a time; each tile's scores go into FAISS's
+    per-query heaps (as ``scan.FlatScan`` does), so memory is a block and a tile, not queries x rows. Returns
+    (scores, rows), best first; rows -1 (score -inf) where the corpus has fewer rows."""
+    import faiss
+
+    from retrieval.scan import tiles  # imports FAISS: only when calibrating
+
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    scores = np.empty((len(queries), keep), dtype=np.float32)
+    rows = np.empty((len(queries), keep), dtype=np.int64)
+    heaps = faiss.float_minheap_array_t()  # a min-heap of the ``keep`` largest scores, one per query
+    heaps.nh, heaps.k = len(queries), keep
+    heaps.val, heaps.ids = faiss.swig_ptr(scores), faiss.swig_ptr(rows)
+    heaps.heapify()
+    start = 0
+    for block in stash.iter_blocks(block_rows, pooling=pooling):
+        vectors = np.ascontiguousarray(transform.transform(block), dtype=np.float32)
+        for first, tile in tiles(vectors, 0, len(vectors)):
+            products = np.ascontiguousarray(queries @ tile.T)
+            heaps.addn(products.shape[1], faiss.swig_ptr(products), start + first)  # type: ignore[call-arg]
+        start += len(block)
+    heaps.reorder()
+    empty = rows < 0
+    scores[empty] = -np.inf
+    return scores, rows
+
+
+def recall_with_ties(found: np.ndarray, rows: np.ndarray, scores: np.ndarray, k: int = K) -> float:
+    """Mean fraction of each query's k exact neighbours found, where a found row whose exact score reaches the
+    k-th neighbour's counts (``rows``/``scores``: exact_neighbours' output; ``found``: a search's rows)."""
+    hits = wanted = 0
+    for query in range(len(found)):
+        real = rows[query] >= 0
+        need = min(k, int(real.sum()))
+        if need == 0:
+            continue
+        kth = scores[query, need - 1]
+        accepted = set(rows[query][real & (scores[query] >= kth - TIE_TOLERANCE)].tolist())
+        hits += min(need, len(accepted.intersection(found[query, :k].tolist())))
+        wanted += need
+    return hits / wanted if wanted else 1.0
+
+
+def search_with(index: faiss.Index, queries: np.ndarray, knob: str, value: int, k: int = K) -> np.ndarray:
+    """The rows ``index`` finds for ``queries`` with ``knob`` at ``value`` (this call only)."""
+    _, found = index.search(queries, k, params=search_parameters(index, **{knob: value}))
+    return found
+
+
+def calibrate(
+    index: faiss.Index,
+    stash: VectorStash,
+    transform: Whitening | RawTransform,
+    queries: np.ndarray,
+    target: float,
+    source: str = "",
+    pooling: str | None = None,
+) -> Calibration:
+    """The smallest knob value of ``index`` (filled with every stash row, in order) whose recall@10 on
+    ``queries`` (already transformed) reaches ``target``; when none does, the smallest within PLATEAU of the best
+    (logged)."""
+    check_target(target)
+    knob = knob_of(index)
+    if knob is None:
+        raise ConfigError("a flat index searches exactly: it has no knob to calibrate (use --index-type hnsw or ivf)")
+    if len(queries) == 0:
+        raise ConfigError("no queries to calibrate on: give a file with at least one query", "queries")
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    scores, exact = exact_neighbours(stash, transform, queries, pooling)
+    curve: list[tuple[int, float]] = []
+    for value in grid(knob, index):
+        recall = recall_with_ties(search_with(index, queries, knob, value), exact, scores)
+        curve.append((value, round(recall, 4)))
+        if recall >= target:
+            return Calibration(knob, value, round(recall, 4), target, len(queries), source, True, curve)
+    best = max(recall for _, recall in curve)
+    value, recall = next(point for point in curve if point[1] >= best - PLATEAU)
+    log.warning(
+        "this index reaches recall@10 %.3f at most on these queries (target %.2f): %s %d, past which it gains "
+        "under %.3f",
+        best, target, knob, value, PLATEAU,
+    )  # fmt: skip
+    return Calibration(knob, value, recall, target, len(queries), source, False, curve)

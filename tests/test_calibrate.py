@@ -1,0 +1,300 @@
+"""Search knobs measured on queries (``retrieval calibrate``): exact neighbours streamed from the stash against a
+float64 one-shot reference, recall with tied scores, the smallest knob that reaches the target (checked by an
+independent recall computation), the plateau when no knob does, and the CLI and index-directory paths that
+record, apply, keep (add) and drop (refit) the measured value."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import write_corpus
+from typer.testing import CliRunner
+
+import retrieval.scan
+from retrieval.build import BuildOptions, build_index
+from retrieval.calibrate import (
+    MAX_QUERIES,
+    PLATEAU,
+    Calibration,
+    calibrate,
+    exact_neighbours,
+    grid,
+    knob_of,
+    recall_with_ties,
+    search_with,
+)
+from retrieval.cli import app
+from retrieval.corpus import CorpusSpec
+from retrieval.errors import ConfigError
+from retrieval.index import IndexSpec, describe, search_parameters
+from retrieval.indexdir import IndexDir
+from retrieval.search import Searcher, SearchParams
+from retrieval.update import add, calibrate_index, refit
+from retrieval.whitening import TransformSpec
+
+N, D = 3000, 24
+runner = CliRunner()
+
+
+def clustered(n: int, seed: int, spread: float = 0.7) -> np.ndarray:
+    """Rows around 40 centres: neighbours an approximate index can miss, unlike uniform noise's."""
+    centres = np.random.default_rng(0).normal(size=(40, D))
+    rng = np.random.default_rng(seed)
+    return (centres[rng.integers(0, 40, n)] + spread * rng.normal(size=(n, D))).astype(np.float32)
+
+
+def queries(n: int = 200, seed: int = 7) -> np.ndarray:
+    """Queries from the corpus's distribution, none of them a corpus row, a little farther from the centres."""
+    return clustered(n, seed, spread=0.9)
+
+
+def write_vectors(path: Path, vectors: np.ndarray, first: int = 0) -> Path:
+    ids = [f"r{first + i}" for i in range(len(vectors))]
+    emb = pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), D)
+    pq.write_table(pa.table({"id": ids, "text": [f"row {i}" for i in ids], "emb": emb}), path)
+    return path
+
+
+def build(root: Path, name: str, spec: IndexSpec, transform: TransformSpec = TransformSpec()) -> Path:
+    out = root / name
+    corpus = root / "corpus.parquet"
+    if not corpus.exists():
+        write_vectors(corpus, clustered(N, 0))
+    # windows of 700 rows: the stash has several parts, so its blocks cross part boundaries
+    build_index(CorpusSpec(corpus, vectors_column="emb"), None, out, transform, spec, BuildOptions(window_rows=700))
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    root = tmp_path_factory.mktemp("calibrate")
+    yield {
+        "hnsw": build(root, "hnsw", IndexSpec("hnsw", m=8, ef_construction=24)),
+        "ivf": build(root, "ivf", IndexSpec("ivf")),  # 3000 rows: 76 lists of 16-bit floats
+        "ivf-reduced": build(root, "ivf-reduced", IndexSpec("IVF32,Flat"), TransformSpec(dim=8, gamma=0.5)),
+    }
+
+
+def parts(directory: Path):  # type: ignore[no-untyped-def]
+    index_dir = IndexDir(directory)
+    return index_dir.faiss_index(), index_dir.stash(), index_dir.transform()
+
+
+def reference(directory: Path, transformed: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Float64, one shot: every stash row transformed at once, every product, sorted."""
+    _, stash, transform = parts(directory)
+    everything = transform.transform(np.concatenate(list(stash.iter_blocks()))).astype(np.float64)
+    scores = transformed.astype(np.float64) @ everything.T
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(scores, order, axis=1), order
+
+
+@pytest.mark.parametrize("name", ["ivf", "ivf-reduced"])
+def test_exact_neighbours_match_a_float64_one_shot_reference(built, name: str, monkeypatch) -> None:
+    monkeypatch.setattr(retrieval.scan, "TILE_BYTES", 4096)  # tiles of 42 (raw) or 128 (reduced) rows
+    _, stash, transform = parts(built[name])
+    transformed = transform.transform(queries(60))
+    scores, found = exact_neighbours(stash, transform, transformed, keep=15, block_rows=512)
+    ref_scores, ref_rows = reference(built[name], transformed, 15)
+    np.testing.assert_allclose(scores, ref_scores, atol=2e-6)  # float32 sums of 8-24 products of unit vectors
+    # the same rows wherever the next score is clearly apart (random data: no exact ties)
+    apart = np.abs(np.diff(ref_scores, axis=1)) > 1e-5
+    assert (found[:, :-1][apart] == ref_rows[:, :-1][apart]).mean() > 0.99
+    assert np.array_equal(found[:, 0], ref_rows[:, 0])
+
+
+def test_exact_neighbours_pad_when_the_corpus_is_small(tmp_path: Path) -> None:
+    write_vectors(tmp_path / "five.parquet", clustered(5, 2))
+    build_index(CorpusSpec(tmp_path / "five.parquet", vectors_column="emb"), None, tmp_path / "five")
+    _, stash, transform = parts(tmp_path / "five")
+    scores, found = exact_neighbours(stash, transform, transform.transform(queries(3)), keep=7)
+    assert (found[:, :5] >= 0).all() and (found[:, 5:] == -1).all() and np.isneginf(scores[:, 5:]).all()
+    assert all(set(found[i, :5].tolist()) == set(range(5)) for i in range(3))
+
+
+def test_recall_counts_rows_tied_with_the_kth_neighbour() -> None:
+    """As ann-benchmarks counts: a found row is right when its exact score reaches the k-th neighbour's."""
+    rows = np.array([[10, 11, 12, 13, -1]])
+    scores = np.array([[0.9, 0.7, 0.7, 0.6, -np.inf]], dtype=np.float32)  # 11 and 12 tie for second place
+    assert recall_with_ties(np.array([[10, 12]]), rows, scores, k=2) == 1.0  # 12 ties 11: found
+    assert recall_with_ties(np.array([[10, 11]]), rows, scores, k=2) == 1.0
+    assert recall_with_ties(np.array([[10, 13]]), rows, scores, k=2) == 0.5  # 13 scores below the second
+    assert recall_with_ties(np.array([[10, 11]]), rows, scores, k=3) == pytest.approx(2 / 3)
+    assert recall_with_ties(np.array([[10, 99]]), rows, scores, k=2) == 0.5  # 99 is not a neighbour
+    assert recall_with_ties(np.array([[13, 12, 11, 10]]), rows, scores, k=4) == 1.0
+    assert recall_with_ties(np.array([[13, 12, 11, 10]]), rows, scores, k=3) == pytest.approx(2 / 3)  # 13 is 4th
+    # a query with fewer exact neighbours than k asks only for those
+    assert recall_with_ties(np.array([[10, 11, 12, 13, -1]]), rows, scores, k=5) == 1.0
+    assert recall_with_ties(np.array([[-1]]), np.array([[-1]]), np.array([[-np.inf]]), k=1) == 1.0
+    # the mean is over every wanted neighbour of every query
+    two = recall_with_ties(np.array([[10, 11], [10, 99]]), np.repeat(rows, 2, axis=0), np.repeat(scores, 2, axis=0), 2)
+    assert two == 0.75
+
+
+def independent_recall(directory: Path, transformed: np.ndarray, knob: str, value: int) -> float:
+    """recall@10 from the float64 reference and FAISS's search alone (no ties in this data)."""
+    index, _, _ = parts(directory)
+    _, truth = reference(directory, transformed, 10)
+    _, found = index.search(transformed, 10, params=search_parameters(index, **{knob: value}))
+    return sum(len(set(t.tolist()) & set(f.tolist())) for t, f in zip(truth, found, strict=True)) / truth.size
+
+
+@pytest.mark.parametrize("name", ["hnsw", "ivf", "ivf-reduced"])
+def test_the_smallest_knob_that_reaches_the_target(built, name: str) -> None:
+    index, stash, transform = parts(built[name])
+    transformed = np.ascontiguousarray(transform.transform(queries()), dtype=np.float32)
+    target = 0.97
+    cal = calibrate(index, stash, transform, transformed, target, "q.npy")
+    assert cal.reached and cal.target == target and cal.queries == 200 and cal.source == "q.npy"
+    assert cal.knob == knob_of(index) == ("ef_search" if name == "hnsw" else "nprobe")
+    values = [value for value, _ in cal.curve]
+    assert values == grid(cal.knob, index)[: len(values)]  # the grid in order, stopped at the first success
+    assert cal.curve[-1] == (cal.value, cal.recall) and cal.recall >= target
+    assert all(recall < target for _, recall in cal.curve[:-1])
+    assert len(cal.curve) > 1, "the first value already reached the target: the test would not see a sweep"
+    # checked without the module's own neighbour search: float64 truth, FAISS's rows
+    for value, recall in cal.curve[-2:]:
+        assert independent_recall(built[name], transformed, cal.knob, value) == pytest.approx(recall, abs=1e-3)
+    assert cal.value < (index.nlist if cal.knob == "nprobe" else max(grid("ef_search", index)))
+    assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
+
+
+def test_an_unreachable_target_takes_the_start_of_the_plateau(tmp_path: Path, caplog) -> None:
+    # 4-bit product codes: the compressed scores cap recall@10 well below 1 however many lists are probed
+    out = build(tmp_path, "pq", IndexSpec("IVF16,PQ4x4np"))
+    index, stash, transform = parts(out)
+    with caplog.at_level(logging.WARNING, logger="retrieval.calibrate"):
+        cal = calibrate(index, stash, transform, transform.transform(queries()), 0.999)
+    assert not cal.reached and cal.target == 0.999
+    assert [value for value, _ in cal.curve] == grid("nprobe", index)  # every value tried
+    best = max(recall for _, recall in cal.curve)
+    assert best < 0.999
+    assert cal.value == next(value for value, recall in cal.curve if recall >= best - PLATEAU) < index.nlist
+    assert "reaches recall@10" in caplog.text and "target 1.00" in caplog.text
+
+
+def test_apply_publishes_the_knob_add_keeps_it_refit_drops_it(tmp_path: Path) -> None:
+    out = build(tmp_path, "ivf", IndexSpec("ivf"))
+    before = IndexDir(out).manifest()
+    assert before.index.calibration is None and before.index.search == {"nprobe": round(math.sqrt(76))}
+    measured, unchanged = calibrate_index(out, queries(), 0.97, "q.npy")  # not applied: nothing written
+    assert unchanged.generation == before.generation and IndexDir(out).manifest().index.calibration is None
+    cal, manifest = calibrate_index(out, queries(), 0.97, "q.npy", apply=True)
+    assert cal == measured and manifest.generation == before.generation + 1
+    assert manifest.index.calibration == cal and manifest.index.search == {"nprobe": cal.value}
+    assert manifest.index.faiss["nprobe"] == cal.value == describe(IndexDir(out).faiss_index())["nprobe"]
+    IndexDir(out).verify(manifest, "full")  # every file of the new version checks out
+    searcher = Searcher.load(out, encoder=None)
+    vectors = queries(20, seed=11)
+    _, default = searcher.search_raw(vectors, SearchParams(k=10))
+    _, explicit = searcher.search_raw(vectors, SearchParams(k=10, nprobe=cal.value))
+    _, other = searcher.search_raw(vectors, SearchParams(k=10, nprobe=1))
+    assert np.array_equal(default, explicit) and not np.array_equal(default, other)
+
+    add(out, CorpusSpec(write_vectors(tmp_path / "more.parquet", clustered(300, 9), first=N), vectors_column="emb"))
+    grown = IndexDir(out).manifest().index
+    assert grown.ntotal == N + 300 and grown.calibration == cal and grown.search == {"nprobe": cal.value}
+    assert describe(IndexDir(out).faiss_index())["nprobe"] == cal.value
+
+    refit(out, TransformSpec(dim=12))  # a new index: the measured knob no longer applies
+    rebuilt = IndexDir(out).manifest().index
+    assert rebuilt.calibration is None and rebuilt.search == before.index.search
+
+
+def test_calibrate_refuses_what_it_cannot_measure(tmp_path: Path) -> None:
+    flat = build(tmp_path, "flat", IndexSpec("flat"))
+    with pytest.raises(ConfigError, match="a flat index searches exactly"):
+        calibrate_index(flat, queries(), 0.95)
+    ivf = build(tmp_path, "ivf", IndexSpec("ivf"))
+    with pytest.raises(ConfigError, match=r"shape \(5, 3\); this index takes 24-d rows"):
+        calibrate_index(ivf, np.zeros((5, 3), dtype=np.float32), 0.95)
+    with pytest.raises(ConfigError, match="no queries"):
+        calibrate_index(ivf, np.zeros((0, D), dtype=np.float32), 0.95)
+    for bad in (0.0, -0.5, 1.5, math.nan):
+        with pytest.raises(ConfigError, match="`target_recall` must be above 0 and at most 1"):
+            calibrate_index(ivf, queries(), bad)
+    bare = tmp_path / "bare"
+    corpus = tmp_path / "corpus.parquet"
+    build_index(CorpusSpec(corpus, vectors_column="emb"), None, bare, TransformSpec(), IndexSpec("ivf"),
+                BuildOptions(keep_vectors=False))  # fmt: skip
+    with pytest.raises(Exception, match="kept no raw-vector stash, so it cannot calibrate"):
+        calibrate_index(bare, queries(), 0.95)
+
+
+def test_many_queries_are_sampled_down(built) -> None:
+    many = queries(MAX_QUERIES + 300)
+    cal, _ = calibrate_index(built["ivf"], many, 0.9)
+    assert cal.queries == MAX_QUERIES
+
+
+def test_the_cli_measures_on_texts_and_applies(tiny_bert: Path, tmp_path: Path) -> None:
+    """Texts are encoded by the index's own encoder (a tiny random BERT), then measured and applied."""
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=800)
+    out = tmp_path / "idx"
+    built = runner.invoke(
+        app, ["index", str(corpus), "--model", str(tiny_bert), "--index-type", "ivf", "--out", str(out)]
+    )
+    assert built.exit_code == 0, built.output
+    texts = [f"a question about topic {i % 37} and item {i}" for i in range(120)]
+    pq.write_table(pa.table({"question": texts}), tmp_path / "q.parquet")
+    args = ["calibrate", str(out), "--queries", str(tmp_path / "q.parquet"), "--text-column", "question"]
+    result = runner.invoke(app, [*args, "--json", "--target-recall", "0.9"])
+    assert result.exit_code == 0, result.output
+    measured = json.loads(result.stdout)
+    assert measured["knob"] == "nprobe" and measured["queries"] == 120 and not measured["applied"]
+    assert measured["source"] == str((tmp_path / "q.parquet").resolve())
+    assert IndexDir(out).manifest().index.calibration is None
+    applied = runner.invoke(app, [*args, "--apply", "--target-recall", "0.9"])
+    assert applied.exit_code == 0, applied.output
+    assert f"nprobe {measured['value']}: recall@10" in applied.stderr and "now the default" in applied.stderr
+    record = IndexDir(out).manifest().index
+    assert record.calibration is not None and record.search == {"nprobe": measured["value"]}
+    shown = json.loads(runner.invoke(app, ["info", str(out), "--json"]).stdout)["summary"]["search default"]
+    assert shown.startswith(f"nprobe {measured['value']}: measured on 120 queries")
+
+
+@pytest.mark.parametrize(
+    ("width", "args", "message"),
+    [
+        (D, ["--target-recall", "1.5"], "--target-recall must be above 0 and at most 1 (got 1.5)"),
+        (3, [], "the queries are vectors of shape (20, 3); this index takes 24-d rows"),
+    ],
+)
+def test_the_cli_refuses_bad_input_in_one_line(
+    built, tmp_path: Path, width: int, args: list[str], message: str
+) -> None:
+    np.save(tmp_path / "q.npy", queries(20)[:, :width])
+    before = IndexDir(built["ivf"]).manifest().generation
+    result = runner.invoke(
+        app, ["calibrate", str(built["ivf"]), "--queries", str(tmp_path / "q.npy"), *args, "--apply"]
+    )
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.output
+    assert IndexDir(built["ivf"]).manifest().generation == before
+
+
+def test_the_cli_says_a_vectors_index_takes_vector_queries(built, tmp_path: Path) -> None:
+    pq.write_table(pa.table({"text": ["a query"]}), tmp_path / "q.parquet")
+    result = runner.invoke(app, ["calibrate", str(built["ivf"]), "--queries", str(tmp_path / "q.parquet")])
+    assert result.exit_code == 1 and "give --queries as a .npy of query vectors" in result.output
+    (tmp_path / "bad.npy").write_bytes(b"not numpy")
+    result = runner.invoke(app, ["calibrate", str(built["ivf"]), "--queries", str(tmp_path / "bad.npy")])
+    assert result.exit_code == 1 and "is not a readable .npy of query vectors" in result.output
+
+
+def test_search_with_passes_the_knob_for_this_call_only(built) -> None:
+    index, _, transform = parts(built["ivf"])
+    transformed = np.ascontiguousarray(transform.transform(queries(5)), dtype=np.float32)
+    stored = index.nprobe
+    every = search_with(index, transformed, "nprobe", index.nlist)
+    one = search_with(index, transformed, "nprobe", 1)
+    assert index.nprobe == stored and every.shape == (5, 10) and not np.array_equal(every, one)
