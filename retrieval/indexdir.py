@@ -107,7 +107,7 @@ class IndexRecord:
     search: dict[str, int] = field(default_factory=dict)  # default ef_search / nprobe
     faiss: dict[str, Any] = field(default_factory=dict)  # index.describe()
     metric: str = "inner_product"
-    calibration: Calibration | None = None  # how the build measured the default knob, when it did
+    calibration: Calibration | None = None  # the default knob as `retrieval calibrate` measured it, if it did
 
     @property
     def kind(self) -> str:
