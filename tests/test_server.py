@@ -376,6 +376,30 @@ def test_post_reload_serves_the_new_version_and_refuses_a_corrupt_one(index: Pat
         assert service.reloads == {"ok": 2, "failed": 1}
 
 
+def test_a_calibrated_knob_is_served_after_a_reload(tmp_path: Path) -> None:
+    """`calibrate --apply` publishes a version like any writer: the server takes it, and /info says where its
+    default knob came from."""
+    from retrieval.index import IndexSpec
+
+    corpus = write_corpus(tmp_path / "c.parquet", n=1000)
+    index = tmp_path / "ivf"
+    build_index(CorpusSpec(corpus), FakeEncoder(), index, TransformSpec(dim=8), IndexSpec("IVF16,Flat"))
+    test_client, _ = serve(index)
+    with test_client as client:
+        wait_ready(client)
+        before = client.get("/info").json()["index"]
+        assert before["search_defaults"] == {"nprobe": 4}
+        assert before["summary"]["search default"].startswith("nprobe 4, as built")
+        queries = FakeEncoder().encode([f"a question on topic {i}" for i in range(100)])
+        measured, _ = update.calibrate_index(index, queries, 0.99, "questions", apply=True)
+        assert measured.value != 4
+        assert client.post("/reload").json()["generation"] == 2
+        after = client.get("/info").json()["index"]
+        assert after["search_defaults"] == {"nprobe": measured.value}
+        assert after["summary"]["search default"].startswith(f"nprobe {measured.value}: measured on 100 queries")
+        assert client.get("/search", params={"q": "a question on topic 3"}).status_code == 200
+
+
 def test_the_watcher_swaps_versions_under_load_without_a_failed_request(index: Path, tmp_path: Path) -> None:
     test_client, _ = serve(index, watch_interval=0.05)
     statuses: list[int] = []
