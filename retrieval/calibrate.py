@@ -93,6 +93,13 @@ def grid(knob: str, index: faiss.Index) -> list[int]:
     return values + [nlist]
 
 
+def query_sample(n: int) -> np.ndarray:
+    """Which of ``n`` queries are measured: all of them up to ``MAX_QUERIES``, else a seeded sorted sample."""
+    if n <= MAX_QUERIES:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(0).choice(n, MAX_QUERIES, replace=False))
+
+
 def check_target(target: float) -> None:
     if not 0 < target <= 1:  # also refuses NaN
         raise ConfigError(f"`target_recall` must be above 0 and at most 1 (got {target})", "target_recall")
@@ -107,30 +114,21 @@ def exact_neighbours(
     block_rows: int = BLOCK_ROWS,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The ``keep`` best stash rows (and scores) by inner product in the transformed space for each of ``queries``
-    (already transformed). One pass over the stash, a block at a time; each tile's scores go into FAISS's
-    per-query heaps (as ``scan.FlatScan`` does), so memory is a block and a tile, not queries x rows. Returns
+    (already transformed). One pass over the stash, a block at a time; each tile's scores go into
+    ``scan.Heaps``, as a flat scan's do, so memory is a block and a tile, not queries x rows. Returns
     (scores, rows), best first; rows -1 (score -inf) where the corpus has fewer rows."""
-    import faiss
-
-    from retrieval.scan import tiles  # imports FAISS: only when calibrating
+    from retrieval.scan import Heaps, tiles  # imports FAISS: only when calibrating
 
     queries = np.ascontiguousarray(queries, dtype=np.float32)
-    scores = np.empty((len(queries), keep), dtype=np.float32)
-    rows = np.empty((len(queries), keep), dtype=np.int64)
-    heaps = faiss.float_minheap_array_t()  # a min-heap of the ``keep`` largest scores, one per query
-    heaps.nh, heaps.k = len(queries), keep
-    heaps.val, heaps.ids = faiss.swig_ptr(scores), faiss.swig_ptr(rows)
-    heaps.heapify()
+    heaps = Heaps(len(queries), keep)
     start = 0
     for block in stash.iter_blocks(block_rows, pooling=pooling):
         vectors = np.ascontiguousarray(transform.transform(block), dtype=np.float32)
         for first, tile in tiles(vectors, 0, len(vectors)):
-            products = np.ascontiguousarray(queries @ tile.T)
-            heaps.addn(products.shape[1], faiss.swig_ptr(products), start + first)  # type: ignore[call-arg]
+            heaps.add(queries @ tile.T, start + first)
         start += len(block)
-    heaps.reorder()
-    empty = rows < 0
-    scores[empty] = -np.inf
+    scores, rows = heaps.result()
+    scores[rows < 0] = -np.inf
     return scores, rows
 
 

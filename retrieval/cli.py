@@ -502,9 +502,7 @@ def calibrate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the measurement as JSON.")] = False,
 ) -> None:
     """Measure the smallest ef-search (HNSW) or nprobe (IVF) whose recall@10 on your queries reaches a target."""
-    import numpy as np
-
-    from retrieval.calibrate import MAX_QUERIES, check_target
+    from retrieval.calibrate import check_target, query_sample
     from retrieval.evaluate import read_texts
     from retrieval.update import calibrate_index
 
@@ -519,8 +517,7 @@ def calibrate(
                 f"{index_dir} was built from precomputed vectors: give --queries as a .npy of query vectors", "queries"
             )
         texts = read_texts(queries, text_column)
-        if len(texts) > MAX_QUERIES:  # the sample calibrate_index would take, before any encoding
-            texts = [texts[i] for i in np.sort(np.random.default_rng(0).choice(len(texts), MAX_QUERIES, False))]
+        texts = [texts[i] for i in query_sample(len(texts))]  # the sample calibrate_index takes, before encoding
         raw = Searcher.load(index_dir).encode(texts)
     with sigterm_exits():
         result, manifest = calibrate_index(index_dir, raw, target_recall, str(queries.resolve()), apply)

@@ -110,18 +110,10 @@ class FlatScan:
 
     def _numpy(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """numpy's product tile by tile (``tiles``), each tile's scores pushed into FAISS's per-query heaps."""
-        nq = queries.shape[0]
-        scores, rows = np.empty((nq, k), dtype=np.float32), np.empty((nq, k), dtype=np.int64)
-        heaps = faiss.float_minheap_array_t()  # a min-heap of the k largest scores, one per query
-        heaps.nh, heaps.k = nq, k
-        heaps.val, heaps.ids = faiss.swig_ptr(scores), faiss.swig_ptr(rows)
-        heaps.heapify()
+        heaps = Heaps(queries.shape[0], k)
         for first, tile in tiles(self.matrix, 0, self.matrix.shape[0]):
-            block = np.ascontiguousarray(queries @ tile.T)
-            # row ids first, first + 1, ... (FAISS's bundled .pyi leaves out the id offset j0)
-            heaps.addn(block.shape[1], faiss.swig_ptr(block), first)  # type: ignore[call-arg]
-        heaps.reorder()  # best first, but tied scores come out higher row first
-        return _best_first(scores, rows, k)
+            heaps.add(queries @ tile.T, first)
+        return _best_first(*heaps.result(), k)  # heaps give tied scores higher row first; FAISS, lower first
 
     def _sliced(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         slices = list(zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), strict=True))
@@ -152,6 +144,30 @@ def tiles(matrix: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, np.n
             np.copyto(copy, tile)
             tile = copy
         yield first, tile
+
+
+class Heaps:
+    """The k largest scores per query and their rows, kept in one FAISS min-heap per query: scores arrive a
+    (queries x rows) tile at a time, so no (queries x all rows) matrix is ever made."""
+
+    def __init__(self, nq: int, k: int):
+        self.scores = np.empty((nq, k), dtype=np.float32)
+        self.rows = np.empty((nq, k), dtype=np.int64)
+        self._heaps = faiss.float_minheap_array_t()
+        self._heaps.nh, self._heaps.k = nq, k
+        self._heaps.val, self._heaps.ids = faiss.swig_ptr(self.scores), faiss.swig_ptr(self.rows)
+        self._heaps.heapify()  # empty places: row -1, the lowest float
+
+    def add(self, scores: np.ndarray, first_row: int) -> None:
+        """Scores of rows ``first_row, first_row + 1, ...`` for every query."""
+        scores = np.ascontiguousarray(scores, dtype=np.float32)
+        # FAISS's bundled .pyi leaves out the id offset j0
+        self._heaps.addn(scores.shape[1], faiss.swig_ptr(scores), first_row)  # type: ignore[call-arg]
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, rows), best first; call once, when every tile is in."""
+        self._heaps.reorder()
+        return self.scores, self.rows
 
 
 class TopK:

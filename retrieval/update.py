@@ -24,7 +24,7 @@ import numpy as np
 
 from retrieval import files
 from retrieval.build import WINDOW_ROWS, index_record, input_dim, write_version
-from retrieval.calibrate import MAX_QUERIES, Calibration, calibrate, check_target
+from retrieval.calibrate import Calibration, calibrate, check_target, query_sample
 from retrieval.corpus import Corpus, CorpusSpec, id_hashes
 from retrieval.encoder import Encoder, from_info
 from retrieval.errors import ConfigError, CorpusError
@@ -230,34 +230,39 @@ def calibrate_index(
     check_target(target)
     directory = files.resolved(directory)
     if not apply:
-        return _measure(IndexDir(directory), raw_queries, target, source), IndexDir(directory).manifest()
+        old = IndexDir(directory)
+        manifest = _verified(old)
+        return _measure(old, manifest, old.faiss_index(mmap=True), raw_queries, target, source), manifest
     with files.write_errors(directory), files.writing(directory):
         old = IndexDir(directory)
-        calibration = _measure(old, raw_queries, target, source)
-        return calibration, _publish_calibration(old, calibration)
+        manifest = _verified(old)
+        index = old.faiss_index()  # read once: measured, then saved with the new default
+        calibration = _measure(old, manifest, index, raw_queries, target, source)
+        return calibration, _publish_calibration(old, manifest, index, calibration)
 
 
-def _measure(old: IndexDir, raw_queries: np.ndarray, target: float, source: str) -> Calibration:
+def _verified(old: IndexDir) -> Manifest:
     manifest = old.manifest()
     old.verify(manifest, "full", [INDEX, TRANSFORM])
+    return manifest
+
+
+def _measure(
+    old: IndexDir, manifest: Manifest, index: Any, raw_queries: np.ndarray, target: float, source: str
+) -> Calibration:
     stash = old.stash("calibrate")
     raw = np.asarray(raw_queries, dtype=np.float32)
     if raw.ndim != 2 or raw.shape[1] != stash.dim:
         raise ConfigError(f"the queries are vectors of shape {raw.shape}; this index takes {stash.dim}-d rows")
-    if len(raw) > MAX_QUERIES:
-        raw = raw[np.sort(np.random.default_rng(0).choice(len(raw), MAX_QUERIES, replace=False))]
+    raw = raw[query_sample(len(raw))]
     transform = old.transform()
-    queries = transform.transform(raw)
-    return calibrate(old.faiss_index(mmap=True), stash, transform, queries, target, source, manifest.transform.pooling)
+    return calibrate(index, stash, transform, transform.transform(raw), target, source, manifest.transform.pooling)
 
 
-def _publish_calibration(old: IndexDir, calibration: Calibration) -> Manifest:
-    manifest = old.manifest()
-    stash = old.stash("calibrate")
-    index = old.faiss_index()
+def _publish_calibration(old: IndexDir, manifest: Manifest, index: Any, calibration: Calibration) -> Manifest:
     set_search_params(index, **{calibration.knob: calibration.value})
     with files.replacing(old.path, "calibrating", OWN_NAMES) as work:
-        link_stash(stash, work / STASH)
+        link_stash(old.stash("calibrate"), work / STASH)
         for name in (TRANSFORM, MOMENTS, DOCS) + ((RESCORE,) if manifest.has_rescorer else ()):
             link_from(work, old, name)
         save_faiss_index(work, index)
