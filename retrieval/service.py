@@ -267,7 +267,12 @@ class Service:
                 encoder = None
         if encoder is None and manifest.encoder.kind == "transformers":
             threads = self.options.torch_threads
-            set_torch_threads(threads if isinstance(threads, int) else 1)  # auto starts at one, then measures
+            if isinstance(threads, int):
+                set_torch_threads(threads)
+            elif not self._torch_encoder:  # auto starts at one, then measures
+                # Not while a torch encoder serves: the setting is process-wide, and this (reload) thread would
+                # change the count under the engine's batches; the engine warms the new encoder at each count.
+                set_torch_threads(1)
         searcher = Searcher.load(self.directory, encoder=encoder, verify=self.options.verify)
         searcher.warm_up()
         self._torch_encoder = searcher.manifest.encoder.kind == "transformers"

@@ -587,6 +587,7 @@ def test_auto_threads_warm_every_count_in_the_engine_thread_before_ready(
     import torch
 
     from retrieval import service as service_module
+    from retrieval.build import BuildOptions
     from retrieval.encoder import EncoderSpec
 
     index = tmp_path / "idx"
@@ -612,6 +613,14 @@ def test_auto_threads_warm_every_count_in_the_engine_thread_before_ready(
         seen.clear()
         assert service.reload().reloaded  # same encoder: nothing to warm
         assert not [n for n, name in seen if name.startswith("retrieval-batcher")]
+        # Another encoder (cls pooling): warmed in the engine thread at every count, and the reload thread leaves
+        # the process-wide count alone while the old encoder still serves.
+        cls = EncoderSpec(str(tiny_bert), pooling="cls", precision="fp32")
+        build_index(CorpusSpec(corpus), cls.load(), index, TransformSpec(dim=8), options=BuildOptions(overwrite=True))
+        seen.clear()
+        assert service.reload().reloaded and service.searcher().encoder.info().pooling == "cls"
+        assert seen == [(n, name) for n, name in seen if name.startswith("retrieval-batcher")]
+        assert [n for n, _ in seen] == list(service.threads.choices)
     finally:
         service.stop(10)
         torch.set_num_threads(before)
