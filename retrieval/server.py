@@ -201,7 +201,8 @@ class Metrics:
 
 
 def _generation(service: Service) -> float | None:
-    return float(service.searcher().manifest.generation) if service.ready else None
+    searcher = service.serving  # not `ready`: a scrape while stopping still says which version is draining
+    return None if searcher is None else float(searcher.manifest.generation)
 
 
 def _loads(service: Service, result: str) -> float:
@@ -209,7 +210,8 @@ def _loads(service: Service, result: str) -> float:
 
 
 def _documents(service: Service) -> float | None:
-    return float(service.searcher().manifest.n) if service.ready else None
+    searcher = service.serving
+    return None if searcher is None else float(searcher.manifest.n)
 
 
 class ObserveRequests:
@@ -508,9 +510,9 @@ def describe(service: Service) -> dict[str, Any]:
             "cpus": os.cpu_count(),
         },
     }
-    if not service.ready:
+    searcher = service.serving  # while stopping too: the version draining what is in flight
+    if searcher is None:
         return {"ready": False, "index": None, "server": server}
-    searcher = service.searcher()
     m = searcher.manifest
     spec = m.transform.spec
     index = {
@@ -533,7 +535,7 @@ def describe(service: Service) -> dict[str, Any]:
         "versions": m.versions,
         "summary": {key: str(value) for key, value in searcher.describe().items()},
     }
-    return {"ready": True, "index": index, "server": server}
+    return {"ready": service.ready, "index": index, "server": server}
 
 
 def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:

@@ -176,6 +176,11 @@ class Service:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
+    @property
+    def serving(self) -> Searcher | None:
+        """The loaded version, if any, also while stopping (it still answers what is in flight)."""
+        return self._searcher
+
     def searcher(self) -> Searcher:
         """The version serving now (one attribute read: a reload swaps it whole)."""
         searcher = self._searcher

@@ -155,6 +155,19 @@ def test_metrics_count_requests_errors_and_batches(client: TestClient) -> None:
     assert metric(client, 'retrieval_requests_total{method="other",route="/search",status="405"}') == 3
 
 
+def test_metrics_name_the_draining_version_while_stopping(index: Path) -> None:
+    """A scrape during shutdown: not ready, and still the version that answers what is in flight."""
+    test_client, service = serve(index)
+    with test_client:
+        wait_ready(test_client)
+        service.stop(10)
+        assert metric(test_client, "retrieval_ready") == 0
+        assert metric(test_client, "retrieval_index_generation") == 1
+        assert metric(test_client, "retrieval_index_documents") == 300
+        info = test_client.get("/info").json()
+        assert info["ready"] is False and info["index"]["generation"] == 1
+
+
 # ----- bad input: always a 4xx with one JSON error shape, never a 500 or a traceback ---------------------------
 LONG = "x" * 2001
 JSON_TYPE = {"content-type": "application/json"}
