@@ -8,6 +8,13 @@ queries"). ``retrieval calibrate INDEX --queries q.parquet`` measures instead: t
 transformed as a search does, their exact neighbours in the index's space come from one streamed pass over the
 stash, and the knob grows along a grid until recall@10 reaches the target.
 
+Recall is of the search as it is served. An index that re-scores (reduced, with its stash: the top 50 candidates
+re-ranked at full dimension by default) is measured the same way: its top ``rescore`` candidates, re-scored,
+against the exact top ``rescore`` in the index's space, re-scored alike. That is the knob's own effect on what
+users get: the loss of the reduction itself is in both and cancels. A search needs fewer of its candidates right
+to get its final top 10 right, so a re-scoring index reaches the target at a smaller knob than its index-space
+recall says (README, "Search knobs measured on your queries").
+
 Why queries and not the corpus's own rows: measured, rows of the corpus make a knob look far better than it is.
 An HNSW search for a vector that is itself a node of the graph finds it and, through its links, its neighbours:
 efSearch 16 gave recall 0.98-0.99 on corpus rows at 100k and 0.81-0.87 on held-out queries.
@@ -19,6 +26,7 @@ documents do not make the measure depend on which of equal rows a search returns
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,12 +51,16 @@ EXTRA = 22  # exact neighbours kept beyond k, so that rows tied with the k-th ar
 EF_GRID = (16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 PLATEAU = 0.002  # when the target is out of reach: the smallest knob within this of the best recall seen
 
+# Re-scoring as a search does it: (candidate rows of the queries, k) -> (scores, rows) of the best k, best first.
+Rerank = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+
 
 @dataclass(frozen=True)
 class Calibration:
     """What ``calibrate`` measured: ``knob`` (ef_search or nprobe) at ``value`` gave ``recall`` (recall@10 of
-    ``queries`` queries from ``source`` against their exact neighbours in the index's space); ``reached``:
-    recall >= ``target``. ``curve``: every (value, recall) measured on the way."""
+    ``queries`` queries from ``source`` against their exact neighbours); ``reached``: recall >= ``target``.
+    ``curve``: every (value, recall) measured on the way. ``rescore``: the searches re-scored their top this many
+    candidates, as served (0: recall in the index's own space)."""
 
     knob: str
     value: int
@@ -58,6 +70,11 @@ class Calibration:
     source: str
     reached: bool
     curve: list[tuple[int, float]]
+    rescore: int = 0
+
+    @property
+    def measured_as(self) -> str:
+        return f"as served (re-scoring the top {self.rescore})" if self.rescore else "in the index's own space"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"curve": [list(point) for point in self.curve]}
@@ -67,7 +84,7 @@ class Calibration:
         curve = [(int(value), float(recall)) for value, recall in data["curve"]]
         return cls(
             data["knob"], int(data["value"]), float(data["recall"]), float(data["target"]), int(data["queries"]),
-            str(data["source"]), bool(data["reached"]), curve,
+            str(data["source"]), bool(data["reached"]), curve, int(data.get("rescore", 0)),
         )  # fmt: skip
 
 
@@ -162,24 +179,37 @@ def calibrate(
     target: float,
     source: str = "",
     pooling: str | None = None,
+    rescore: int = 0,
+    rerank: Rerank | None = None,
 ) -> Calibration:
     """The smallest knob value of ``index`` (filled with every stash row, in order) whose recall@10 on
     ``queries`` (already transformed) reaches ``target``; when none does, the smallest within PLATEAU of the best
-    (logged)."""
+    (logged). ``rescore`` > 0, with ``rerank`` (the index's re-scoring of these queries' candidates): recall@10
+    of searches that re-score their top ``rescore`` candidates, against the exact top ``rescore`` re-scored."""
     check_target(target)
+    if rescore < 0 or (rescore and rerank is None):
+        raise ConfigError(f"`rescore` must be 0, or positive with the index's re-scoring (got {rescore})", "rescore")
     knob = knob_of(index)
     if knob is None:
         raise ConfigError("a flat index searches exactly: it has no knob to calibrate (use --index-type hnsw or ivf)")
     if len(queries) == 0:
         raise ConfigError("no queries to calibrate on: give a file with at least one query", "queries")
     queries = np.ascontiguousarray(queries, dtype=np.float32)
-    scores, exact = exact_neighbours(stash, transform, queries, pooling)
+    depth = max(K, rescore) if rescore else K
+    scores, exact = exact_neighbours(stash, transform, queries, pooling, keep=max(K + EXTRA, depth))
+    if rerank is not None and rescore:
+        scores, exact = rerank(exact[:, :depth], depth)  # what an exact (flat) search would serve, best first
+
+    def served(value: int) -> np.ndarray:
+        found = search_with(index, queries, knob, value, depth)
+        return rerank(found, K)[1] if rerank is not None and rescore else found
+
     curve: list[tuple[int, float]] = []
     for value in grid(knob, index):
-        recall = recall_with_ties(search_with(index, queries, knob, value), exact, scores)
+        recall = recall_with_ties(served(value), exact, scores)
         curve.append((value, round(recall, 4)))
         if recall >= target:
-            return Calibration(knob, value, round(recall, 4), target, len(queries), source, True, curve)
+            return Calibration(knob, value, round(recall, 4), target, len(queries), source, True, curve, rescore)
     best = max(recall for _, recall in curve)
     value, recall = next(point for point in curve if point[1] >= best - PLATEAU)
     log.warning(
@@ -187,4 +217,4 @@ def calibrate(
         "under %.3f",
         best, target, knob, value, PLATEAU,
     )  # fmt: skip
-    return Calibration(knob, value, recall, target, len(queries), source, False, curve)
+    return Calibration(knob, value, recall, target, len(queries), source, False, curve, rescore)

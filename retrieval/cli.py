@@ -498,6 +498,13 @@ def calibrate(
     ],
     text_column: Annotated[str, typer.Option(help="The queries' text column.")] = "text",
     target_recall: Annotated[float, typer.Option(help="recall@10 the chosen ef-search / nprobe must reach.")] = 0.95,
+    rescore: Annotated[
+        int | None,
+        typer.Option(
+            help="Measure searches that re-score this many candidates at full dimension, as they are served; 0: "
+            "the index alone \\[default: the index's own depth].",
+        ),
+    ] = None,
     apply: Annotated[bool, typer.Option(help="Make the chosen value the index's default (atomic).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the measurement as JSON.")] = False,
 ) -> None:
@@ -520,7 +527,7 @@ def calibrate(
         texts = [texts[i] for i in query_sample(len(texts))]  # the sample calibrate_index takes, before encoding
         raw = Searcher.load(index_dir).encode(texts)
     with sigterm_exits():
-        result, manifest = calibrate_index(index_dir, raw, target_recall, str(queries.resolve()), apply)
+        result, manifest = calibrate_index(index_dir, raw, target_recall, str(queries.resolve()), apply, rescore)
     if as_json:
         print(json.dumps(result.to_dict() | {"applied": apply}))
         return
@@ -531,8 +538,8 @@ def calibrate(
         table.add_row(str(value), f"{recall:.4f}", style="bold" if value == result.value else None)
     out.print(table)
     reached = "reaches" if result.reached else "is this index's best, short of"
-    line = f"{result.knob} {result.value}: recall@10 {result.recall:.4f} on {result.queries} queries {reached} the "
-    line += f"target {target_recall:g}"
+    line = f"{result.knob} {result.value}: recall@10 {result.recall:.4f} {result.measured_as} on {result.queries} "
+    line += f"queries {reached} the target {target_recall:g}"
     now = f"; now the default (version {manifest.generation})" if apply else "; --apply makes it the default"
     err.print(line + now, markup=False)
 

@@ -100,7 +100,8 @@ def _search_default(index: IndexRecord) -> str:
         return f"{knobs}, as built (`retrieval calibrate --queries` measures what your queries need)"
     outcome = f"target {cal.target:g}" if cal.reached else f"short of the target {cal.target:g}: this index's best"
     return (
-        f"{knobs}: measured on {cal.queries} queries ({cal.source}), recall@10 {cal.recall:.3f} ({outcome}); "
+        f"{knobs}: measured on {cal.queries} queries ({cal.source}), recall@10 {cal.recall:.3f} "
+        f"{cal.measured_as} ({outcome}); "
         "search --ef / --nprobe overrides it"
     )
 

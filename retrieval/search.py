@@ -232,18 +232,9 @@ class Searcher:
             return self.loaded.open_stash()
 
     def _rescore(self, raw: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Re-rank each query's candidate rows by the full-dimension scorer (raw cosine unless the index records a
-        full-rank transform) of their stashed vectors. Every query's candidates are read in one pass over the
-        stash; a query's -1 rows (fewer candidates than asked) score -inf and stay last."""
         scorer = self.loaded.rescorer or RawTransform(self.transform.dim_in)
-        queries = scorer.transform(raw, product=self._rescore_product)
-        found = rows >= 0
-        scores = np.full(rows.shape, -np.inf, dtype=np.float32)
-        candidates = self.stash().read_rows(rows[found], self.manifest.transform.pooling)
-        vectors = scorer.transform(candidates, product=self._rescore_product)
-        scores[found] = np.einsum("ij,ij->i", vectors, np.repeat(queries, found.sum(axis=1), axis=0))
-        order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-        return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
+        pooling = self.manifest.transform.pooling
+        return rescore(self.stash(), scorer, raw, rows, k, pooling, product=self._rescore_product)
 
     def hits(self, scores: np.ndarray, rows: np.ndarray) -> list[list[Hit]]:
         out = []
@@ -263,3 +254,25 @@ class Searcher:
         from retrieval.info import summary
 
         return summary(self.manifest, self.transform)
+
+
+def rescore(
+    stash: VectorStash,
+    scorer: Whitening | RawTransform,
+    raw: np.ndarray,
+    rows: np.ndarray,
+    k: int,
+    pooling: str | None = None,
+    product: FaissProduct | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Re-rank each query's candidate ``rows`` by ``scorer`` (the full-dimension scorer: raw cosine unless the
+    index records a full-rank transform) of their stashed vectors; (scores, rows) of the best ``k``. Every
+    query's candidates are read in one pass over the stash; a query's -1 rows (fewer candidates than asked)
+    score -inf and stay last."""
+    queries = scorer.transform(raw, product=product)
+    found = rows >= 0
+    scores = np.full(rows.shape, -np.inf, dtype=np.float32)
+    vectors = scorer.transform(stash.read_rows(rows[found], pooling), product=product)
+    scores[found] = np.einsum("ij,ij->i", vectors, np.repeat(queries, found.sum(axis=1), axis=0))
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)

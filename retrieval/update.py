@@ -220,24 +220,33 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
 
 # ----- calibrate -------------------------------------------------------------------------------------------
 def calibrate_index(
-    directory: Path, raw_queries: np.ndarray, target: float = 0.95, source: str = "", apply: bool = False
+    directory: Path,
+    raw_queries: np.ndarray,
+    target: float = 0.95,
+    source: str = "",
+    apply: bool = False,
+    rescore: int | None = None,
 ) -> tuple[Calibration, Manifest]:
     """Measure the smallest efSearch / nprobe of the index at ``directory`` whose recall@10 on ``raw_queries``
     (encoder vectors, up to ``MAX_QUERIES`` of them, a seeded sample beyond) reaches ``target``
-    (``retrieval.calibrate``). ``apply``: publish a new version whose default is that value (the FAISS file
-    stores it too); the previous version stays intact on any failure. Returns the measurement and the manifest
-    now in place."""
+    (``retrieval.calibrate``), for searches that re-score their top ``rescore`` candidates (None: the index's
+    default depth, as searches do; 0: the index alone). ``apply``: publish a new version whose default is that
+    value (the FAISS file stores it too); the previous version stays intact on any failure. Returns the
+    measurement and the manifest now in place."""
     check_target(target)
+    if rescore is not None and rescore < 0:
+        raise ConfigError(f"`rescore` must be 0 or more (got {rescore})", "rescore")
     directory = files.resolved(directory)
     if not apply:
         old = IndexDir(directory)
         manifest = _verified(old)
-        return _measure(old, manifest, old.faiss_index(mmap=True), raw_queries, target, source), manifest
+        index = old.faiss_index(mmap=True)
+        return _measure(old, manifest, index, raw_queries, target, source, rescore), manifest
     with files.write_errors(directory), files.writing(directory):
         old = IndexDir(directory)
         manifest = _verified(old)
         index = old.faiss_index()  # read once: measured, then saved with the new default
-        calibration = _measure(old, manifest, index, raw_queries, target, source)
+        calibration = _measure(old, manifest, index, raw_queries, target, source, rescore)
         return calibration, _publish_calibration(old, manifest, index, calibration)
 
 
@@ -248,7 +257,13 @@ def _verified(old: IndexDir) -> Manifest:
 
 
 def _measure(
-    old: IndexDir, manifest: Manifest, index: Any, raw_queries: np.ndarray, target: float, source: str
+    old: IndexDir,
+    manifest: Manifest,
+    index: Any,
+    raw_queries: np.ndarray,
+    target: float,
+    source: str,
+    rescore: int | None = None,
 ) -> Calibration:
     stash = old.stash("calibrate")
     raw = np.asarray(raw_queries, dtype=np.float32)
@@ -256,7 +271,16 @@ def _measure(
         raise ConfigError(f"the queries are vectors of shape {raw.shape}; this index takes {stash.dim}-d rows")
     raw = raw[query_sample(len(raw))]
     transform = old.transform()
-    return calibrate(index, stash, transform, transform.transform(raw), target, source, manifest.transform.pooling)
+    pooling = manifest.transform.pooling
+    depth = manifest.rescoring.depth if rescore is None else rescore
+    scorer = old.rescorer(manifest)
+    from retrieval.search import rescore as rescore_rows  # FAISS: imported where an index is searched
+
+    def rerank(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return rescore_rows(stash, scorer, raw, rows, k, pooling)
+
+    queries = transform.transform(raw)
+    return calibrate(index, stash, transform, queries, target, source, pooling, depth, rerank if depth else None)
 
 
 def _publish_calibration(old: IndexDir, manifest: Manifest, index: Any, calibration: Calibration) -> Manifest:
