@@ -17,6 +17,12 @@ A memory phase then runs an encoder as a server holds it, in a fresh process, on
 
     python scripts/bench_encode.py            # full run (~20 min on 2 cores)
     python scripts/bench_encode.py --quick    # 200 texts, smoke run
+    python scripts/bench_encode.py --precision fp32   # a CPU without native bf16: ours fp32 swept, no bf16 levers
+
+``--precision fp32`` sweeps ours fp32 against sentence-transformers instead of ours bf16 and leaves out the bf16
+levers: where the CPU has no bf16 instructions (no ``avx512_bf16`` / AMX), torch emulates bf16 products, which is
+slow enough to take the run for hours, and ``precision auto`` picks fp32 there anyway. Needs sentence-transformers
+(``pip install sentence-transformers``; not a dependency of the project).
 """
 
 from __future__ import annotations
@@ -169,14 +175,17 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a.astype(np.float64) * b, axis=1)
 
 
-def cells(batch_sizes: list[int], threads: list[int]) -> list[tuple[str, int, int]]:
-    """(variant, threads, batch) to time: sentence-transformers and ours bf16 over every batch size at the most
-    threads and at batch 32 at the other thread counts; every other variant at batch 32, most threads."""
+def cells(batch_sizes: list[int], threads: list[int], ours: str = "ours_bf16") -> list[tuple[str, int, int]]:
+    """(variant, threads, batch) to time: sentence-transformers and ``ours`` over every batch size at the most
+    threads and at batch 32 at the other thread counts; every other variant at batch 32, most threads (the bf16
+    ones only when ``ours`` is bf16)."""
     top = max(threads)
     ref_batch = 32 if 32 in batch_sizes else batch_sizes[0]
-    out = [(v, top, b) for v in ("st_fp32", "ours_bf16") for b in batch_sizes]
-    out += [(v, t, ref_batch) for v in ("st_fp32", "ours_bf16") for t in threads if t != top]
-    out += [(v, top, ref_batch) for v in VARIANTS if v not in ("st_fp32", "ours_bf16")]
+    swept = ("st_fp32", ours)
+    others = [v for v in VARIANTS if v not in swept and (ours == "ours_bf16" or "bf16" not in v)]
+    out = [(v, top, b) for v in swept for b in batch_sizes]
+    out += [(v, t, ref_batch) for v in swept for t in threads if t != top]
+    out += [(v, top, ref_batch) for v in others]
     return out
 
 
@@ -185,7 +194,7 @@ def bench_dataset(
 ) -> tuple[list[dict], dict[str, object]]:
     import torch
 
-    grid = cells(args.batch_sizes, args.threads)
+    grid = cells(args.batch_sizes, args.threads, f"ours_{args.precision}")
     top = max(args.threads)
     ref_batch = 32 if 32 in args.batch_sizes else args.batch_sizes[0]
     n_tokens = [
@@ -202,17 +211,15 @@ def bench_dataset(
         quality[(v, b)] = {p: float(cosines(got[p], reference[p]).min()) for p in got}
     # The vectors bucketing must not change: padding is masked, so only summation order differs.
     bucketing = {}
-    for precision, bucketed, unbucketed in (
-        ("fp32", "ours_fp32", "reference"),
-        ("bf16", "ours_bf16", "lever_bf16_unbucketed"),
-    ):
+    pairs = [("fp32", "ours_fp32", "reference"), ("bf16", "ours_bf16", "lever_bf16_unbucketed")]
+    for precision, bucketed, unbucketed in pairs[: 2 if args.precision == "bf16" else 1]:
         x, y = (runner.run(v, texts, ref_batch, POOLINGS) for v in (bucketed, unbucketed))
         bucketing[precision] = min(float(cosines(x[p], y[p]).min()) for p in POOLINGS)
     print(f"  bucketed vs unbucketed, min cosine over poolings: {bucketing}", flush=True)
     times: dict[tuple[str, int, int], list[float]] = {}
     for t in sorted({t for _, t, _ in grid}):  # warm every variant at every thread count
         torch.set_num_threads(t)
-        for v in VARIANTS:
+        for v in dict.fromkeys(v for v, _, _ in grid):
             runner.run(v, texts[:64], 32)
     order = np.random.default_rng(args.seed)
     for rep in range(args.repeats):
@@ -279,7 +286,7 @@ def gemm_gflops(dtype_name: str, size: int = 2048, repeats: int = 5) -> float:
     return 2 * size**3 / min(times) / 1e9
 
 
-def summarise(rows: list[dict], min_cos: float, default_batch: int) -> list[dict]:
+def summarise(rows: list[dict], min_cos: float, default_batch: int, ours: str = "ours_bf16") -> list[dict]:
     """Per dataset: sentence-transformers at batch 32 and at its best cell against ours (the library's own paths,
     not the levers) at its default batch and at its best batch, quality-checked on every pooling."""
     out = []
@@ -289,10 +296,10 @@ def summarise(rows: list[dict], min_cos: float, default_batch: int) -> list[dict
         st = [r for r in mine if r["variant"] == "st_fp32"]  # ST's best over every cell, threads included
         st_default = next((r for r in st if r["batch_size"] == 32 and r["threads"] == top), st[0])
         st_best = max(st, key=lambda r: r["texts_per_s"])
-        ours = [r for r in mine if r["variant"].startswith("ours_") and r["cos_min"] >= min_cos]
-        best = max(ours, key=lambda r: r["texts_per_s"]) if ours else None
+        mine_ours = [r for r in mine if r["variant"].startswith("ours_") and r["cos_min"] >= min_cos]
+        best = max(mine_ours, key=lambda r: r["texts_per_s"]) if mine_ours else None
         default = next(
-            (r for r in ours if (r["variant"], r["threads"], r["batch_size"]) == ("ours_bf16", top, default_batch)),
+            (r for r in mine_ours if (r["variant"], r["threads"], r["batch_size"]) == (ours, top, default_batch)),
             None,
         )
         out.append(
@@ -317,7 +324,7 @@ def summarise(rows: list[dict], min_cos: float, default_batch: int) -> list[dict
     return out
 
 
-def memory_worker(bucketed: bool, seconds: float, seed: int, model: str) -> dict[str, object]:
+def memory_worker(bucketed: bool, seconds: float, seed: int, model: str, precision: str = "bf16") -> dict[str, object]:
     """One encoder, as a long-lived server holds it, fed batches of 1-32 texts of 1-200 words for ``seconds``;
     RSS sampled every few seconds. Runs in its own process (``--memory-worker``) so the RSS is its own."""
     from retrieval.encoder import TransformerEncoder
@@ -326,7 +333,7 @@ def memory_worker(bucketed: bool, seconds: float, seed: int, model: str) -> dict
     rng = np.random.default_rng(seed)
     # bf16, what precision auto picks on this CPU when it is quiet: pinned, since auto's timing under load picked
     # fp32 for one run and bf16 for the other (the bf16 copy alone is ~50 MiB), which hid what bucketing does.
-    enc = TransformerEncoder(model, precision="bf16")
+    enc = TransformerEncoder(model, precision=precision)
     enc.bucketed = bucketed
     shapes: set[tuple[int, ...]] = set()
     forward = enc._forward
@@ -383,7 +390,7 @@ def bench_memory(args: argparse.Namespace) -> list[dict]:
     for variant in ("unbucketed", "bucketed"):
         print(f"\n[memory] {variant}: {args.memory_seconds:.0f} s of random batches, load {os.getloadavg()[0]:.1f}")
         command = [sys.executable, __file__, "--memory-worker", variant, "--memory-seconds", str(args.memory_seconds)]
-        command += ["--model", args.model, "--seed", str(args.seed)]
+        command += ["--model", args.model, "--seed", str(args.seed), "--precision", args.precision]
         done = subprocess.run(command, check=True, capture_output=True, text=True)
         result = json.loads(done.stdout.strip().splitlines()[-1])
         print(
@@ -396,7 +403,7 @@ def bench_memory(args: argparse.Namespace) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], memory: list[dict], path: Path) -> None:
+def plot(rows: list[dict], memory: list[dict], path: Path, ours: str = "ours_bf16") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -415,7 +422,7 @@ def plot(rows: list[dict], memory: list[dict], path: Path) -> None:
         ax.set_xlabel(f"texts/s (batch {ref}, {top} threads)")
         ax.set_title(name)
         ax = axes[1][col]
-        for v in ("st_fp32", "ours_bf16"):
+        for v in ("st_fp32", ours):
             sweep = sorted(
                 (r for r in mine if r["variant"] == v and r["threads"] == top), key=lambda r: r["batch_size"]
             )
@@ -467,10 +474,17 @@ def main() -> None:
     p.add_argument("--memory-worker", choices=("bucketed", "unbucketed"), help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="200 texts each, batch 32 at all threads only, 1 repeat")
+    p.add_argument(
+        "--precision",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="ours swept against sentence-transformers (default: %(default)s; fp32 where the CPU has no bf16)",
+    )
     p.add_argument("--out", type=Path, default=None, help="results root (default: results/)")
     args = p.parse_args()
     if args.memory_worker:
-        result = memory_worker(args.memory_worker == "bucketed", args.memory_seconds, args.seed, args.model)
+        bucketed = args.memory_worker == "bucketed"
+        result = memory_worker(bucketed, args.memory_seconds, args.seed, args.model, args.precision)
         print(json.dumps(result))
         return
     if args.quick:
@@ -490,7 +504,8 @@ def main() -> None:
     benchlib.print_machine(info)
     runner = Runner(args.model)
     gemm = {dtype: gemm_gflops(dtype) for dtype in ("float32", "bfloat16")}
-    print(f"dense matmul, {max(args.threads)} threads: fp32 {gemm['float32']:.0f} GFLOP/s, bf16 {gemm['bfloat16']:.0f}")
+    print(f"dense matmul, {max(args.threads)} threads: fp32 {gemm['float32']:.0f} GFLOP/s, bf16 {gemm['bfloat16']:.1f}")
+    peak = "float32" if args.precision == "fp32" else "bfloat16"  # the rate ours runs at
     rows: list[dict] = []
     checks: list[dict] = []
     datasets = {
@@ -501,12 +516,12 @@ def main() -> None:
         got, check = bench_dataset(runner, name, texts, args)
         rows += got
         checks.append(check)
-    summary = summarise(rows, args.min_cos, default_batch)
+    summary = summarise(rows, args.min_cos, default_batch, f"ours_{args.precision}")
     memory = bench_memory(args) if args.memory_seconds > 0 else []
     info["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
 
     out = benchlib.out_dir("encode", args.out)
-    stem = "bench_encode_quick" if args.quick else "bench_encode"
+    stem = ("bench_encode_quick" if args.quick else "bench_encode") + ("_fp32" if args.precision == "fp32" else "")
     data = {
         "command": benchlib.command_line(),
         "machine": info,
@@ -524,7 +539,7 @@ def main() -> None:
         "rows": rows,
     }
     benchlib.write_json(out / f"{stem}.json", data)
-    plot(rows, memory, out / f"{stem}.png")
+    plot(rows, memory, out / f"{stem}.png", f"ours_{args.precision}")
     cols = [
         ("dataset", "texts"),
         ("variant", "variant"),
@@ -541,7 +556,7 @@ def main() -> None:
         ("st_default_texts_per_s", "ST bs32 texts/s"),
         ("st_best_texts_per_s", "ST best texts/s"),
         ("st_best", "ST best cell"),
-        ("ours_default_texts_per_s", f"ours bf16 bs{default_batch} texts/s"),
+        ("ours_default_texts_per_s", f"ours {args.precision} bs{default_batch} texts/s"),
         ("ours_default_vs_st_best", "x ST best"),
         ("ours_best", f"ours best (cos >= {args.min_cos})"),
         ("ours_best_texts_per_s", "texts/s"),
@@ -556,7 +571,7 @@ def main() -> None:
             "ours": r["ours_best_gflops"],
             "fp32": gemm["float32"],
             "bf16": gemm["bfloat16"],
-            "share": (r["ours_best_gflops"] or 0) / gemm["bfloat16"],
+            "share": (r["ours_best_gflops"] or 0) / gemm[peak],
             "need": 3 * r["st_best_gflops"],
         }
         for r in summary
@@ -567,7 +582,7 @@ def main() -> None:
         ("ours", "ours best GFLOP/s"),
         ("fp32", "fp32 matmul GFLOP/s"),
         ("bf16", "bf16 matmul GFLOP/s"),
-        ("share", "ours / bf16 matmul"),
+        ("share", f"ours / {args.precision} matmul"),
         ("need", "3x ST best needs GFLOP/s"),
     ]
     bcols = [("dataset", "texts"), ("fp32", "fp32: bucketed vs not"), ("bf16", "bf16: bucketed vs not")]
@@ -598,7 +613,7 @@ def main() -> None:
             benchlib.md_table(ordered, cols),
             "## Bucketed shapes change no vector (min cosine over all texts and poolings, batch 32)",
             benchlib.md_table(bucket_rows, bcols),
-            "## Memory of a long-lived encoder (random batches of 1-32 texts of 1-200 words; bf16)",
+            f"## Memory of a long-lived encoder (random batches of 1-32 texts of 1-200 words; {args.precision})",
             benchlib.md_table(memory, mcols) if memory else "(skipped)",
         ]
     )
