@@ -22,8 +22,8 @@ and each value's p50 (the search of 50 candidates; re-scoring them costs the sam
 
 ``--queries``: a .npy of raw query vectors (rows as the index's encoder gives them, its pooling), an .npz
 and a key (``file.npz:mean``; several joined by ``+``), or a .parquet of texts (``text``, and ``title``
-prepended where there is one, as corpus rows are), encoded by the first index's encoder and cached beside it
-as ``<name>.<model>.npy``. ``--build SOURCE --kinds hnsw,ivf --dims 384,128
+prepended where there is one, as corpus rows are), encoded by the first index's encoder and cached beside that
+index (never beside the data: ``../shared`` is read-only to us) as ``<name>.<model>.<pooling>.npy``. ``--build SOURCE --kinds hnsw,ivf --dims 384,128
 --work DIR``: first build those indexes from SOURCE's stash (hard-linked copies, then ``refit``), as
 bench_scale does. Appends to ``--out``/bench_calibrate.json and rewrites the table from all of its rows.
 """
@@ -69,7 +69,7 @@ def encode_texts(path: Path, index: Path) -> np.ndarray:
     from retrieval.indexdir import IndexDir
 
     info = IndexDir(index).manifest().encoder
-    cache = path.with_name(f"{path.stem}.{Path(info.model).name}.{info.pooling}.npy")
+    cache = index.parent / f"{path.stem}.{Path(info.model).name}.{info.pooling}.npy"
     if cache.is_file():
         return np.load(cache)
     table = pq.read_table(path)
