@@ -23,9 +23,10 @@ and each value's p50 (the search of 50 candidates; re-scoring them costs the sam
 ``--queries``: a .npy of raw query vectors (rows as the index's encoder gives them, its pooling), an .npz
 and a key (``file.npz:mean``; several joined by ``+``), or a .parquet of texts (``text``, and ``title``
 prepended where there is one, as corpus rows are), encoded by the first index's encoder and cached beside that
-index (never beside the data: ``../shared`` is read-only to us) as ``<name>.<model>.<pooling>.npy``. ``--build SOURCE --kinds hnsw,ivf --dims 384,128
---work DIR``: first build those indexes from SOURCE's stash (hard-linked copies, then ``refit``), as
-bench_scale does. Appends to ``--out``/bench_calibrate.json and rewrites the table from all of its rows.
+index (never beside the data: ``../shared`` is read-only to us) as ``<name>.<model>.<pooling>.npy``.
+``--build SOURCE --kinds hnsw,ivf --dims 384,128 --work DIR``: first build those indexes from SOURCE's stash
+(hard-linked copies, then ``refit``), as bench_scale does. Appends to ``--out``/bench_calibrate.json and
+rewrites the table from all of its rows.
 """
 
 from __future__ import annotations
