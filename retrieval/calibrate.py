@@ -52,8 +52,14 @@ EXTRA = 22  # exact neighbours kept beyond k, so that rows tied with the k-th ar
 EF_GRID = (16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 PLATEAU = 0.002  # when the target is out of reach: the smallest knob within this of the best recall seen
 
-# Re-scoring as a search does it: (candidate rows of the queries, k) -> (scores, rows) of the best k, best first.
-Rerank = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+
+@dataclass(frozen=True)
+class Served:
+    """How the index's searches are served: their top ``depth`` candidates re-ranked by ``rerank``, (candidate
+    rows of the queries, k) -> (scores, rows) of the best k, best first (``update.served_as`` builds it)."""
+
+    depth: int
+    rerank: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -172,6 +178,30 @@ def search_with(index: faiss.Index, queries: np.ndarray, knob: str, value: int, 
     return found
 
 
+def exact_served(
+    stash: VectorStash,
+    transform: Whitening | RawTransform,
+    queries: np.ndarray,
+    pooling: str | None = None,
+    served: Served | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The truth recall is measured against: the exact neighbours in the index's space, or with ``served``, the
+    exact top ``served.depth`` re-ranked as a search re-ranks them; (scores, rows), best first."""
+    depth = max(K, served.depth) if served else K
+    scores, exact = exact_neighbours(stash, transform, queries, pooling, keep=max(K + EXTRA, depth))
+    return served.rerank(exact[:, :depth], depth) if served else (scores, exact)
+
+
+def served_rows(
+    index: faiss.Index, queries: np.ndarray, knob: str, value: int, served: Served | None = None
+) -> np.ndarray:
+    """The top 10 rows a search with ``knob`` at ``value`` serves: the index's, or with ``served``, its top
+    ``served.depth`` re-ranked."""
+    if served is None:
+        return search_with(index, queries, knob, value)
+    return served.rerank(search_with(index, queries, knob, value, max(K, served.depth)), K)[1]
+
+
 def calibrate(
     index: faiss.Index,
     stash: VectorStash,
@@ -180,34 +210,24 @@ def calibrate(
     target: float,
     source: str = "",
     pooling: str | None = None,
-    rescore: int = 0,
-    rerank: Rerank | None = None,
+    served: Served | None = None,
 ) -> Calibration:
     """The smallest knob value of ``index`` (filled with every stash row, in order) whose recall@10 on
     ``queries`` (already transformed) reaches ``target``; when none does, the smallest within PLATEAU of the best
-    (logged). ``rescore`` > 0, with ``rerank`` (the index's re-scoring of these queries' candidates): recall@10
-    of searches that re-score their top ``rescore`` candidates, against the exact top ``rescore`` re-scored."""
+    (logged). With ``served`` (the index's re-scoring of these queries' candidates): recall@10 of searches that
+    re-score their top ``served.depth`` candidates, against the exact top ``served.depth`` re-scored."""
     check_target(target)
-    if rescore < 0 or (rescore and rerank is None):
-        raise ConfigError(f"`rescore` must be 0, or positive with the index's re-scoring (got {rescore})", "rescore")
     knob = knob_of(index)
     if knob is None:
         raise ConfigError("a flat index searches exactly: it has no knob to calibrate (use --index-type hnsw or ivf)")
     if len(queries) == 0:
         raise ConfigError("no queries to calibrate on: give a file with at least one query", "queries")
     queries = np.ascontiguousarray(queries, dtype=np.float32)
-    depth = max(K, rescore) if rescore else K
-    scores, exact = exact_neighbours(stash, transform, queries, pooling, keep=max(K + EXTRA, depth))
-    if rerank is not None and rescore:
-        scores, exact = rerank(exact[:, :depth], depth)  # what an exact (flat) search would serve, best first
-
-    def served(value: int) -> np.ndarray:
-        found = search_with(index, queries, knob, value, depth)
-        return rerank(found, K)[1] if rerank is not None and rescore else found
-
+    scores, exact = exact_served(stash, transform, queries, pooling, served)
+    rescore = served.depth if served else 0
     curve: list[tuple[int, float]] = []
     for value in grid(knob, index):
-        recall = recall_with_ties(served(value), exact, scores)
+        recall = recall_with_ties(served_rows(index, queries, knob, value, served), exact, scores)
         curve.append((value, round(recall, 4)))
         if recall >= target:
             return Calibration(knob, value, round(recall, 4), target, len(queries), source, True, curve, rescore)

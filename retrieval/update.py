@@ -24,7 +24,7 @@ import numpy as np
 
 from retrieval import files
 from retrieval.build import WINDOW_ROWS, index_record, input_dim, write_version
-from retrieval.calibrate import Calibration, calibrate, check_target, query_sample
+from retrieval.calibrate import Calibration, Served, calibrate, check_target, query_sample
 from retrieval.corpus import Corpus, CorpusSpec, id_hashes
 from retrieval.encoder import Encoder, from_info
 from retrieval.errors import ConfigError, CorpusError
@@ -271,16 +271,21 @@ def _measure(
         raise ConfigError(f"the queries are vectors of shape {raw.shape}; this index takes {stash.dim}-d rows")
     raw = raw[query_sample(len(raw))]
     transform = old.transform()
-    pooling = manifest.transform.pooling
     depth = manifest.rescoring.depth if rescore is None else rescore
-    scorer = old.rescorer(manifest)
-    from retrieval.search import rescore as rescore_rows  # FAISS: imported where an index is searched
+    served = served_as(old, manifest, stash, raw, depth)
+    pooling = manifest.transform.pooling
+    return calibrate(index, stash, transform, transform.transform(raw), target, source, pooling, served)
 
-    def rerank(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        return rescore_rows(stash, scorer, raw, rows, k, pooling)
 
-    queries = transform.transform(raw)
-    return calibrate(index, stash, transform, queries, target, source, pooling, depth, rerank if depth else None)
+def served_as(old: IndexDir, manifest: Manifest, stash: VectorStash, raw: np.ndarray, depth: int) -> Served | None:
+    """Searches for ``raw`` (encoder vectors) re-scoring their top ``depth`` candidates as the index's searches
+    do (``search.rescore`` with its full-dimension scorer); None for depth 0, the index alone."""
+    if depth <= 0:
+        return None
+    from retrieval.search import rescore  # FAISS: imported where an index is searched
+
+    scorer, pooling = old.rescorer(manifest), manifest.transform.pooling
+    return Served(depth, lambda rows, k: rescore(stash, scorer, raw, rows, k, pooling))
 
 
 def _publish_calibration(old: IndexDir, manifest: Manifest, index: Any, calibration: Calibration) -> Manifest:

@@ -202,27 +202,23 @@ def measure_served(
     index_dir: Any, index: Any, raw_dev: np.ndarray, raw_test: np.ndarray, knob: str, target: float
 ) -> dict[str, Any]:
     """``calibrate`` as served (re-scoring the index's default depth) on the dev half; its test-half recall."""
-    from retrieval.calibrate import K, calibrate, exact_neighbours, grid, recall_with_ties, search_with
-    from retrieval.search import rescore
+    from retrieval.calibrate import calibrate, exact_served, grid, recall_with_ties, served_rows
+    from retrieval.update import served_as
 
     manifest = index_dir.manifest()
     depth, pooling = manifest.rescoring.depth, manifest.transform.pooling
-    stash, transform, scorer = index_dir.stash(), index_dir.transform(), index_dir.rescorer(manifest)
-
-    def rerank(raw: np.ndarray) -> Any:
-        return lambda rows, k: rescore(stash, scorer, raw, rows, k, pooling)
-
+    stash, transform = index_dir.stash(), index_dir.transform()
     dev = np.ascontiguousarray(transform.transform(raw_dev), dtype=np.float32)
     test = np.ascontiguousarray(transform.transform(raw_test), dtype=np.float32)
     start = time.perf_counter()
-    chosen = calibrate(index, stash, transform, dev, target, "dev half", pooling, depth, rerank(raw_dev))
+    served_dev = served_as(index_dir, manifest, stash, raw_dev, depth)
+    chosen = calibrate(index, stash, transform, dev, target, "dev half", pooling, served_dev)
     seconds = time.perf_counter() - start
-    _, deep = exact_neighbours(stash, transform, test, pooling, keep=depth)
-    scores, truth = rerank(raw_test)(deep, depth)
+    served_test = served_as(index_dir, manifest, stash, raw_test, depth)
+    scores, truth = exact_served(stash, transform, test, pooling, served_test)
 
     def on_test(value: int) -> float:
-        found = rerank(raw_test)(search_with(index, test, knob, value, depth), K)[1]
-        return round(recall_with_ties(found, truth, scores), 4)
+        return round(recall_with_ties(served_rows(index, test, knob, value, served_test), truth, scores), 4)
 
     oracle = next((value for value in grid(knob, index) if on_test(value) >= target), None)
     return {
