@@ -67,7 +67,8 @@ class Calibration:
     """What ``calibrate`` measured: ``knob`` (ef_search or nprobe) at ``value`` gave ``recall`` (recall@10 of
     ``queries`` queries from ``source`` against their exact neighbours); ``reached``: recall >= ``target``.
     ``curve``: every (value, recall) measured on the way. ``rescore``: the searches re-scored their top this many
-    candidates, as served (0: recall in the index's own space)."""
+    candidates, as served (0: recall in the index's own space). ``rows``: the index's size when measured (0 in
+    records written before it was kept); ``add`` keeps the calibration, and ``info`` says how much it has grown."""
 
     knob: str
     value: int
@@ -78,6 +79,7 @@ class Calibration:
     reached: bool
     curve: list[tuple[int, float]]
     rescore: int = 0
+    rows: int = 0
 
     @property
     def measured_as(self) -> str:
@@ -92,6 +94,7 @@ class Calibration:
         return cls(
             data["knob"], int(data["value"]), float(data["recall"]), float(data["target"]), int(data["queries"]),
             str(data["source"]), bool(data["reached"]), curve, int(data.get("rescore", 0)),
+            int(data.get("rows", 0)),
         )  # fmt: skip
 
 
@@ -224,13 +227,13 @@ def calibrate(
         raise ConfigError("no queries to calibrate on: give a file with at least one query", "queries")
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     scores, exact = exact_served(stash, transform, queries, pooling, served)
-    rescore = served.depth if served else 0
+    rescore, rows = (served.depth if served else 0), int(index.ntotal)
     curve: list[tuple[int, float]] = []
     for value in grid(knob, index):
         recall = recall_with_ties(served_rows(index, queries, knob, value, served), exact, scores)
         curve.append((value, round(recall, 4)))
         if recall >= target:
-            return Calibration(knob, value, round(recall, 4), target, len(queries), source, True, curve, rescore)
+            return Calibration(knob, value, round(recall, 4), target, len(queries), source, True, curve, rescore, rows)
     best = max(recall for _, recall in curve)
     value, recall = next(point for point in curve if point[1] >= best - PLATEAU)
     log.warning(
@@ -238,4 +241,4 @@ def calibrate(
         "under %.3f",
         best, target, knob, value, PLATEAU,
     )  # fmt: skip
-    return Calibration(knob, value, recall, target, len(queries), source, False, curve, rescore)
+    return Calibration(knob, value, recall, target, len(queries), source, False, curve, rescore, rows)

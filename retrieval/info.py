@@ -100,10 +100,16 @@ def _search_default(index: IndexRecord) -> str:
         return f"{knobs}, as built (`retrieval calibrate --queries` measures what your queries need)"
     outcome = f"target {cal.target:g}" if cal.reached else f"short of the target {cal.target:g}: this index's best"
     return (
-        f"{knobs}: measured on {cal.queries} queries ({cal.source}), recall@10 {cal.recall:.3f} "
-        f"{cal.measured_as} ({outcome}); "
-        "search --ef / --nprobe overrides it"
+        f"{knobs}: measured on {cal.queries} queries ({cal.source}){_grown(cal.rows, index.ntotal)}, recall@10 "
+        f"{cal.recall:.3f} {cal.measured_as} ({outcome}); search --ef / --nprobe overrides it"
     )
+
+
+def _grown(then: int, now: int) -> str:
+    """Where the index has grown (``add``) since its knob was measured: both sizes, and how to measure again."""
+    if not then or now <= then:
+        return f" at {then:,} rows" if then else ""
+    return f" at {then:,} rows (now {now:,}: `retrieval calibrate` again re-measures)"
 
 
 def _params(faiss_info: dict[str, Any]) -> str:

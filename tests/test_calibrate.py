@@ -5,6 +5,7 @@ record, apply, keep (add) and drop (refit) the measured value."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -36,6 +37,7 @@ from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError
 from retrieval.index import IndexSpec, describe, search_parameters
 from retrieval.indexdir import RESCORE_DEPTH, IndexDir
+from retrieval.info import _search_default, summary
 from retrieval.search import Searcher, SearchParams
 from retrieval.update import add, calibrate_index, refit
 from retrieval.whitening import TransformSpec
@@ -247,6 +249,16 @@ def test_apply_publishes_the_knob_add_keeps_it_refit_drops_it(tmp_path: Path) ->
     grown = IndexDir(out).manifest().index
     assert grown.ntotal == N + 300 and grown.calibration == cal and grown.search == {"nprobe": cal.value}
     assert describe(IndexDir(out).faiss_index())["nprobe"] == cal.value
+    # info says the knob was measured on fewer rows than the index now holds (kept through 4-22x growth on real
+    # vectors, README), and how to measure again; a record from before `rows` was kept says neither
+    assert cal.rows == N
+    said = summary(IndexDir(out).manifest(), IndexDir(out).transform())["search default"]
+    assert f"at {N:,} rows (now {N + 300:,}: `retrieval calibrate` again re-measures)" in said
+    old = dataclasses.replace(grown, calibration=Calibration.from_dict(
+        {key: value for key, value in cal.to_dict().items() if key != "rows"}
+    ))  # fmt: skip
+    assert old.calibration is not None and old.calibration.rows == 0
+    assert "rows" not in _search_default(old) and "measured on" in _search_default(old)
 
     refit(out, TransformSpec(dim=12))  # a new index: the measured knob no longer applies
     rebuilt = IndexDir(out).manifest().index
