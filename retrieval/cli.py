@@ -234,7 +234,7 @@ def index(
     m: Annotated[int, typer.Option("--m", help="HNSW: neighbours per node.")] = DefaultIndex.m,
     ef_construction: Annotated[int, typer.Option(help="HNSW: build-time beam width.")] = DefaultIndex.ef_construction,
     ef_search: Annotated[int, typer.Option(help="HNSW: default search beam width.")] = DefaultIndex.ef_search,
-    nlist: Annotated[int | None, typer.Option(help="IVF: number of lists \\[default: ~4 sqrt(N)].")] = None,
+    nlist: Annotated[int | None, typer.Option(help="IVF: lists \\[default: ~4 sqrt(N), at most N/39].")] = None,
     nprobe: Annotated[int | None, typer.Option(help="IVF: lists probed per query \\[default: ~sqrt(nlist)].")] = None,
     train_size: Annotated[int | None, typer.Option(help="IVF/PQ: training sample rows.")] = None,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Index directory \\[default: indexes/<stem>].")] = None,
@@ -398,7 +398,7 @@ def info(
     """Show what an index holds: model, pooling, d -> k, gamma, N, sizes, spectrum, drift."""
     from retrieval.info import describe_index
 
-    directory = index_dir or home.default_index()
+    directory = index_dir or home.default_index("name it: `retrieval info DIR`")
     report = describe_index(directory, verify="full" if verify else "none")
     if as_json:
         print(json.dumps(report, indent=2))
@@ -896,7 +896,7 @@ def serve(
     options.check()
     if api_key is not None and not (api_key.isascii() and api_key.isprintable() and api_key.strip() == api_key != ""):
         raise ConfigError("`api_key` must be printable ASCII without surrounding spaces (it travels in an HTTP header)")
-    directory = index_dir or home.default_index()
+    directory = index_dir or home.default_index("name it: `retrieval serve DIR`")
     Directory(directory).manifest()  # a missing or foreign directory fails here, in one line, not in the server
     err.print(f"serving {safe(str(directory))} on http://{host}:{port}/ (docs at /docs)", markup=False)
     server.run(directory, options, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout)

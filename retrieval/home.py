@@ -32,12 +32,13 @@ def remember(directory: Path) -> None:
     (root / LAST_NAME).write_text(str(Path(directory).resolve()) + "\n")
 
 
-def default_index() -> Path:
-    """The last index built, or a clear error when there is none."""
+def default_index(name_it: str = "pass --index DIR") -> Path:
+    """The last index built, or a clear error when there is none, ending in how the command names another
+    (``name_it``: search takes ``--index DIR``, info and serve the directory as an argument)."""
     pointer = index_root() / LAST_NAME
     if not pointer.is_file():
         raise IndexDirError(
             f"no index has been built yet (nothing recorded in {pointer}); run `retrieval index CORPUS.parquet` "
-            "first, or pass --index DIR"
+            f"first, or {name_it}"
         )
     return Path(pointer.read_text().strip())

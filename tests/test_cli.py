@@ -3,6 +3,7 @@ help text, and every bad input from issue 2 giving one clear line on stderr, a n
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from collections.abc import Iterator
@@ -268,8 +269,11 @@ def test_usage_errors_are_one_line_too(args: list[str], fragment: str) -> None:
 
 
 def test_search_with_no_index_built(isolated_home: Path) -> None:
-    assert_one_clear_error(run("search", "anything"), "no index has been built yet", "retrieval index")
-    assert_one_clear_error(run("info"), "no index has been built yet")
+    assert_one_clear_error(run("search", "anything"), "no index has been built yet", "or pass --index DIR")
+    # each command says how it names another directory: info and serve take it as an argument, not --index
+    assert_one_clear_error(run("info"), "no index has been built yet", "or name it: `retrieval info DIR`")
+    if importlib.util.find_spec("fastapi") is not None:  # without the [server] extra, serve says that first
+        assert_one_clear_error(run("serve"), "no index has been built yet", "or name it: `retrieval serve DIR`")
     assert_nothing_written(isolated_home)
 
 
