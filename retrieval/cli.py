@@ -412,6 +412,7 @@ def info(
 
 
 # ----- add / refit -----------------------------------------------------------------------------------------
+AS_BUILT = "\\[default: as the index was built]"
 IndexDirArg = Annotated[Path, typer.Argument(help="Index directory to change in place (atomically).", file_okay=False)]
 
 
@@ -420,18 +421,26 @@ IndexDirArg = Annotated[Path, typer.Argument(help="Index directory to change in 
 def add(
     index_dir: IndexDirArg,
     corpus: CorpusArg,
-    text_column: TextOption = "text",
-    id_column: IdOption = None,
-    title_column: TitleOption = None,
-    vectors_column: Annotated[
-        str | None, typer.Option(help="Column of precomputed embeddings (for indexes built from vectors).")
+    text_column: Annotated[str | None, typer.Option(help=f"Column with the document text {AS_BUILT}.")] = None,
+    id_column: Annotated[
+        str | None, typer.Option(help=f"Column with document ids, '' for row numbers {AS_BUILT}.")
     ] = None,
-    skip_empty: SkipEmptyOption = False,
+    title_column: Annotated[
+        str | None, typer.Option(help=f"Column prepended to the text, '' for none {AS_BUILT}.")
+    ] = None,
+    vectors_column: Annotated[str | None, typer.Option(help=f"Column of precomputed embeddings {AS_BUILT}.")] = None,
+    skip_empty: Annotated[
+        bool | None, typer.Option("--skip-empty/--no-skip-empty", help=f"Leave out empty texts {AS_BUILT}.")
+    ] = None,
 ) -> None:
     """Encode new documents and add them to an index with its existing kernel (see `info` for drift)."""
     from retrieval.update import add as add_rows
+    from retrieval.update import read_like_build
 
-    spec = CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty)
+    spec = read_like_build(
+        index_dir, corpus, text_column=text_column, id_column=id_column, title_column=title_column,
+        vectors_column=vectors_column, skip_empty=skip_empty,
+    )  # fmt: skip
     with sigterm_exits(), progress_bars() as update:
         manifest = add_rows(index_dir, spec, progress=update)
     rows = manifest.corpus.added[-1]["rows"]

@@ -166,6 +166,24 @@ def add(
         return _add(IndexDir(directory), corpus, encoder, progress, window_rows)
 
 
+def read_like_build(directory: Path, path: Path, **given: Any) -> CorpusSpec:
+    """How ``add`` reads ``path``: each option in ``given`` that is not None (``text_column``, ``id_column``,
+    ``title_column``, ``vectors_column``, ``skip_empty``) as given, the others as the index at ``directory`` was
+    built, so rows added later get ids, titles and texts as the first rows did (an index built with
+    ``--id-column doc_id --title-column title`` otherwise took row numbers and untitled texts from a new file
+    of the same shape). An empty string asks for no id, title or vectors column."""
+    built = IndexDir(files.resolved(directory)).manifest().corpus.settings
+    fields = {field.name for field in dataclasses.fields(CorpusSpec)} - {"path"}
+    unknown = set(given) - fields
+    if unknown:
+        raise TypeError(f"read_like_build() got unexpected options {sorted(unknown)}")
+    settings = {name: value for name, value in built.items() if name in fields}  # older manifests may lack some
+    settings |= {name: value for name, value in given.items() if value is not None}
+    for name in ("id_column", "title_column", "vectors_column"):
+        settings[name] = settings.get(name) or None  # "" asks for none: row-number ids, no title, texts encoded
+    return CorpusSpec(Path(path), **settings)
+
+
 def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: Progress, window_rows: int) -> Manifest:
     manifest = old.manifest()
     old.verify(manifest, "full", list(manifest.files))  # what add reads: the index, moments, transform, docs

@@ -222,6 +222,57 @@ def test_add_then_search_finds_the_new_docs(tmp_path, corpus):
     assert not files_beside(directory)
 
 
+def titled(path: Path, ids: list[str], vectors: np.ndarray | None = None) -> Path:
+    """A BEIR-shaped corpus: ids in ``doc_id``, a ``title`` and a ``body``; with ``vectors``, also an ``emb``."""
+    columns = {
+        "doc_id": ids,
+        "title": [f"Title {i}" for i in ids],
+        "body": [f"the passage of document {i} on whitening" for i in ids],
+    }
+    if vectors is not None:
+        columns["emb"] = [row.tolist() for row in vectors]
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def test_add_reads_new_rows_as_the_index_was_built(tmp_path):
+    """Before: `retrieval add` read a new file of the same shape with the CLI's own defaults, not the build's:
+    row-number ids (`300`), untitled texts from `text` (a missing column). Now what was not given is as built."""
+    directory, encoder = tmp_path / "idx", FakeEncoder()
+    first = titled(tmp_path / "a.parquet", [f"d{i}" for i in range(300)])
+    spec = CorpusSpec(first, text_column="body", id_column="doc_id", title_column="title")
+    build_index(spec, encoder, directory, TransformSpec(dim=8), options=OPTIONS)
+    more = titled(tmp_path / "b.parquet", ["x1", "x2"])
+
+    like = update.read_like_build(directory, more)
+    assert (like.path, like.text_column, like.id_column, like.title_column) == (more, "body", "doc_id", "title")
+    update.add(directory, like, encoder)
+    docs = Docs(directory / DOCS)
+    assert docs.ids[-2:] == ["x1", "x2"] and docs.texts([300]) == ["Title x1 the passage of document x1 on whitening"]
+    # what is given wins; "" asks for none (row-number ids, no title)
+    assert update.read_like_build(directory, more, text_column="title").text_column == "title"
+    bare = update.read_like_build(directory, more, id_column="", title_column="")
+    assert (bare.id_column, bare.title_column, bare.text_column) == (None, None, "body")
+    with pytest.raises(TypeError, match="unexpected options"):
+        update.read_like_build(directory, more, title="title")
+
+
+def test_cli_add_takes_the_build_s_vectors_id_and_title_columns(tmp_path):
+    """An index built from a vectors column (no texts kept): `add` of a file of the same shape needs no options
+    (before, it looked for a `text` column to encode and refused)."""
+    directory = tmp_path / "idx"
+    built = titled(tmp_path / "a.parquet", [f"d{i}" for i in range(200)], anisotropic(200))
+    options = ["--id-column", "doc_id", "--title-column", "title", "--text-column", "body", "--vectors-column", "emb"]
+    result = runner.invoke(app, ["index", str(built), "--out", str(directory), "--dim", "4", *options])
+    assert result.exit_code == 0, result.output
+    more = titled(tmp_path / "b.parquet", ["x1", "x2", "x3"], anisotropic(3, seed=5))
+    result = runner.invoke(app, ["add", str(directory), str(more)])
+    assert result.exit_code == 0, result.output
+    assert ids_of(directory)[-3:] == ["x1", "x2", "x3"]
+    added = IndexDir(directory).manifest().corpus.added[-1]
+    assert (added["id_column"], added["title_column"], added["vectors_column"]) == ("doc_id", "title", "emb")
+
+
 @pytest.mark.parametrize("action", ["add", "refit"])
 def test_add_links_old_parts_unread_and_refit_verifies_what_it_reads(tmp_path, corpus, monkeypatch, action):
     """Stash parts are written once, checksummed as they are written. add only links the old parts' vectors (it
