@@ -19,10 +19,12 @@ import hmac
 import logging
 import os
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,6 +45,7 @@ from retrieval.telemetry import Counter, Gauge, Histogram, Registry
 
 log = logging.getLogger(__name__)
 
+Answer = TypeVar("Answer")
 API_KEY_ENV = "RETRIEVAL_API_KEY"
 STATIC = Path(__file__).parent / "static"
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT"})
@@ -348,10 +351,23 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
                 )
         return values
 
+    async def answer(future: Future[Answer]) -> Answer:
+        """The engine's answer. On SIGTERM uvicorn lets requests finish for ``--shutdown-timeout`` seconds, then
+        cancels them: one still waiting gets the JSON 503 ``shutting_down`` rather than uvicorn's plain-text 500
+        and a logged traceback (other cancellations pass on)."""
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not service.stopping:
+                raise
+            message = "the server stopped before this request was answered (its shutdown timeout ran out); retry"
+            raise ApiError(503, "shutting_down", message) from None
+
     async def run_search(texts: list[str], params: SearchParams) -> JSONResponse:
         start = time.perf_counter()
-        service.searcher()  # 503 before queueing when nothing is loaded yet
-        result = await asyncio.wrap_future(service.batcher.submit_search(texts, params))
+        if service.searcher().encoder is None:  # and a 503 before queueing when nothing is loaded yet
+            raise ApiError(422, "no_encoder", "this index was built from precomputed vectors: it has no encoder")
+        result = await answer(service.batcher.submit_search(texts, params))
         results = [
             {"hits": [{"rank": h.rank, "id": h.id, "score": h.score, "text": h.text} for h in hits]}
             for hits in result.hits
@@ -376,6 +392,15 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
         ef: Annotated[int | None, Query(description="HNSW search beam width.")] = None,
         nprobe: Annotated[int | None, Query(description="IVF lists probed.")] = None,
     ) -> JSONResponse:
+        # Starlette decodes percent-escapes that are not UTF-8 to U+FFFD, which would be searched: refused, as a
+        # POST body that is not UTF-8 is
+        raw = request.scope.get("query_string", b"").decode("latin-1")
+        for name, value in urllib.parse.parse_qsl(raw, keep_blank_values=True, errors="surrogateescape"):
+            if not valid_unicode(name + value):
+                param = name if valid_unicode(name) else None  # never echo what cannot be encoded
+                where = f"`{param}`" if param else "a parameter name"
+                message = f"{where} is not UTF-8 once percent-decoded: percent-encode UTF-8 text"
+                raise ApiError(422, "invalid_text", message, param)
         unknown = sorted(set(request.query_params) - {"q", "k", "rescore", "ef", "nprobe"})
         if unknown:
             raise ApiError(422, "invalid_request", f"unknown parameter `{unknown[0]}`", unknown[0])
@@ -409,7 +434,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
         searcher = service.searcher()
         if searcher.encoder is None:
             raise ApiError(422, "no_encoder", "this index was built from precomputed vectors: it has no encoder")
-        result = await asyncio.wrap_future(service.batcher.submit_embed(texts, body.transformed))
+        result = await answer(service.batcher.submit_embed(texts, body.transformed))
         vectors = result.vectors
         return JSONResponse(
             {
@@ -669,8 +694,15 @@ def run(
     ``shutdown_timeout`` seconds), then the app's lifespan drains the engine."""
     import uvicorn
 
-    app = create_app(Service(directory, options), api_key=api_key or os.environ.get(API_KEY_ENV) or None)
-    uvicorn.run(
+    service = Service(directory, options)
+    app = create_app(service, api_key=api_key or os.environ.get(API_KEY_ENV) or None)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            service.begin_shutdown()  # from the signal on: not ready, and a request cancelled at the timeout gets 503
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -679,3 +711,10 @@ def run(
         access_log=False,
         server_header=False,
     )
+    server = Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C, re-raised by uvicorn once it has shut down (as uvicorn.run does)
+        pass
+    if not server.started:  # e.g. the port is taken: uvicorn logged why; its exit status, as uvicorn.run gives
+        raise SystemExit(3)

@@ -206,9 +206,13 @@ class Service:
                 self._watcher = threading.Thread(target=self._watch, name="retrieval-reload", daemon=True)
                 self._watcher.start()
 
+    def begin_shutdown(self) -> None:
+        """The server was told to stop (SIGTERM): no longer ready, no more reloads; what is queued still runs."""
+        self._stopping.set()
+
     def stop(self, timeout: float | None = 30.0) -> None:
         """Stop watching, let the engine finish what is queued, and end it."""
-        self._stopping.set()
+        self.begin_shutdown()
         self.batcher.stop(timeout)
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout)

@@ -251,6 +251,10 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
             b'{"query": "a", "k": ' + b"9" * 5000 + b"}",
         )
     ],
+    # percent-escapes that are not UTF-8 (Latin-1 e-acute, an encoded surrogate): refused, not searched as U+FFFD
+    ("get", "/search?q=caf%E9&k=1", {}, 422, "invalid_text", "q"),
+    ("get", "/search?q=%ED%A0%80", {}, 422, "invalid_text", "q"),
+    ("get", "/search?q=a&%FF=1", {}, 422, "invalid_text", None),
     ("get", "/nowhere", {}, 404, "not_found", None),
     ("delete", "/search", {}, 405, "method_not_allowed", None),
     ("get", "/embed", {}, 405, "method_not_allowed", None),
@@ -268,6 +272,75 @@ def test_bad_input_gets_a_clear_json_error(
     assert error["message"] and "\n" not in error["message"] and "Traceback" not in response.text
     if param:
         assert f"`{param}`" in error["message"]
+
+
+def test_an_index_of_precomputed_vectors_refuses_texts_with_no_encoder(tmp_path: Path) -> None:
+    """Searching it by text named a Python call (`search_vectors()`) under `invalid_param`; now `no_encoder`, as
+    /embed says."""
+    np.save(tmp_path / "v.npy", FakeEncoder().encode([f"t{i}" for i in range(60)]))
+    build_index(CorpusSpec(tmp_path / "v.npy"), None, tmp_path / "vec", TransformSpec(dim=4))
+    service = Service(tmp_path / "vec", ServeOptions(watch_interval=0))
+    with TestClient(create_app(service)) as client:
+        wait_ready(client)
+        for response in (
+            client.get("/search", params={"q": "a text"}),
+            client.post("/search", json={"queries": ["a", "b"]}),
+            client.post("/embed", json={"inputs": "a"}),
+        ):
+            assert response.status_code == 422, response.text
+            error = response.json()["error"]
+            assert error["code"] == "no_encoder" and "search_vectors" not in error["message"], error
+
+
+def test_a_request_cancelled_at_the_shutdown_timeout_gets_503_json(index: Path) -> None:
+    """On SIGTERM uvicorn waits --shutdown-timeout, then cancels the requests still running: those got uvicorn's
+    plain-text 500 and a logged traceback. Once the service is shutting down (`begin_shutdown`, which `run` calls
+    from the signal), a cancelled request gets 503 `shutting_down`, JSON; any other cancellation passes on."""
+    import asyncio
+    import json
+
+    release = threading.Event()
+    test_client, service = serve(index)
+
+    async def cancelled_request() -> tuple[str, list[dict[str, Any]]]:
+        """A raw ASGI GET /search, cancelled while the engine holds it, as uvicorn cancels it."""
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+            "path": "/search", "raw_path": b"/search", "query_string": b"q=held", "root_path": "",
+            "headers": [(b"host", b"testserver")], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+        }  # fmt: skip
+        task = asyncio.ensure_future(test_client.app(scope, receive, send))
+        await asyncio.sleep(0.3)  # queued behind, or inside, the held encode
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "cancelled", sent
+        return "answered", sent
+
+    with test_client:
+        wait_ready(test_client)
+        searcher = service.searcher()
+        encode = searcher.encode
+        searcher.encode = lambda texts: (release.wait(10), encode(texts))[1]  # type: ignore[method-assign]
+        try:
+            outcome, sent = asyncio.run(cancelled_request())
+            assert outcome == "cancelled" and not sent  # not shutting down: as before
+            service.begin_shutdown()
+            outcome, sent = asyncio.run(cancelled_request())
+            assert outcome == "answered" and sent[0]["status"] == 503, sent
+            error = json.loads(sent[1]["body"])["error"]
+            assert error["code"] == "shutting_down" and "shutdown timeout" in error["message"], error
+        finally:
+            release.set()
 
 
 def test_method_not_allowed_names_every_method_of_the_path(client: TestClient) -> None:

@@ -193,3 +193,31 @@ def test_sigterm_lets_the_request_in_flight_finish(served: tuple[Server, Path]) 
     assert code in (0, -signal.SIGTERM), code  # uvicorn re-raises the signal once it has shut down
     log = server.log.read_text()
     assert "Traceback" not in log and "Waiting for application shutdown" in log
+
+
+def test_sigterm_past_the_shutdown_timeout_answers_503_json(tiny_index: Path, tmp_path: Path) -> None:
+    """A request still running when --shutdown-timeout runs out is cancelled by uvicorn: it got a plain-text 500
+    and the log a traceback. Now the JSON 503 `shutting_down`, and the process still exits."""
+    import shutil
+
+    index = tmp_path / "idx"
+    shutil.copytree(tiny_index, index)
+    server = start(index, tmp_path, "--shutdown-timeout", "1", "--watch-interval", "0", code=SLOW_SERVER)
+    try:
+        server.wait_ready()
+        result: dict[str, Any] = {}
+        client = threading.Thread(
+            target=lambda: result.update(response=server.get(f"/search?q={SLOW.replace(' ', '%20')}", timeout=30))
+        )
+        client.start()
+        time.sleep(0.5)  # inside its 2 s encoding, which outlasts the 1 s timeout
+        server.proc.send_signal(signal.SIGTERM)
+        client.join(30)
+        status, body = result["response"]
+        assert status == 503 and body["error"]["code"] == "shutting_down", body
+        assert server.proc.wait(30) in (0, -signal.SIGTERM)
+        assert "Traceback" not in server.log.read_text()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        server.proc.wait(10)
