@@ -396,6 +396,7 @@ class Loaded:
     rescorer: Whitening | RawTransform | None = None  # scores re-ranked candidates at full dimension
     stash: VectorStash | None = None  # raw vectors, mapped at load when this version re-scores by default
     identity: tuple[int, int] | None = None  # the directory's identity when this version was read
+    verify: Verify = "full"  # how it was checked when read (a stash mapped later is checked alike)
 
     def open_stash(self) -> VectorStash:
         """The stash of this very version: the one mapped at load, else opened now, and only if the directory is
@@ -405,7 +406,7 @@ class Loaded:
         replaced = IndexDirError(f"{self.directory.path} was replaced since it was loaded; load it again to re-score")
         if self.directory.identity() != self.identity:
             raise replaced
-        stash = _map_stash(self.directory, self.manifest)
+        stash = _map_stash(self.directory, self.manifest, self.verify)
         if self.directory.identity() != self.identity:  # replaced while it was being mapped
             raise replaced
         self.stash = stash
@@ -473,15 +474,19 @@ def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
         raise IndexDirError(f"{directory.path}: the re-scoring transform is not full-rank; rebuild the index")
     # Mapped now, inside the identity check, when searches re-score by default; otherwise on first use, by
     # ``Loaded.open_stash`` (a one-shot search of a raw index never pays for mapping every part).
-    stash = _map_stash(directory, manifest) if manifest.stash is not None and manifest.rescoring.depth > 0 else None
-    return Loaded(directory, manifest, transform, index, docs, rescorer, stash)
+    rescores = manifest.stash is not None and manifest.rescoring.depth > 0
+    stash = _map_stash(directory, manifest, verify) if rescores else None
+    return Loaded(directory, manifest, transform, index, docs, rescorer, stash, verify=verify)
 
 
-def _map_stash(directory: IndexDir, manifest: Manifest) -> VectorStash:
-    """The stash with the fitted pooling's parts memory-mapped (kept: re-scoring reads rows at random)."""
+def _map_stash(directory: IndexDir, manifest: Manifest, verify: Verify = "full") -> VectorStash:
+    """The stash with the fitted pooling's parts memory-mapped (kept: re-scoring reads rows at random). A "quick"
+    reader checks those parts' sizes and sampled hashes first ("full" checked every byte at load)."""
     stash = directory.stash("re-score")
     if len(stash) != manifest.n or stash.dim != manifest.transform.d:
         raise IndexDirError(f"{directory.path}: the vector stash does not match its manifest; rebuild the index")
+    if verify == "quick":
+        stash.verify(full=False, sampled=manifest.transform.pooling)
     for _ in stash.iter_parts(manifest.transform.pooling):
         pass
     return stash

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from retrieval.errors import ConfigError, IndexDirError
-from retrieval.files import inside, sha256, write_atomic
+from retrieval.files import inside, part_fingerprint, sha256, write_atomic
 from retrieval.moments import RunningMoments
 
 STASH_FORMAT = 2
@@ -42,7 +42,7 @@ class Part:
     vectors: dict[str, str]
     docs: str
     source_batches: int = 1
-    checksums: dict[str, dict[str, Any]] = field(default_factory=dict)  # file name -> {"bytes", "sha256"}
+    checksums: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {bytes, sha256, sampled_sha256}
 
     @property
     def names(self) -> list[str]:
@@ -165,7 +165,8 @@ class VectorStash:
 
     def _write(self, name: str, data: bytes) -> dict[str, Any]:
         write_atomic(self.root / name, data)
-        return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        sampled = part_fingerprint(self.root / name)  # read back from the page cache: the same bytes
+        return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "sampled_sha256": sampled}
 
     def register(self, parts: Sequence[Part]) -> None:
         """Append written parts, in the given order (their row order), and save ``stash.json``."""
@@ -184,9 +185,11 @@ class VectorStash:
         return part
 
     # ----- checking -----------------------------------------------------------------------------------
-    def verify(self, full: bool = True, docs: bool = False) -> None:
+    def verify(self, full: bool = True, docs: bool = False, sampled: str | None = None) -> None:
         """Every part file present with its recorded size, and (``full``) its recorded sha256; ``docs``: the sha256
-        of the (id, text) files even when not ``full`` (for a writer that reads those and only links the vectors)."""
+        of the (id, text) files even when not ``full`` (for a writer that reads those and only links the vectors);
+        ``sampled``: the sampled hash (``files.part_fingerprint``) of that pooling's vectors, where the part
+        recorded one (parts written before it was kept: sizes only), for a reader that maps them."""
         for part in self._parts:
             for name in part.names:
                 path = self.root / name
@@ -194,7 +197,10 @@ class VectorStash:
                 if record is None or not path.is_file():
                     raise IndexDirError(f"stash file {path} is missing or unrecorded; rebuild the index")
                 hashed = full or (docs and name == part.docs)
-                if path.stat().st_size != record["bytes"] or (hashed and sha256(path) != record["sha256"]):
+                bad = path.stat().st_size != record["bytes"] or (hashed and sha256(path) != record["sha256"])
+                if not (bad or hashed) and sampled and name == part.vectors.get(sampled) and "sampled_sha256" in record:
+                    bad = part_fingerprint(path) != record["sampled_sha256"]
+                if bad:
                     raise IndexDirError(f"stash file {path} is corrupt (checksum mismatch); rebuild the index")
 
     # ----- reading ------------------------------------------------------------------------------------

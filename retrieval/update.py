@@ -284,6 +284,7 @@ def _measure(
     rescore: int | None = None,
 ) -> Calibration:
     stash = old.stash("calibrate")
+    stash.verify(full=False, sampled=manifest.transform.pooling)  # sizes and sampled hashes: it reads every row
     raw = np.asarray(raw_queries, dtype=np.float32)
     if raw.ndim != 2 or raw.shape[1] != stash.dim:
         raise ConfigError(f"the queries are vectors of shape {raw.shape}; this index takes {stash.dim}-d rows")

@@ -153,7 +153,8 @@ def test_manifest_describes_the_directory(built: tuple[Path, FakeEncoder, Manife
     for part in stash.parts:
         for name, record in part.checksums.items():
             path = out / "vectors" / name
-            assert record == {"bytes": path.stat().st_size, "sha256": files.sha256(path)}
+            size, digest, sampled = path.stat().st_size, files.sha256(path), files.part_fingerprint(path)
+            assert record == {"bytes": size, "sha256": digest, "sampled_sha256": sampled}
     IndexDir(out).verify(manifest, "full")
     # nothing is left beside the index
     assert siblings(out) == ["idx"]

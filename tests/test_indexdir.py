@@ -93,7 +93,10 @@ def test_a_quick_load_hashes_no_large_file_whole(tmp_path: Path, monkeypatch) ->
     real = files.sha256
     monkeypatch.setattr(files, "sha256", lambda path: hashed.append(Path(path).name) or real(path))
     Searcher.load(tmp_path / "idx", encoder=FakeEncoder(), verify="quick")
-    assert hashed == []
+    # only stash parts smaller than their sample would be (16 KiB), which a re-scoring load hashes whole
+    full_below = files.PART_SAMPLE_BLOCKS * files.PART_SAMPLE_BYTES
+    small = {path.name for path in (tmp_path / "idx" / "vectors").glob("*.npy") if path.stat().st_size < full_below}
+    assert set(hashed) <= small, hashed
     Searcher.load(tmp_path / "idx", encoder=FakeEncoder(), verify="full")
     assert set(hashed) >= {"index.faiss", "docs.arrow", "transform.npz"}
 
@@ -205,6 +208,41 @@ def test_quick_sha256_samples_a_large_file_from_its_first_byte_to_its_last(tmp_p
         damaged[offset] ^= 0xFF
         path.write_bytes(bytes(damaged))
         assert (files.quick_sha256(path) != fingerprint) is caught, offset
+
+
+def test_a_stash_part_s_sampled_hash_and_what_a_quick_reader_checks(tmp_path: Path) -> None:
+    """Parts record a sampled hash (4 x 4 KiB, first byte to last): a one-shot search that re-scores checks it
+    for every part it maps. Shuffled rows change it; a byte between two blocks does not (a sample). Parts written
+    before it was recorded are checked by size only, as before."""
+    rows = np.random.default_rng(0).standard_normal((2000, 64)).astype(np.float32)  # 512 KB: sampled, not whole
+    path = tmp_path / "part.npy"
+    np.save(path, rows)
+    fingerprint = files.part_fingerprint(path)
+    assert fingerprint != files.sha256(path)
+    np.save(path, rows[np.random.default_rng(1).permutation(len(rows))])
+    assert files.part_fingerprint(path) != fingerprint
+    np.save(path, rows)
+    data = bytearray(path.read_bytes())
+    data[files.PART_SAMPLE_BYTES + 100] ^= 0xFF  # after the first block, long before the second
+    path.write_bytes(bytes(data))
+    assert files.part_fingerprint(path) == fingerprint
+
+    out = tmp_path / "idx"
+    build_index(CorpusSpec(write_corpus(tmp_path / "c.parquet", n=300)), FakeEncoder(), out, TransformSpec(dim=8))
+    stash = IndexDir(out).stash()
+    part = stash.parts[0]
+    record = part.checksums[part.vectors["mean"]]
+    assert record["sampled_sha256"] == files.part_fingerprint(stash.root / part.vectors["mean"])
+    name = part.vectors["mean"]
+    vectors = np.load(stash.root / name)
+    np.save(stash.root / name, vectors[::-1])  # rows reversed: same size
+    with pytest.raises(IndexDirError, match="corrupt"):
+        stash.verify(full=False, sampled="mean")
+    stash.verify(full=False)  # sizes alone do not see it
+    del record["sampled_sha256"]  # as a part written before the sampled hash was kept: sizes only, as before
+    stash.verify(full=False, sampled="mean")
+    with pytest.raises(IndexDirError, match="corrupt"):
+        stash.verify(full=True)
 
 
 @pytest.mark.parametrize(

@@ -640,15 +640,22 @@ def test_stash_paths_outside_the_index(fake_index: Path, tmp_path: Path) -> None
     assert not list(fake_index.rglob("secret.npy"))
 
 
+@pytest.mark.parametrize("damage", ["garbage", "shuffled"])
 @case(
     "index dir",
-    "a stash part overwritten with garbage, then refit / tune / re-score",
-    "refused (checksum mismatch); the index is not rebuilt from garbage",
+    "a stash part overwritten with garbage, or its rows shuffled, then refit / tune / calibrate / re-score (a "
+    "one-shot search included)",
+    "refused (checksum mismatch; a one-shot search checks sizes and sampled hashes of the parts it maps); the "
+    "index is not rebuilt from garbage",
 )
-def test_garbage_in_the_stash(fake_index: Path) -> None:
+def test_garbage_in_the_stash(fake_index: Path, damage: str) -> None:
     stash = IndexDir(fake_index).stash()
     part = stash.root / stash.parts[0].vectors["mean"]
-    part.write_bytes(part.read_bytes()[:128] + os.urandom(part.stat().st_size - 128))  # same size, garbage
+    if damage == "garbage":
+        part.write_bytes(part.read_bytes()[:128] + os.urandom(part.stat().st_size - 128))  # same size, garbage
+    else:  # a one-shot search re-scored these and answered other documents' ids with exit 0
+        rows = np.load(part)
+        np.save(part, rows[np.random.default_rng(1).permutation(len(rows))])
     before = snapshot(fake_index)
     with pytest.raises(IndexDirError, match="corrupt"):
         update.refit(fake_index, TransformSpec(dim=4))
@@ -658,6 +665,10 @@ def test_garbage_in_the_stash(fake_index: Path) -> None:
         tune_index(fake_index, dev, dims=[4], gammas=[0.5])
     with pytest.raises(IndexDirError, match="corrupt"):  # a searcher that re-scores loads with full checks
         Searcher.load(fake_index, encoder=FakeEncoder())
+    with pytest.raises(IndexDirError, match="corrupt"):  # ... and a one-shot search with quick ones
+        Searcher.load(fake_index, encoder=FakeEncoder(), verify="quick")
+    with pytest.raises(IndexDirError, match="corrupt"):
+        update.calibrate_index(fake_index, FakeEncoder().encode(["a query"]), 0.9)
 
 
 def flip_middle_byte(data: bytes) -> bytes:
