@@ -558,7 +558,7 @@ def _read_vectors(path: Path) -> Any:
 
     try:
         return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, EOFError) as error:  # EOFError: an empty file
         raise ConfigError(f"{path} is not a readable .npy of query vectors ({error})", "queries") from error
 
 

@@ -210,7 +210,7 @@ class Corpus:
     def _open_npy(self, path: Path) -> None:
         try:
             array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, EOFError) as err:  # EOFError: an empty file
             raise CorpusError(f"{path} is not a readable .npy array ({err}); save it with numpy.save") from err
         if array.ndim != 2:
             raise CorpusError(f"{path} holds an array of shape {array.shape}; expected 2-D (rows x dims) vectors")

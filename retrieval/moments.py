@@ -95,7 +95,7 @@ class RunningMoments:
         try:
             with np.load(path, allow_pickle=False) as data:
                 version, n, mean, m2 = int(data["format_version"]), int(data["n"]), data["mean"], data["m2"]
-        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as err:  # truncated: a bad zip
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as err:  # truncated: a bad zip; empty: EOF
             raise IndexDirError(f"cannot read moments from {path}: {err}; rebuild the index") from err
         if version != FORMAT_VERSION:
             raise IndexDirError(f"{path}: moments format version {version}; this version reads {FORMAT_VERSION}")

@@ -227,7 +227,7 @@ class VectorStash:
         part = self._parts[number]
         try:
             array = np.load(self.root / part.vectors[pooling], mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, EOFError) as err:  # EOFError: an empty file
             raise IndexDirError(f"cannot read stash part {part.vectors[pooling]}: {err}") from err
         if array.shape != (part.rows, self.dim):
             raise IndexDirError(f"stash part {part.vectors[pooling]} has shape {array.shape}; rebuild")

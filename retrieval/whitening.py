@@ -286,7 +286,7 @@ def _read(path: str | os.PathLike[str], kind: str | None = None) -> dict[str, np
     try:
         with np.load(path, allow_pickle=False) as npz:
             data = {name: npz[name] for name in npz.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as err:  # a truncated .npz is a bad zip
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:  # truncated: a bad zip; empty: EOF
         raise IndexDirError(f"cannot read the transform {path}: {err}; rebuild the index") from err
     version = int(data["format_version"]) if "format_version" in data else None
     if version not in READS_VERSIONS:

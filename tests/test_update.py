@@ -496,10 +496,23 @@ def test_npy_that_is_not_a_matrix_of_numbers_is_refused(tmp_path, array, message
     assert result.exit_code == 1 and "expected" in result.output
 
 
-def test_unreadable_npy_is_refused(tmp_path):
-    (tmp_path / "bad.npy").write_bytes(b"not numpy at all")
+@pytest.mark.parametrize("content", [b"not numpy at all", b""])
+def test_unreadable_npy_is_refused(tmp_path, content):
+    """An empty file raised numpy's EOFError, which click turned into a bare "aborted"."""
+    (tmp_path / "bad.npy").write_bytes(content)
     with pytest.raises(CorpusError, match="not a readable .npy"):
         build_index(CorpusSpec(tmp_path / "bad.npy"), None, tmp_path / "idx")
+    result = runner.invoke(app, ["index", str(tmp_path / "bad.npy"), "--out", str(tmp_path / "idx")])
+    assert result.exit_code == 1 and "bad.npy is not a readable .npy array" in result.output, result.output
+
+
+@pytest.mark.parametrize("name", [MOMENTS, TRANSFORM])
+def test_an_emptied_index_file_is_named_not_aborted(tmp_path, corpus, name):
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    (directory / name).write_bytes(b"")
+    result = runner.invoke(app, ["info", str(directory)])
+    assert result.exit_code == 1 and f"{name}: No data left in file; rebuild the index" in result.output, result.output
 
 
 def test_nan_and_inf_vectors_are_counted_and_named(tmp_path):
