@@ -8,12 +8,13 @@ whole into RAM: the page cache holds what searches touch.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import overload
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from retrieval.errors import IndexDirError
 from retrieval.files import touch_pages
@@ -78,6 +79,12 @@ class Docs:
             chunk, offset = self._locate(int(row))
             out.append(str(self._texts.chunk(chunk)[offset].as_py()))
         return out
+
+    def count_in(self, ids: Collection[str]) -> int:
+        """How many rows have one of ``ids`` (one vectorised pass over the mapped ids, none turned into Python)."""
+        if not ids:
+            return 0
+        return int(pc.sum(pc.is_in(self._ids, value_set=pa.array(sorted(ids), pa.string()))).as_py() or 0)
 
     @property
     def ids(self) -> DocIds:

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from retrieval.docs import Docs
 from retrieval.encoder import Encoder
 from retrieval.errors import CorpusError
 from retrieval.metrics import EvalResult, Qrels, Run, evaluate_run, sts_scores
@@ -119,12 +120,30 @@ def read_judged(queries_path: Path, qrels_path: Path) -> tuple[Queries, Qrels]:
     together, or ids that differ in form, such as 1 and "1.0"): every metric would be undefined."""
     queries, qrels = read_queries(queries_path), read_qrels(qrels_path)
     if not any(grade > 0 for q in queries.ids for grade in qrels.get(q, {}).values()):
+        if any(q in qrels for q in queries.ids):
+            raise CorpusError(
+                f"{qrels_path} grades no document of these queries above 0, so none is relevant: relevant "
+                "documents need a grade of 1 or more"
+            )
         example = next(iter(qrels), "none")
         raise CorpusError(
             f"no query of {queries_path} has a relevant judgement in {qrels_path} (query ids such as "
             f"{queries.ids[0]!r} there, {example!r} here): check that the two files belong together"
         )
     return queries, qrels
+
+
+def check_judged_in(docs: Docs, judged: tuple[Queries, Qrels], where: Path | str) -> None:
+    """Refuse qrels none of whose relevant documents is in the index: every metric would be 0, and a tune would
+    choose on nothing. The usual cause is ids read from another column (SciFact's are in ``doc_id``)."""
+    queries, qrels = judged
+    relevant = {doc for q in queries.ids for doc, grade in qrels.get(q, {}).items() if grade > 0}
+    if relevant and docs.count_in(relevant) == 0:
+        raise CorpusError(
+            f"none of the {len(relevant):,} documents judged relevant is in the index at {where} (ids such as "
+            f"{min(relevant)!r} in the qrels, {docs.id(0)!r} in the index): build the index with the column "
+            "that holds those ids (--id-column)"
+        )
 
 
 def to_run(query_ids: Sequence[str], scores: np.ndarray, rows: np.ndarray, doc_ids: Sequence[str]) -> Run:
@@ -146,6 +165,7 @@ def evaluate_ir(
 
     ``raw_queries`` are the queries' raw encoder vectors when already computed.
     """
+    check_judged_in(searcher.docs, (queries, qrels), searcher.directory)
     raw = searcher.encode(queries.texts) if raw_queries is None else raw_queries
     scores, rows = searcher.search_raw(raw, params)
     return evaluate_run(to_run(queries.ids, scores, rows, searcher.docs.ids), qrels)

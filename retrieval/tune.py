@@ -21,7 +21,7 @@ import numpy as np
 
 from retrieval.encoder import EncoderSpec, MultiPoolingEncoder, from_info
 from retrieval.errors import ConfigError
-from retrieval.evaluate import Pairs, Queries, moments_of, sts_result, to_run
+from retrieval.evaluate import Pairs, Queries, check_judged_in, moments_of, sts_result, to_run
 from retrieval.indexdir import IndexDir
 from retrieval.metrics import Qrels, evaluate_run
 from retrieval.progress import Progress, no_progress
@@ -172,6 +172,9 @@ def tune_index(
     """Sweep the stash of the index at ``directory``: the queries are encoded by the index's own encoder (every
     pooling in one pass), the corpus comes from the stash, which is verified first."""
     check_metric(metric, IR_METRICS)
+    docs = IndexDir(directory).docs()
+    for split in (dev, test) if test is not None else (dev,):
+        check_judged_in(docs, split, directory)
     sweep = _Sweep(directory, poolings, dims, gammas)
     return tune_ir(
         sweep.stash,

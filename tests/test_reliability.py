@@ -417,14 +417,17 @@ QRELS = {"query_id": ["q1", "q2"], "doc_id": ["doc1", "doc2"], "score": [1, 2]}
         ({}, {"score": [0.5, 1.0]}, "has the grade 0.5: relevance grades must be whole numbers"),
         ({}, {"score": ["1", "2"]}, "holds string: relevance grades must be integers"),
         ({}, {"query_id": ["1.0", "2.0"]}, "no query of"),
-        ({}, {"score": [0, 0]}, "has a relevant judgement"),
+        ({}, {"score": [0, 0]}, "grades no document of these queries above 0"),
+        # ids read from another column than the qrels use: every metric 0, and tune --apply chose on that
+        ({}, {"doc_id": ["D1", "D2"]}, "none of the 2 documents judged relevant is in the index"),
         ({}, {"query_id": ["q1", "q1"], "doc_id": ["d1", "d1"]}, "keep one judgement per (query, doc) pair"),
     ],
 )
 @case(
     "input",
     "`eval ir` / `tune` queries and qrels: null, blank or non-text queries, duplicate query ids, no queries, null, "
-    "fractional or text grades, one (query, doc) pair graded twice differently, qrels whose ids match no query",
+    "fractional or text grades, one (query, doc) pair graded twice differently, qrels whose ids match no query, "
+    "qrels that grade nothing above 0, qrels none of whose relevant documents is in the index",
     "one line naming the file, the row or id, and the fix; never a NaN table",
 )
 def test_bad_queries_and_qrels(cli_index: Path, tmp_path: Path, queries: dict, qrels: dict, fragment: str) -> None:
