@@ -217,11 +217,12 @@ class Searcher:
             return self._scan.search(vectors, k)
         defaults = self.manifest.index.search
         index = self._one_query if self._one_query is not None and len(vectors) == 1 else self.index
-        params = search_parameters(
-            index,
-            ef_search=defaults.get("ef_search") if ef_search is None else ef_search,
-            nprobe=defaults.get("nprobe") if nprobe is None else nprobe,
-        )
+        ef_search = defaults.get("ef_search") if ef_search is None else ef_search
+        nprobe = defaults.get("nprobe") if nprobe is None else nprobe
+        if k == self.index.ntotal:  # every document asked for: an approximate search reached 126-443 of 450
+            ef_search = None if ef_search is None else max(ef_search, k)  # a beam that holds them all
+            nprobe = None if nprobe is None else k  # every list (FAISS caps nprobe at nlist)
+        params = search_parameters(index, ef_search=ef_search, nprobe=nprobe)
         return index.search(np.ascontiguousarray(vectors, dtype=np.float32), k, params=params)
 
     def stash(self) -> VectorStash:

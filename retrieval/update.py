@@ -288,6 +288,9 @@ def _measure(
     raw = np.asarray(raw_queries, dtype=np.float32)
     if raw.ndim != 2 or raw.shape[1] != stash.dim:
         raise ConfigError(f"the queries are vectors of shape {raw.shape}; this index takes {stash.dim}-d rows")
+    broken = int((~np.isfinite(raw).all(axis=1)).sum())  # NaN queries found nothing and "reached" recall 1.0
+    if broken:
+        raise ConfigError(f"{broken:,} of {len(raw):,} query vectors contain NaN or inf: drop or fix them", "queries")
     raw = raw[query_sample(len(raw))]
     transform = old.transform()
     depth = manifest.rescoring.depth if rescore is None else rescore

@@ -274,6 +274,11 @@ def test_calibrate_refuses_what_it_cannot_measure(tmp_path: Path) -> None:
         calibrate_index(ivf, np.zeros((5, 3), dtype=np.float32), 0.95)
     with pytest.raises(ConfigError, match="no queries"):
         calibrate_index(ivf, np.zeros((0, D), dtype=np.float32), 0.95)
+    nan = queries()
+    nan[[3, 7]] = np.nan  # all-NaN queries were measured as recall 1.0, and --apply stored that
+    with pytest.raises(ConfigError, match="2 of 200 query vectors contain NaN or inf"):
+        calibrate_index(ivf, nan, 0.95, apply=True)
+    assert IndexDir(ivf).manifest().index.calibration is None
     for bad in (0.0, -0.5, 1.5, math.nan):
         with pytest.raises(ConfigError, match="`target_recall` must be above 0 and at most 1"):
             calibrate_index(ivf, queries(), bad)

@@ -37,6 +37,7 @@ from retrieval.cli import app, sigterm_exits
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.evaluate import Queries
+from retrieval.index import IndexSpec
 from retrieval.indexdir import INDEX, MANIFEST, STASH, IndexDir, Manifest, load
 from retrieval.search import Searcher, SearchParams
 from retrieval.tune import tune_index
@@ -375,10 +376,27 @@ def test_bad_search_options(cli_index: Path, options: list[str], fragment: str) 
     one_line(run("search", "anything", "--index", cli_index, *options), fragment)
 
 
-@case("options", "-k larger than N", "all N documents, ranked")
-def test_k_larger_than_n(cli_index: Path) -> None:
+@case(
+    "options",
+    "-k larger than N, on a flat, HNSW or IVF index",
+    "all N documents, ranked (an approximate index searches exhaustively for it)",
+)
+def test_k_larger_than_n(cli_index: Path, tmp_path: Path) -> None:
     hits = ok(run("search", "document", "--index", cli_index, "--json", "-k", 5000)).stdout.splitlines()
     assert [json.loads(h)["rank"] for h in hits] == list(range(1, 121))
+    # HNSW with a beam of 8, IVF probing 1 list: before, they returned only the documents they reached
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=450)
+    for spec in (IndexSpec("hnsw", ef_search=8), IndexSpec("ivf", nlist=11, nprobe=1)):
+        out = tmp_path / spec.kind
+        build_index(CorpusSpec(corpus), FakeEncoder(), out, TransformSpec(dim=8), spec)
+        searcher = Searcher.load(out, encoder=FakeEncoder())
+        queries = FakeEncoder().encode(["document number 3", "whitening"])
+        scores, rows = searcher.search_raw(queries, SearchParams(k=5000, rescore=0))
+        for query_scores, query_rows in zip(scores, rows, strict=True):
+            assert sorted(query_rows.tolist()) == list(range(450)), spec.kind
+            assert np.all(np.diff(query_scores) <= 1e-6), spec.kind  # ranked
+        _, fewer = searcher.search_raw(queries, SearchParams(k=449, rescore=0))
+        assert fewer.shape == (2, 449)  # below N: the index's own knob, as configured
 
 
 @pytest.mark.parametrize("query", ["", "   ", "\t\n"])
