@@ -169,6 +169,7 @@ def _build(
         check_buildable(index, transform.dim or d, report.usable)
     work = files.work_dir(out)
     stash, skip = _open_stash(work, source, encoder, d, poolings, options)  # a refused resume keeps its work
+    window_rows = int(stash.meta.get("window_rows") or options.window_rows)  # a resume keeps the windows it began
     try:
         ingest = Ingest(stash, encoder, fit_pooling, report.usable, progress)
         with timer.stage("encode"):
@@ -176,10 +177,10 @@ def _build(
                 ingest.moments.update(block)
             progress("encode", len(stash), report.usable)
             if engine is None:
-                for batch in source.batches(options.window_rows, skip_batches=skip):
+                for batch in source.batches(window_rows, skip_batches=skip):
                     ingest(batch)
             else:  # the same windows, encoded by the engine's workers and adopted here in window order
-                engine.ingest(source, ingest, skip, options.window_rows)
+                engine.ingest(source, ingest, skip, window_rows)
         spec = replace(transform, pooling=fit_pooling)
         transform_record, index_record = write_version(
             work, stash, ingest.moments, spec, index, timer, progress, engine
@@ -266,7 +267,10 @@ def _open_stash(
     if resuming:
         found = _flat(stash.meta) | {"poolings": stash.poolings, "stash_dtype": stash.dtype}
         wanted = _flat(json.loads(json.dumps(meta))) | {"poolings": poolings, "stash_dtype": options.stash_dtype}
-        changed = [key for key in wanted if key != "encoder" and found.get(key) != wanted[key]]
+        # the windows are the stash's own (each is a part): a resume keeps them, whichever engine (Ray cuts
+        # smaller ones than a local build) resumes
+        same = ("encoder", "window_rows")
+        changed = [key for key in wanted if key not in same and found.get(key) != wanted[key]]
         if _identity(found.get("encoder")) != _identity(wanted.get("encoder")):
             changed.append("encoder")
         if changed:

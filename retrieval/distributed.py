@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 RAY_WINDOW_ROWS = (512, 65536)  # rows per window (stash part, retry step) of a Ray build: see ``window_rows``
 CPUS_PER_WORKER = 0.5  # Ray CPUs reserved per encoding actor; a whole CPU each left no CPU for other tasks on a
 # 2-CPU cluster and the pipeline hung (ray-project/ray#44687). Each actor runs torch with one thread either way.
+JOIN_TIMEOUT_S = 5.0  # a cluster address that does not accept a connection within this is refused
 TASKS_PER_WORKER = 4  # windows are grouped into about this many tasks per worker, for an even finish
 MAX_TASK_WINDOWS = 16  # ... and at most this many windows per task (what a retry repeats)
 CHECK_TASK_ROWS = 65536  # rows per window when validating (as Corpus.validate reads) ...
@@ -180,8 +181,7 @@ class RayEngine:
             ) from err
         if not ray.is_initialized():
             if self.options.address:
-                ray.init(address=self.options.address, logging_level=logging.WARNING)
-                self._joined = True
+                self._join(ray, self.options.address)
             else:
                 self._start_local(ray)
         if not self._saved_context:  # progress is the caller's to show (the CLI draws its own bars)
@@ -196,6 +196,29 @@ class RayEngine:
             if not log.isEnabledFor(logging.INFO):
                 ray_data.setLevel(logging.ERROR)
         return ray
+
+    def _join(self, ray: Any, address: str) -> None:
+        """Join the cluster at ``address``, or fail in one line: Ray raised a ConnectionError (a traceback) for
+        "auto" with no cluster running, and for a host:port where nothing listens it retried for minutes."""
+        where = address.removeprefix("ray://")
+        host, _, port = where.rpartition(":")
+        if address != "auto" and host and port.isdigit():
+            try:
+                socket.create_connection((host, int(port)), timeout=JOIN_TIMEOUT_S).close()
+            except OSError as err:
+                raise RetrievalError(
+                    f"no Ray cluster answers at {address} ({err.strerror or err}); start one there (`ray start "
+                    "--head`) or leave out `address` for a local Ray"
+                ) from err
+        try:
+            ray.init(address=address, logging_level=logging.WARNING)
+        except ConnectionError as err:
+            said = str(err).splitlines()[0].rstrip(".") if str(err) else type(err).__name__
+            raise RetrievalError(
+                f"cannot join a Ray cluster at {address} ({said}); start one (`ray start --head`) or leave out "
+                "`address` for a local Ray"
+            ) from err
+        self._joined = True
 
     def _start_local(self, ray: Any) -> None:
         """A private single-machine Ray: every listener on loopback, its files in a short temporary folder."""

@@ -418,3 +418,31 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def test_joining_a_cluster_that_is_not_there_fails_in_one_line() -> None:
+    """`--address host:port` where nothing listens retried for minutes, and `--address auto` with no cluster
+    raised Ray's ConnectionError as a traceback; both are one line now (a stand-in for ray: no cluster needed)."""
+    import socket
+
+    from retrieval.errors import RetrievalError
+
+    class NoCluster:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def init(self, address: str, **_: object) -> None:
+            self.calls.append(address)
+            raise ConnectionError("Could not find any running Ray instance.\nPlease specify ...")
+
+    with socket.socket() as sock:  # a port nothing listens on: bound, never listening
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        engine, stub = RayEngine(FakeEncoder, RayOptions()), NoCluster()
+        started = time.monotonic()
+        with pytest.raises(RetrievalError, match=f"no Ray cluster answers at 127.0.0.1:{port}"):
+            engine._join(stub, f"127.0.0.1:{port}")
+        assert time.monotonic() - started < 10 and stub.calls == []  # refused before Ray retries anything
+    with pytest.raises(RetrievalError, match=r"cannot join a Ray cluster at auto \(Could not find any running Ray"):
+        engine._join(stub, "auto")
+    assert stub.calls == ["auto"] and not engine._joined
