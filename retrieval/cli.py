@@ -588,6 +588,7 @@ eval_app = typer.Typer(
 )
 app.add_typer(eval_app, name="eval")
 IndexArg = Annotated[Path, typer.Argument(help="Index directory.", exists=True, file_okay=False)]
+IR_DEPTH = 100  # eval ir reports Recall@100 and MAP@100: hits retrieved per query, at least
 
 
 @eval_app.command("ir")
@@ -596,7 +597,7 @@ def eval_ir(
     index_dir: IndexArg,
     queries: Annotated[Path, typer.Option(help="Queries parquet (query_id, text).", exists=True, dir_okay=False)],
     qrels: Annotated[Path, typer.Option(help="Qrels parquet (query_id, doc_id, score).", exists=True, dir_okay=False)],
-    depth: Annotated[int, typer.Option(help="Hits retrieved per query.")] = 100,
+    depth: Annotated[int, typer.Option(help=f"Hits retrieved per query (at least {IR_DEPTH}).")] = IR_DEPTH,
     rescore: RescoreOption = DefaultSearch.rescore,
     ef_search: EfOption = None,
     nprobe: NprobeOption = None,
@@ -607,8 +608,10 @@ def eval_ir(
     from retrieval.evaluate import evaluate_ir, read_judged
     from retrieval.search import Searcher
 
-    if depth < 1:
-        raise ConfigError(f"`depth` must be at least 1 (got {depth})", "depth")
+    if depth < IR_DEPTH:  # below it, Recall@100 and MAP@100 would be measured on fewer hits than they say
+        raise ConfigError(f"`depth` must be at least {IR_DEPTH}, the deepest cut-off reported (got {depth})", "depth")
+    if per_query is not None:
+        writable_file(per_query, "per_query")  # before the evaluation, not after it
     params = SearchParams(k=depth, rescore=rescore, ef_search=ef_search, nprobe=nprobe)
     params.check()
     result = evaluate_ir(Searcher.load(index_dir), *read_judged(queries, qrels), params)
@@ -660,6 +663,16 @@ def eval_sts(
     from retrieval.whitening import RawTransform, Whitening
 
     choice("pooling", pooling, POOLINGS)
+    if index_dir is not None:  # the index's own encoder and transform: these would be ignored in silence
+        given = {"model": model != DefaultEncoder.model, "pooling": pooling != DefaultEncoder.pooling}
+        given |= {"dim": dim is not None, "gamma": gamma is not None, "fit_file": bool(fit_file)}
+        ignored = [name for name, value in given.items() if value]
+        if ignored:
+            raise ConfigError(
+                f"`{ignored[0]}` does not apply with `index`, which brings its own encoder and transform: give one "
+                "or the other",
+                ignored[0],
+            )
     sets = [read_pairs(p) for p in pairs]
     fit_sets = [read_pairs(p) for p in fit_file or []]
     transform: Whitening | RawTransform | TransformSpec
@@ -691,6 +704,21 @@ def eval_sts(
 
 
 # ----- tune ------------------------------------------------------------------------------------------------
+def writable_file(path: Path, name: str) -> None:
+    """Refuse, before any work, an output file that could not be written: a folder, or one in no folder."""
+    if path.is_dir():
+        raise ConfigError(f"`{name}` {path} is a folder: name a file", name)
+    if not path.parent.is_dir():
+        raise ConfigError(f"`{name}` {path}: the folder {path.parent} does not exist", name)
+
+
+def writable_folder(path: Path, name: str) -> None:
+    """Refuse, before any work, an output folder that could not be made: it, or a folder above it, is a file."""
+    for folder in (path, *path.parents):
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"`{name}` {path}: {folder} is a file, not a folder", name)
+
+
 def numbers(name: str, text: str, kind: type = float) -> list[Any]:
     """A comma-separated list of numbers, or one clear error naming the option."""
     try:
@@ -744,8 +772,17 @@ def tune(
         raise ConfigError("`apply` re-fits an index: it needs INDEX_DIR", "apply")
     if auto and (index_dir is None or queries is not None or qrels is not None):
         raise ConfigError("`auto` tunes an INDEX_DIR on pseudo-queries: give it without `queries` and `qrels`", "auto")
-    if not 1 <= auto_queries <= 100_000:
-        raise ConfigError(f"`auto_queries` must be between 1 and 100,000 (got {auto_queries})", "auto_queries")
+    if not tuning.MIN_AUTO_QUERIES <= auto_queries <= 100_000:
+        raise ConfigError(
+            f"`auto_queries` must be between {tuning.MIN_AUTO_QUERIES} and 100,000 (got {auto_queries})",
+            "auto_queries",
+        )
+    if seed < 0:
+        raise ConfigError(f"`seed` must be 0 or more (got {seed})", "seed")
+    if results is not None:
+        writable_folder(results, "results")  # before the sweep: a bad path would fail after it, and skip `apply`
+    if test_pairs is not None and pairs is None:
+        raise ConfigError("`test_pairs` goes with `pairs` (STS); for an index, give `test_queries`/`test_qrels`")
     pools = [p for p in (poolings or "").split(",") if p] or None
     for pooling in pools or []:
         choice("poolings", pooling, POOLINGS)

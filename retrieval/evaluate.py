@@ -206,6 +206,14 @@ def read_pairs(path: Path) -> Pairs:
     reserved = sorted({"all", "wmean"} & set(subset))
     if reserved:
         raise CorpusError(f"{path} names a subset {reserved[0]!r}, which is reserved for the summary: rename it")
+    for name in dict.fromkeys(subset):  # a constant gold score has no ranks to correlate with: NaN, not a number
+        scores = gold[[i for i, s in enumerate(subset) if s == name]]
+        if len(scores) < 2 or np.all(scores == scores[0]):
+            what = f"subset {name!r} of {path}" if has_subset else str(path)
+            raise CorpusError(
+                f"{what} has {'one pair' if len(scores) < 2 else f'the same gold score ({scores[0]:g}) for every pair'}"
+                ": a rank correlation needs at least two pairs with different scores"
+            )
     return Pairs(
         name=path.stem,
         sentence1=table.column("sentence1").to_pylist(),

@@ -132,7 +132,7 @@ def test_eval_ir_table_json_and_per_query(built: dict[str, Path], tmp_path: Path
 def test_eval_ir_rescore(built: dict[str, Path]) -> None:
     args = ("eval", "ir", built["index"], "--queries", built["dev_q"], "--qrels", built["dev_r"], "--json")
     plain = json.loads(ok(run(*args)).stdout)
-    rescored = json.loads(ok(run(*args, "--rescore", 20, "--depth", 20)).stdout)
+    rescored = json.loads(ok(run(*args, "--rescore", 20)).stdout)
     assert set(rescored) == set(plain) and rescored["queries"] == plain["queries"] == 12
     assert all(0.0 <= rescored[name] <= 1.0 for name in METRICS)
     # re-ranked by raw cosine: identical texts have raw cosine 1 as well, so the own document stays first

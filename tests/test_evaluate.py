@@ -116,10 +116,9 @@ def test_read_pairs_with_and_without_subsets(tmp_path: Path) -> None:
     assert plain.name == "sts-b" and plain.subset == ["sts-b", "sts-b"]
     assert plain.gold.dtype == np.float64 and plain.gold.tolist() == [1.0, 4.5]
     assert plain.sentences() == ["a", "b", "c"]  # distinct, first-seen order: s1 column, then s2
-    grouped = read_pairs(
-        write(tmp_path / "sts12.parquet", sentence1=["x", "y"], sentence2=["y", "z"], score=[0, 5], subset=["A", "B"])
-    )
-    assert grouped.subset == ["A", "B"]
+    columns = {"sentence1": ["x", "y", "w", "v"], "sentence2": ["y", "z", "v", "u"], "score": [0, 5, 1, 2]}
+    grouped = read_pairs(write(tmp_path / "sts12.parquet", **columns, subset=["A", "A", "B", "B"]))
+    assert grouped.subset == ["A", "A", "B", "B"]
 
 
 # ----- FAISS output as a run -------------------------------------------------------------------------------

@@ -411,12 +411,29 @@ def test_a_huge_query(cli_index: Path) -> None:
     assert len(hits) == 3
 
 
-@case("options", "`eval ir --depth 0`, `tune --dims abc`", "one line naming --depth / --dims (not -k, not a traceback)")
+@case(
+    "options",
+    "`eval ir --depth 0` or below 100, `--per-query` a folder or in a missing one, `tune --dims abc`, `--results` "
+    "under a file, `--seed -1`, `--auto-queries 19`, `--test-pairs` for an index, `eval sts --index` with --dim",
+    "one line naming the option, before any work (a bad output path failed after the sweep, and skipped --apply)",
+)
 def test_bad_eval_and_tune_options(cli_index: Path, tmp_path: Path) -> None:
     queries = table_file(tmp_path / "q.parquet", query_id=["q"], text=["document"])
     qrels = table_file(tmp_path / "r.parquet", query_id=["q"], doc_id=["doc1"], score=[1])
-    one_line(run("eval", "ir", cli_index, "--queries", queries, "--qrels", qrels, "--depth", 0), "--depth")
-    one_line(run("tune", cli_index, "--queries", queries, "--qrels", qrels, "--dims", "abc"), "--dims")
+    judged = ("--queries", queries, "--qrels", qrels)
+    one_line(run("eval", "ir", cli_index, *judged, "--depth", 0), "--depth must be at least 100")
+    one_line(run("eval", "ir", cli_index, *judged, "--depth", 5), "--depth must be at least 100")  # labels @100
+    one_line(run("eval", "ir", cli_index, *judged, "--per-query", tmp_path), "is a folder: name a file")
+    one_line(run("eval", "ir", cli_index, *judged, "--per-query", tmp_path / "no" / "x.jsonl"), "does not exist")
+    one_line(run("tune", cli_index, *judged, "--dims", "abc"), "--dims")
+    (tmp_path / "afile").write_text("")
+    for results in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        one_line(run("tune", cli_index, *judged, "--dims", 4, "--results", results, "--apply"), "is a file")
+    one_line(run("tune", cli_index, "--auto", "--seed", -1), "--seed must be 0 or more")
+    one_line(run("tune", cli_index, "--auto", "--auto-queries", 19), "--auto-queries must be between 20")
+    one_line(run("tune", cli_index, *judged, "--test-pairs", qrels), "--test-pairs goes with --pairs")
+    pairs = table_file(tmp_path / "p.parquet", **PAIRS)
+    one_line(run("eval", "sts", pairs, "--index", cli_index, "--dim", 4), "--dim does not apply with --index")
 
 
 QUERIES = {"query_id": ["q1", "q2"], "text": ["document number 1", "document number 2"]}
@@ -466,6 +483,8 @@ PAIRS = {"sentence1": ["a cat", "a dog", "the sun"], "sentence2": ["a kitten", "
         ({"score": ["5", "4", "0"]}, "gold scores must be numbers"),
         ({k: v[:1] for k, v in PAIRS.items()}, "holds 1 pairs: a rank correlation needs at least two"),
         ({"subset": ["all", "all", "b"]}, "names a subset 'all', which is reserved"),
+        ({"score": [3, 3, 3]}, "the same gold score (3) for every pair"),  # was a NaN row, and NaN in --json
+        ({"subset": ["a", "a", "b"]}, "subset 'b' of"),  # one pair: its Spearman, and the weighted mean, NaN
     ],
 )
 @case(
