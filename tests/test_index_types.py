@@ -536,3 +536,17 @@ def test_an_hnsw_coarse_quantizer_files_rows_with_the_specs_beam(setup) -> None:
         rows = faiss.rev_swig_ptr(lists.get_codes(number), lists.list_size(number) * ivf.code_size)
         vectors = np.frombuffer(bytes(rows), dtype=np.float32).reshape(-1, ivf.d)
         assert (np.argmax(vectors @ centroids.T, axis=1) == number).all()
+
+
+def test_a_default_nprobe_above_nlist_is_recorded_as_every_list(tmp_path: Path) -> None:
+    """`refit --index-type ivf --nlist 8 --nprobe 100` recorded a default of 100 beside FAISS's 8 (info showed
+    both); FAISS probes at most every list, so that is the default recorded."""
+    from retrieval.index import IndexSpec
+    from retrieval.whitening import TransformSpec
+
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=400)
+    build_index(
+        CorpusSpec(corpus), FakeEncoder(), tmp_path / "idx", TransformSpec(), IndexSpec("ivf", nlist=8, nprobe=100)
+    )
+    manifest = IndexDir(tmp_path / "idx").manifest()
+    assert manifest.index.search == {"nprobe": 8} and manifest.index.faiss["nprobe"] == 8
