@@ -206,8 +206,9 @@ def read_pairs(path: Path) -> Pairs:
     reserved = sorted({"all", "wmean"} & set(subset))
     if reserved:
         raise CorpusError(f"{path} names a subset {reserved[0]!r}, which is reserved for the summary: rename it")
+    names = np.asarray(subset)
     for name in dict.fromkeys(subset):  # a constant gold score has no ranks to correlate with: NaN, not a number
-        scores = gold[[i for i, s in enumerate(subset) if s == name]]
+        scores = gold[names == name]
         if len(scores) < 2 or np.all(scores == scores[0]):
             what = f"subset {name!r} of {path}" if has_subset else str(path)
             raise CorpusError(

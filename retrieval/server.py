@@ -363,10 +363,14 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
             message = "the server stopped before this request was answered (its shutdown timeout ran out); retry"
             raise ApiError(503, "shutting_down", message) from None
 
+    def encodes() -> None:
+        """Refuse texts for an index built from vectors (and 503 before queueing when nothing is loaded yet)."""
+        if service.searcher().encoder is None:
+            raise ApiError(422, "no_encoder", "this index was built from precomputed vectors: it has no encoder")
+
     async def run_search(texts: list[str], params: SearchParams) -> JSONResponse:
         start = time.perf_counter()
-        if service.searcher().encoder is None:  # and a 503 before queueing when nothing is loaded yet
-            raise ApiError(422, "no_encoder", "this index was built from precomputed vectors: it has no encoder")
+        encodes()
         result = await answer(service.batcher.submit_search(texts, params))
         results = [
             {"hits": [{"rank": h.rank, "id": h.id, "score": h.score, "text": h.text} for h in hits]}
@@ -431,9 +435,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     )
     async def embed(body: EmbedRequest) -> JSONResponse:
         texts = texts_of([body.inputs] if isinstance(body.inputs, str) else body.inputs, "inputs")
-        searcher = service.searcher()
-        if searcher.encoder is None:
-            raise ApiError(422, "no_encoder", "this index was built from precomputed vectors: it has no encoder")
+        encodes()
         result = await answer(service.batcher.submit_embed(texts, body.transformed))
         vectors = result.vectors
         return JSONResponse(
