@@ -412,6 +412,14 @@ class Loaded:
         self.stash = stash
         return stash
 
+    def moments(self) -> RunningMoments | None:
+        """The moments of this very version (what ``info`` measures drift against), or None if the directory
+        has been replaced since it was loaded (the next version's moments would describe other data)."""
+        if self.identity is None or self.directory.identity() != self.identity:
+            return None
+        moments = self.directory.moments()
+        return moments if self.directory.identity() == self.identity else None
+
 
 def load(path: Path | str, verify: Verify = "full") -> Loaded:
     """Read one whole version of the index at ``path``: never the manifest of one and the index of another.

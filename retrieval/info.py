@@ -5,12 +5,14 @@ Reads the manifest, the transform and the moments only: no FAISS, no encoder.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from retrieval.indexdir import IndexDir, IndexRecord, Manifest, Verify
+from retrieval.moments import RunningMoments
 from retrieval.whitening import RawTransform, Whitening, kernel_drift
 
 
@@ -19,13 +21,23 @@ def describe_index(directory: Path, verify: Verify = "none") -> dict[str, Any]:
     index_dir = IndexDir(directory)
     manifest = index_dir.manifest()
     index_dir.verify(manifest, verify)
-    transform = index_dir.transform()
-    report = {"summary": summary(manifest, transform), "manifest": manifest.to_dict(), "spectrum": {}, "drift": {}}
+    report = describe(manifest, index_dir.transform(), index_dir.moments)
+    return {"summary": report["summary"], "manifest": manifest.to_dict(), **report}
+
+
+def describe(
+    manifest: Manifest, transform: Whitening | RawTransform, moments: Callable[[], RunningMoments | None]
+) -> dict[str, Any]:
+    """``{"summary", "spectrum", "drift"}`` of one version (``moments``, read only for a whitening: that
+    version's moments, or None when they cannot be had, and then no drift is shown)."""
+    report: dict[str, Any] = {"summary": summary(manifest, transform), "spectrum": {}, "drift": {}}
     if isinstance(transform, Whitening):
         report["spectrum"] = spectrum_summary(transform.eigenvalues, transform.dim_out)
-        drift = kernel_drift(transform, index_dir.moments())
-        report["drift"] = drift.to_dict()
-        report["summary"]["kernel drift"] = drift.describe()
+        now = moments()
+        if now is not None:
+            drift = kernel_drift(transform, now)
+            report["drift"] = drift.to_dict()
+            report["summary"]["kernel drift"] = drift.describe()
     return report
 
 

@@ -105,6 +105,7 @@ class Searcher:
         self._scan = FlatScan(flat) if flat is not None else None
         self._one_query = one_query_twin(self.index)  # an IVF index's twin for single queries, on every core
         self._stash_lock = threading.Lock()
+        self._described: dict[str, Any] | None = None  # `describe()`, read and computed once
         # Queries searched by FAISS (HNSW, IVF...) are multiplied by FAISS's BLAS, on the pool it then searches
         # with (``index.FaissProduct``); a flat scan's own products are numpy's, and so are its queries'.
         self._query_product = _faiss_product(self.transform) if self._scan is None else None
@@ -251,10 +252,16 @@ class Searcher:
         return out
 
     def describe(self) -> dict[str, Any]:
-        """What ``retrieval info`` and the service's /info show of the loaded version."""
-        from retrieval.info import summary
+        """What ``retrieval info`` shows of the loaded version, for the service's /info: ``{"summary",
+        "spectrum", "drift"}`` (no drift once the directory has been replaced: its moments are another version's)."""
+        from retrieval.info import describe
 
-        return summary(self.manifest, self.transform)
+        if self._described is None:
+            report = describe(self.manifest, self.transform, self.loaded.moments)
+            if report["drift"] or not isinstance(self.transform, Whitening):  # kept once complete
+                self._described = report
+            return report
+        return self._described
 
 
 def rescore(

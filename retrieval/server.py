@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -49,6 +50,7 @@ Answer = TypeVar("Answer")
 API_KEY_ENV = "RETRIEVAL_API_KEY"
 STATIC = Path(__file__).parent / "static"
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT"})
+DOCS_ASSETS = "/docs/assets"  # Swagger UI and ReDoc, served from fastapi-offline's copies: no CDN is reachable
 DOC_ROUTES = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})  # FastAPI's own pages
 FIELDS = {"ef_search": "ef"}  # library parameter -> JSON field, where they differ
 STATUS_CODES = {
@@ -129,6 +131,25 @@ class EmbedResponse(BaseModel):
     dim: int
     transformed: bool
     generation: int
+
+
+class ReadyResponse(BaseModel):
+    ready: bool
+    generation: int = Field(..., description="The index version being served.")
+
+
+class InfoResponse(BaseModel):
+    ready: bool
+    index: dict[str, Any] | None = Field(
+        ..., description="The serving version: what `retrieval info --json` shows (null while loading)."
+    )
+    server: dict[str, Any] = Field(..., description="The server: reloads, limits, batching, threads.")
+
+
+class ReloadResponse(BaseModel):
+    reloaded: bool
+    generation: int = Field(..., description="The index version now served.")
+    seconds: float
 
 
 class ErrorBody(BaseModel):
@@ -238,11 +259,47 @@ class ObserveRequests:
         try:
             await self.app(scope, receive, observed)
         finally:
-            route = scope.get("route")  # set by FastAPI's routes; /docs, /redoc and /openapi.json are Starlette's
-            path = getattr(route, "path", None) or (scope["path"] if scope["path"] in DOC_ROUTES else "unmatched")
+            path = route_label(scope)
             method = scope["method"] if scope["method"] in HTTP_METHODS else "other"  # h11 passes any token on
             self.metrics.requests.inc({"route": path, "method": method, "status": str(status)})
             self.metrics.latency.observe(time.perf_counter() - start, {"route": path})
+
+
+class HeadAsGet:
+    """Pure ASGI middleware: HEAD is answered as GET would be, without the body (RFC 9110 9.3.2). FastAPI's
+    routes take only the methods they name, so an uptime check's ``HEAD /health`` would otherwise be a 405."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        as_get = {**scope, "method": "GET"}  # a copy: the server's own scope still says HEAD
+        try:
+            await self.app(as_get, receive, headers_only)
+        finally:
+            if "route" in as_get:  # for ObserveRequests, outside this one
+                scope["route"] = as_get["route"]
+
+
+def route_label(scope: Scope) -> str:
+    """A request's route template, one of a bounded set: never the raw path (one label per URL asked for)."""
+    route = scope.get("route")  # set by FastAPI's routes; /openapi.json is Starlette's, and a mount sets none
+    if getattr(route, "path", None):
+        return str(route.path)  # type: ignore[union-attr]
+    if scope["path"] in DOC_ROUTES:
+        return str(scope["path"])
+    return DOCS_ASSETS if scope["path"].startswith(DOCS_ASSETS + "/") else "unmatched"
 
 
 class LimitBody:
@@ -274,6 +331,46 @@ class LimitBody:
 
 
 # ----- the app -----------------------------------------------------------------------------------------------
+def document_limits(app: FastAPI, options: ServeOptions) -> None:
+    """Write the limits the handlers enforce into the OpenAPI spec (they are this server's options, not fixed in
+    the models): k, rescore, ef and nprobe bounds, text lengths, batch sizes."""
+    text = {"minLength": 1, "maxLength": options.max_query_chars}
+    bounds: dict[str, dict[str, Any]] = {
+        "k": {"minimum": 1, "maximum": options.max_k},
+        "rescore": {"minimum": 0, "maximum": options.max_rescore},
+        "ef": {"minimum": 1, "maximum": options.max_knob},
+        "nprobe": {"minimum": 1, "maximum": options.max_knob},
+        "q": text,
+        "query": text,
+        "queries": {"minItems": 1, "maxItems": options.max_queries, "items": text},
+        "inputs": {"minItems": 1, "maxItems": options.max_queries, "items": text} | text,
+    }
+
+    def constrain(schema: dict[str, Any], limits: dict[str, Any]) -> None:
+        for branch in schema.get("anyOf", [schema]):  # a union: each branch takes the limits of its type
+            kind = branch.get("type")
+            for key, value in limits.items():
+                if key == "items" and kind == "array":
+                    branch.setdefault("items", {}).update(value)
+                elif key != "items" and (kind == "array") == key.endswith("Items") and kind != "null":
+                    branch[key] = value
+
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()  # FastAPI's, kept in app.openapi_schema: written into once
+            for model in ("SearchRequest", "EmbedRequest"):
+                for name, prop in schema["components"]["schemas"][model]["properties"].items():
+                    constrain(prop, bounds.get(name, {}))
+            for parameter in schema["paths"]["/search"]["get"]["parameters"]:
+                constrain(parameter["schema"], bounds.get(parameter["name"], {}))
+            return schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(service: Service, api_key: str | None = None, manage: bool = True) -> FastAPI:
     """The FastAPI app serving ``service``. ``manage``: start the service with the app and stop it after.
     ``api_key``: when set, every route but /health (and the static page and the API docs, which hold no index
@@ -292,14 +389,17 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
             if manage:
                 await asyncio.to_thread(service.stop)
 
-    app = FastAPI(
+    app = FastAPIOffline(
         title="retrieval",
         version=retrieval.__version__,
         description="Whitened dense retrieval: search an index directory over HTTP.",
         lifespan=lifespan,
+        static_url=DOCS_ASSETS,
     )
+    document_limits(app, options)
     app.state.service = service
     app.state.metrics = metrics
+    app.add_middleware(HeadAsGet)
     app.add_middleware(LimitBody, max_bytes=options.max_body_bytes)
     app.add_middleware(ObserveRequests, metrics=metrics)
     install_error_handlers(app, metrics)
@@ -452,7 +552,12 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @api.get("/ready", summary="Readiness: an index version is loaded and warmed", responses=errors(401, 503))
+    @api.get(
+        "/ready",
+        response_model=ReadyResponse,
+        summary="Readiness: an index version is loaded and warmed",
+        responses=errors(401, 503),
+    )
     async def ready() -> JSONResponse:
         if service.stopping:  # a balancer stops sending here while the engine drains what it holds
             raise ApiError(503, "shutting_down", "the server is shutting down", ready=False)
@@ -460,7 +565,12 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
             raise ApiError(503, "not_ready", service.last_error or "the index is still loading", ready=False)
         return JSONResponse({"ready": True, "generation": service.searcher().manifest.generation})
 
-    @api.get("/info", summary="What is served: `retrieval info` as JSON, and the server", responses=errors(401))
+    @api.get(
+        "/info",
+        response_model=InfoResponse,
+        summary="What is served: `retrieval info` as JSON, and the server",
+        responses=errors(401),
+    )
     async def info() -> JSONResponse:
         return JSONResponse(describe(service))
 
@@ -468,7 +578,12 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.registry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @api.post("/reload", summary="Load the index directory's current version now", responses=errors(401, 409))
+    @api.post(
+        "/reload",
+        response_model=ReloadResponse,
+        summary="Load the index directory's current version now",
+        responses=errors(401, 409),
+    )
     async def reload() -> JSONResponse:
         outcome = await asyncio.to_thread(service.reload)
         if not outcome.reloaded:
@@ -560,7 +675,7 @@ def describe(service: Service) -> dict[str, Any]:
         "search_defaults": m.index.search,
         "stash": m.stash is not None,
         "versions": m.versions,
-        "summary": {key: str(value) for key, value in searcher.describe().items()},
+        **searcher.describe(),  # summary, spectrum, drift: as `retrieval info --json` has them
     }
     return {"ready": service.ready, "index": index, "server": server}
 
@@ -625,9 +740,12 @@ def _has_key(request: Request, key: bytes) -> bool:
 
 
 def _allowed(request: Request) -> str:
-    """The methods some route takes at the request's path (asked of the routes: included routers are nested)."""
+    """The methods some route takes at the request's path (asked of the routes: included routers are nested;
+    HEAD wherever GET is, as ``HeadAsGet`` answers it)."""
 
     def takes(method: str) -> bool:
+        if method == "HEAD":
+            method = "GET"
         return any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in request.app.routes)
 
     return ", ".join(method for method in sorted(HTTP_METHODS) if takes(method))

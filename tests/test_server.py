@@ -26,6 +26,7 @@ from retrieval.build import build_index  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
 from retrieval.errors import ConfigError  # noqa: E402
 from retrieval.indexdir import INDEX  # noqa: E402
+from retrieval.info import describe_index  # noqa: E402
 from retrieval.search import Searcher, SearchParams  # noqa: E402
 from retrieval.server import create_app  # noqa: E402
 from retrieval.service import NotReady, ServeOptions, Service  # noqa: E402
@@ -133,6 +134,65 @@ def test_health_ready_info_and_the_page(client: TestClient) -> None:
     assert client.get("/openapi.json").json()["paths"]["/search"]["post"]
 
 
+def test_info_shows_what_retrieval_info_json_shows(client: TestClient, index: Path) -> None:
+    served = client.get("/info").json()["index"]
+    local = describe_index(index)
+    assert served["summary"] == local["summary"] and "kernel drift" in served["summary"]
+    assert served["spectrum"] == local["spectrum"] and len(served["spectrum"]["top"]) == 10
+    assert served["drift"] == local["drift"] and served["drift"]["rows_now"] == 300
+
+
+def test_info_shows_no_drift_of_a_version_whose_directory_was_replaced(index: Path, tmp_path: Path) -> None:
+    test_client, service = serve(index)
+    with test_client as client:
+        wait_ready(client)
+        add_documents(index, tmp_path, 0)  # the next version is published; this one is still served (no watcher)
+        served = client.get("/info").json()["index"]
+        assert served["generation"] == 1 and served["drift"] == {} and "kernel drift" not in served["summary"]
+        assert len(served["spectrum"]["top"]) == 10
+        client.post("/reload")
+        served = client.get("/info").json()["index"]
+        assert served["generation"] == 2 and served["drift"]["rows_now"] == 320
+
+
+def test_head_is_answered_as_get_without_a_body(client: TestClient) -> None:
+    for path in ("/health", "/ready", "/info", "/metrics", "/", "/docs", "/search?q=x"):
+        get, head = client.get(path), client.head(path)
+        assert head.status_code == get.status_code == 200, path
+        assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"], path
+    assert client.head("/search").status_code == 422  # the GET's answer: q is required
+    assert client.request("PUT", "/health").headers["allow"] == "GET, HEAD"
+    assert metric(client, 'retrieval_requests_total{method="HEAD",route="/health",status="200"}') == 1
+
+
+def test_the_docs_pages_load_their_assets_from_the_server(client: TestClient) -> None:
+    for page, asset in (("/docs", "swagger-ui-bundle.js"), ("/redoc", "redoc.standalone.js")):
+        html = client.get(page).text
+        assert f"/docs/assets/{asset}" in html and "cdn." not in html and "fonts.googleapis" not in html, page
+        script = client.get(f"/docs/assets/{asset}")
+        assert script.status_code == 200 and len(script.content) > 100_000, asset
+
+
+def test_the_spec_states_the_servers_own_limits(index: Path) -> None:
+    test_client, _ = serve(index, max_k=50, max_query_chars=300, max_queries=7, max_rescore=400)
+    with test_client as client:
+        spec = client.get("/openapi.json").json()
+    models = spec["components"]["schemas"]
+    search = models["SearchRequest"]["properties"]
+    assert (search["k"]["minimum"], search["k"]["maximum"]) == (1, 50)
+    assert {"type": "integer", "minimum": 0, "maximum": 400} in search["rescore"]["anyOf"]
+    assert {"type": "string", "minLength": 1, "maxLength": 300} in search["query"]["anyOf"]
+    queries = next(b for b in search["queries"]["anyOf"] if b["type"] == "array")
+    assert (queries["maxItems"], queries["items"]["maxLength"]) == (7, 300)
+    inputs = {b["type"]: b for b in models["EmbedRequest"]["properties"]["inputs"]["anyOf"]}
+    assert inputs["string"]["maxLength"] == 300 and inputs["array"]["maxItems"] == 7
+    assert "maxItems" not in inputs["string"] and "maxLength" not in inputs["array"]
+    get = {p["name"]: p["schema"] for p in spec["paths"]["/search"]["get"]["parameters"]}
+    assert get["k"]["maximum"] == 50 and get["q"]["maxLength"] == 300
+    for path, method in (("/ready", "get"), ("/info", "get"), ("/reload", "post")):
+        assert spec["paths"][path][method]["responses"]["200"]["content"]["application/json"]["schema"] != {}, path
+
+
 def test_metrics_count_requests_errors_and_batches(client: TestClient) -> None:
     client.get("/search", params={"q": QUERY})
     client.get("/search", params={"q": ""})
@@ -149,6 +209,8 @@ def test_metrics_count_requests_errors_and_batches(client: TestClient) -> None:
     client.get("/openapi.json")
     assert metric(client, 'retrieval_requests_total{method="GET",route="/docs",status="200"}') == 1
     assert metric(client, 'retrieval_requests_total{method="GET",route="/openapi.json",status="200"}') == 1
+    client.get("/docs/assets/swagger-ui.css")
+    assert metric(client, 'retrieval_requests_total{method="GET",route="/docs/assets",status="200"}') == 1
     assert 'route="unmatched"' not in client.get("/metrics").text
     for i in range(3):  # made-up methods (h11 passes any token): one bounded label value, not one per method
         client.request(f"BREW{i}", "/search")
@@ -344,7 +406,7 @@ def test_a_request_cancelled_at_the_shutdown_timeout_gets_503_json(index: Path) 
 
 
 def test_method_not_allowed_names_every_method_of_the_path(client: TestClient) -> None:
-    for path, allowed in (("/search", "GET, POST"), ("/embed", "POST"), ("/health", "GET")):
+    for path, allowed in (("/search", "GET, HEAD, POST"), ("/embed", "POST"), ("/health", "GET, HEAD")):
         response = client.request("PUT", path)
         assert response.status_code == 405 and response.headers["allow"] == allowed, path
 

@@ -8,6 +8,7 @@ import shutil
 import struct
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,13 +39,15 @@ HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><b>bold?</b>"
 
 
 @pytest.fixture
-def page_server(tmp_path: Path) -> Iterator[str]:
-    """The app on uvicorn in a thread, 127.0.0.1, a free port; stopped at the end whatever happened."""
+def page_server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The app on uvicorn in a thread, 127.0.0.1, a free port; stopped at the end whatever happened. Serve options
+    come from the test's ``indirect`` parameter, if any."""
     texts = [f"document number {i} about topic {i % 7}" for i in range(120)]
     texts[7] = HOSTILE
     corpus = write_corpus(tmp_path / "corpus.parquet", n=120, text=texts)
     build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "idx", TransformSpec(dim=8))
-    service = Service(tmp_path / "idx", ServeOptions(watch_interval=0), encoder=FakeEncoder())
+    options = ServeOptions(**{"watch_interval": 0, **getattr(request, "param", {})})
+    service = Service(tmp_path / "idx", options, encoder=FakeEncoder())
     config = uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -88,7 +91,7 @@ def browser(tmp_path: Path) -> Iterator[webdriver.Chrome]:
         driver.quit()
 
 
-def search(driver: webdriver.Chrome, query: str, k: int) -> list[list[str]]:
+def search(driver: webdriver.Chrome, query: str, k: int | str) -> list[list[str]]:
     box = driver.find_element(By.ID, "q")
     box.clear()
     box.send_keys(query)
@@ -129,3 +132,40 @@ def test_the_page_searches_and_shows_hits_as_text(page_server: str, browser: web
     browser.find_element(By.ID, "go").click()
     WebDriverWait(browser, 20).until(expected_conditions.text_to_be_present_in_element((By.ID, "status"), "empty"))
     assert "error" in browser.find_element(By.ID, "status").get_attribute("class")
+    # the error replaces the hits: the last query's rows must not stand under the new one as its answer
+    assert not browser.find_element(By.ID, "hits").is_displayed()
+    assert browser.find_elements(By.CSS_SELECTOR, "#hits tbody tr") == []
+
+    assert len(search(browser, "document number 3", "1e1")) == 10  # what the browser's number box reads as 10
+
+
+def metrics_of(base: str) -> str:
+    with urllib.request.urlopen(base + "metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+@pytest.mark.parametrize("page_server", [{"max_k": 5}], indirect=True)
+def test_the_page_takes_its_k_limit_from_the_server(page_server: str, browser: webdriver.Chrome) -> None:
+    browser.get(page_server)
+    k_box = browser.find_element(By.ID, "k")
+    WebDriverWait(browser, 20).until(lambda _: k_box.get_attribute("max") == "5")
+    assert k_box.get_attribute("value") == "5"  # the default 10 would be refused
+    box = browser.find_element(By.ID, "q")
+    box.send_keys("document number 42 about topic 0")
+    browser.find_element(By.ID, "go").click()
+    WebDriverWait(browser, 20).until(expected_conditions.text_to_be_present_in_element((By.ID, "status"), "hits in"))
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#hits tbody tr")) == 5
+    # the page's own requests (the page, /info, the search) are all answered: no favicon 404 counted as an error
+    metrics = metrics_of(page_server)
+    assert 'route="/info",status="200"' in metrics and 'route="/search",status="200"' in metrics
+    assert 'status="404"' not in metrics and "retrieval_errors_total{" not in metrics
+
+
+def test_the_api_docs_render_without_internet(page_server: str, browser: webdriver.Chrome) -> None:
+    browser.get(page_server + "docs")  # Swagger UI: one block per operation, drawn from /openapi.json
+    WebDriverWait(browser, 30).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, ".opblock")) >= 8)
+    paths = {e.text for e in browser.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")}
+    assert {"/search", "/embed", "/info", "/health"} <= paths
+    browser.get(page_server + "redoc")
+    WebDriverWait(browser, 30).until(lambda b: "/embed" in b.find_element(By.TAG_NAME, "body").text)
+    assert browser.find_element(By.TAG_NAME, "h1").text.startswith("retrieval")  # ReDoc's title: the API's
