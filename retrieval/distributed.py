@@ -486,7 +486,8 @@ def _window_row(window: int, ingest: Ingest, info: str) -> dict[str, Any]:
         "window": window,
         "part": json.dumps(part.to_dict()),
         "n": m.n,
-        "mean": m.mean,
+        "shift": m.shift,
+        "offset": m.offset,
         "m2": m.m2,
         "encoder": info,
         "error": "",
@@ -498,7 +499,8 @@ def _error_row(err: RetrievalError, dim: int) -> dict[str, Any]:
         "window": -1,
         "part": "",
         "n": 0,
-        "mean": np.zeros(dim),
+        "shift": np.zeros(dim),
+        "offset": np.zeros(dim),
         "m2": np.zeros((dim, dim)),
         "encoder": "",
         "error": _error(err),
@@ -518,7 +520,7 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
         out[key] = np.array([r[key] for r in rows], dtype=np.float64)
     for key in ("part", "encoder", "error", "worker"):
         out[key] = np.array([r[key] for r in rows], dtype=object)
-    for key in ("mean", "m2"):
+    for key in ("shift", "offset", "m2"):
         out[key] = np.stack([np.asarray(r[key], dtype=np.float64) for r in rows])
     return out
 
@@ -635,11 +637,7 @@ def _raise_if_failed(row: dict[str, Any]) -> None:
 
 
 def _moments(row: dict[str, Any], dim: int) -> RunningMoments:
-    moments = RunningMoments(dim)
-    moments.n = int(row["n"])
-    moments.mean = np.asarray(row["mean"], dtype=np.float64)
-    moments.m2 = np.asarray(row["m2"], dtype=np.float64)
-    return moments
+    return RunningMoments.of(row["n"], row["shift"], row["offset"], row["m2"]) if row["n"] else RunningMoments(dim)
 
 
 def _vector_identity(info: EncoderInfo) -> tuple[Any, ...]:
