@@ -30,7 +30,7 @@ from retrieval import files
 from retrieval.calibrate import Calibration
 from retrieval.docs import Docs
 from retrieval.encoder import EncoderInfo
-from retrieval.errors import IndexDirError
+from retrieval.errors import ConfigError, IndexDirError
 from retrieval.index import IndexSpec
 from retrieval.moments import RunningMoments
 from retrieval.stash import STATE_NAME, VectorStash
@@ -54,6 +54,13 @@ RESCORE_DEPTH = 50
 LOAD_RETRY_SECONDS = 10.0  # how long a reader keeps retrying a load that raced a publish
 
 Verify = Literal["full", "quick", "none"]
+VERIFY_LEVELS = ("full", "quick", "none")
+
+
+def check_verify(level: str) -> None:
+    """Refuse a verification level that is not one of ``VERIFY_LEVELS`` (a typo must not skip the checks)."""
+    if level not in VERIFY_LEVELS:
+        raise ConfigError(f"`verify` must be one of {', '.join(VERIFY_LEVELS)} (got {level!r})", "verify")
 
 
 # ----- the manifest's sections -------------------------------------------------------------------------------
@@ -358,6 +365,7 @@ class IndexDir:
     def verify(self, manifest: Manifest, level: Verify = "full", names: list[str] | None = None) -> None:
         """Check the listed files (all by default): size always, then sha256 ("full") or a sampled hash
         ("quick"); "full" also checks every stash part against the checksums in ``stash.json``."""
+        check_verify(level)
         if level == "none":
             return
         for name in names if names is not None else list(manifest.files):
@@ -427,6 +435,7 @@ def load(path: Path | str, verify: Verify = "full") -> Loaded:
     A load that fails while a publish is replacing the directory (seen as a change of the directory's identity,
     or a directory missing while a writer holds it) is retried for up to LOAD_RETRY_SECONDS; a failure on an
     unchanged directory is a real one and raised at once."""
+    check_verify(verify)
     directory = IndexDir(path)
     real = files.resolved(directory.path)  # a writer's lock and renamed-aside copy sit beside the real directory
     deadline = time.monotonic() + LOAD_RETRY_SECONDS

@@ -22,7 +22,7 @@ from retrieval.autothreads import ThreadChooser
 from retrieval.batching import Batcher, BatchStats
 from retrieval.encoder import Encoder
 from retrieval.errors import ConfigError, RetrievalError
-from retrieval.indexdir import IndexDir, Verify, now
+from retrieval.indexdir import IndexDir, Verify, check_verify, now
 from retrieval.search import Searcher
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,7 @@ class ServeOptions:
                 raise ConfigError(f"`{name}` must be between 0 and 3600 (got {seconds!r})", name)
         if self.max_rescore < 0:
             raise ConfigError(f"`max_rescore` must be at least 0 (got {self.max_rescore})", "max_rescore")
-        if self.verify not in ("full", "quick", "none"):
-            raise ConfigError(f"`verify` must be full, quick or none (got {self.verify!r})", "verify")
+        check_verify(self.verify)
 
 
 # What the engine encodes at each torch thread count before /ready (``Service._warm_thread_counts``): a full

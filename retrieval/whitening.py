@@ -294,7 +294,7 @@ def _read(path: str | os.PathLike[str], kind: str | None = None) -> dict[str, np
             f"{path}: transform format version {version}; this version reads {', '.join(map(str, READS_VERSIONS))}."
         )
     found = str(data["kind"]) if "kind" in data else None
-    if found != kind and not (kind is None and found in ("whitening", "raw")):
+    if found not in ((kind,) if kind is not None else ("whitening", "raw")):  # no kind at all: not a transform
         raise IndexDirError(f"{path}: transform kind {found!r}, expected {kind or 'whitening or raw'!r}")
     return data
 
@@ -358,6 +358,8 @@ class TransformSpec:
     def check(self, d: int | None = None) -> None:
         """Refuse what cannot give finite, meaningful vectors, before any work is done (``dim`` against the
         encoder's dimension ``d`` once it is known)."""
+        if self.dim is not None and (isinstance(self.dim, bool) or not isinstance(self.dim, (int, np.integer))):
+            raise ConfigError(f"`dim` must be a whole number (got {self.dim!r})", "dim")
         if self.dim is not None and self.dim < 1:
             raise ConfigError(f"`dim` must be at least 1 (got {self.dim})", "dim")
         if self.dim is not None and d is not None and self.dim > d:

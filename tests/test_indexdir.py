@@ -20,7 +20,7 @@ from conftest import ROOT, FakeEncoder, write_corpus
 from retrieval import files, indexdir, update
 from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
-from retrieval.errors import IndexDirError
+from retrieval.errors import ConfigError, IndexDirError
 from retrieval.indexdir import INDEX, MANIFEST, IndexDir, Manifest, checksum, load
 from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import TransformSpec, Whitening
@@ -311,6 +311,14 @@ def test_verify_refuses_a_manifest_that_lists_a_file_outside_the_index(index: Pa
     directory = IndexDir(index)
     with pytest.raises(IndexDirError, match=r"does not list \.\./outside.bin as an index file"):
         directory.verify(directory.manifest(), "full")
+
+
+@pytest.mark.parametrize("level", ["Full", "ful", ""])
+def test_an_unknown_verification_level_is_refused_not_skipped(index: Path, level: str) -> None:
+    with pytest.raises(ConfigError, match="`verify` must be one of full, quick, none"):
+        Searcher.load(index, encoder=FakeEncoder(), verify=level)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="`verify` must be one of"):
+        IndexDir(index).verify(Manifest.load(index), level)  # type: ignore[arg-type]
 
 
 def test_a_publish_keeps_created_and_stamps_updated(index: Path, monkeypatch) -> None:

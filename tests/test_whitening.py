@@ -182,6 +182,13 @@ def test_bad_options_are_refused(data: np.ndarray, kwargs: dict, message: str) -
         fit(data, **kwargs)
 
 
+@pytest.mark.parametrize("dim", [8.0, True, "8"])
+def test_a_dim_that_is_not_a_whole_number_is_refused(dim: object) -> None:
+    with pytest.raises(ConfigError, match="`dim` must be a whole number"):
+        TransformSpec(dim=dim).check(D)  # type: ignore[arg-type]
+    TransformSpec(dim=np.int64(8)).check(D)  # numpy's integers are whole numbers
+
+
 def test_too_few_rows_are_refused() -> None:
     with pytest.raises(ConfigError, match="at least 2"):
         fit(np.ones((1, 3)))
@@ -304,6 +311,7 @@ def test_raw_round_trip(tmp_path) -> None:
         ({"format_version": 1, "kind": "mystery"}, "kind 'mystery'"),
         ({"format_version": 3, "kind": "raw", "dim": 3}, "format version 3"),
         ({"kind": "raw", "dim": 3}, "format version None"),
+        ({"format_version": 1, "n": 3, "mean": np.zeros(2)}, "kind None"),  # moments.npz, given as a transform
     ],
 )
 def test_unknown_files_are_refused(tmp_path, arrays: dict, message: str) -> None:
