@@ -69,7 +69,13 @@ err = Console(stderr=True, soft_wrap=True, highlight=False)  # status lines carr
 out = Console(highlight=False)
 F = TypeVar("F", bound=Callable[..., Any])
 
-FLAGS = {"k": "-k", "whiten": "--no-whiten", "keep_vectors": "--no-keep-vectors", "query": "the query"}
+FLAGS = {
+    "k": "-k",
+    "whiten": "--no-whiten",
+    "keep_vectors": "--no-keep-vectors",
+    "center": "--center/--no-center",
+    "query": "the query",
+}
 
 
 def flag(name: str) -> str:
@@ -271,6 +277,7 @@ def index(
     ray_options = RayOptions(address, workers)
     transform.check()  # every value checked before a model is loaded; dim against d once it is known
     index_spec.check()
+    index_spec.check_given({"nlist": nlist, "nprobe": nprobe, "train_size": train_size})  # those left None
     ray_options.check()
     check_target(target, overwrite)
     source = Corpus(spec)  # the file(s) and their columns, before seconds go into loading a model

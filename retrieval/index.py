@@ -58,6 +58,26 @@ class IndexSpec:
             return self.nlist
         return max(1, min(int(4 * math.sqrt(n)), n // 39))
 
+    def knobs_that_apply(self) -> set[str]:
+        """The knobs this kind reads: HNSW's for an HNSW graph, IVF's for inverted lists (a factory string
+        names its own M and list count, so only the search-time and build-time beams and nprobe apply)."""
+        if self.kind in ("flat", "hnsw", "ivf"):
+            kinds = {"flat": set(), "hnsw": {"m", "ef_construction", "ef_search"}, "ivf": {"nlist", "nprobe"}}
+            return kinds[self.kind] | ({"train_size"} if self.kind == "ivf" else set())
+        return (
+            ({"ef_construction", "ef_search"} if "HNSW" in self.kind else set())
+            | ({"nprobe"} if "IVF" in self.kind else set())
+            | {"train_size"}
+        )
+
+    def check_given(self, given: dict[str, Any]) -> None:
+        """Refuse a knob given for a kind that does not read it (None: not given): it would be accepted and
+        do nothing."""
+        for name, value in given.items():
+            if value is not None and name not in self.knobs_that_apply():
+                kind = self.kind if self.kind in ("flat", "hnsw", "ivf") else f"{self.kind!r}"
+                raise ConfigError(f"`{name}` does nothing for a {kind} index; drop it, or change `index_type`", name)
+
     def check(self) -> None:
         """Refuse knobs FAISS would abort on or silently misuse, before any work is done."""
         if not self.kind.strip():

@@ -64,7 +64,8 @@ def transform_spec(directory: Path, **changes: Any) -> TransformSpec:
     Turning whitening off drops a kept ``dim`` and ``gamma`` unless given (the raw transform keeps every
     dimension and has no kernel; a ``gamma`` given with it is refused by ``TransformSpec.check``).
     """
-    current = IndexDir(directory).manifest().transform.spec
+    record = IndexDir(directory).manifest().transform
+    current = record.spec
     given = {key: value for key, value in changes.items() if value is not None}
     if given.get("whiten") is False and "dim" not in given:
         given["dim"] = None
@@ -75,13 +76,19 @@ def transform_spec(directory: Path, **changes: Any) -> TransformSpec:
     if "whiten" not in given and ("dim" in given or "gamma" in given):
         given["whiten"] = None  # a new `dim` or `gamma` without a word on whitening: the defaults decide
     # (a raw index records no gamma: TransformRecord.of resolves it away, so a raw index gets the default one)
-    return dataclasses.replace(current, **given)
+    spec = dataclasses.replace(current, **given)
+    if "epsilon" in given and not spec.resolve(record.d).whiten:
+        raise ConfigError("the raw transform has no eigenvalues to regularise; drop `epsilon`, or whiten", "epsilon")
+    return spec
 
 
 def index_spec(directory: Path, **changes: Any) -> IndexSpec:
-    """The FAISS index spec ``directory`` was built with, with ``changes`` applied (None values: keep)."""
+    """The FAISS index spec ``directory`` was built with, with ``changes`` applied (None values: keep). A knob
+    given for a kind that does not read it is refused (``IndexSpec.check_given``)."""
     current = IndexDir(directory).manifest().index.spec
-    return dataclasses.replace(current, **{key: value for key, value in changes.items() if value is not None})
+    spec = dataclasses.replace(current, **{key: value for key, value in changes.items() if value is not None})
+    spec.check_given({key: value for key, value in changes.items() if key != "kind"})
+    return spec
 
 
 # ----- refit -----------------------------------------------------------------------------------------------

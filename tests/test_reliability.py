@@ -525,6 +525,28 @@ def test_refit_with_nan_gamma(copy: Path) -> None:
     assert snapshot(copy) == before and leftovers(copy) == []
 
 
+@case(
+    "options",
+    "`refit --nprobe` on a flat index, `refit --epsilon` or `--no-center` on a raw one, `index --index-type hnsw "
+    "--nlist 8`",
+    "one line naming the option that would do nothing; the index is unchanged (they were accepted and ignored)",
+)
+def test_options_that_would_do_nothing(copy: Path, tmp_path: Path) -> None:
+    before = snapshot(copy)
+    one_line(run("refit", copy, "--nprobe", 4), "--nprobe does nothing for a flat index")
+    one_line(run("refit", copy, "--m", 16), "--m does nothing for a flat index")
+    assert snapshot(copy) == before
+    ok(run("refit", copy, "--no-whiten"))
+    raw = snapshot(copy)
+    one_line(run("refit", copy, "--epsilon", "1e-3"), "no eigenvalues to regularise; drop --epsilon")
+    one_line(run("refit", copy, "--no-center"), "drop --center/--no-center")
+    assert snapshot(copy) == raw and leftovers(copy) == []
+    corpus = write_corpus(tmp_path / "c.parquet", n=50)
+    out = tmp_path / "hnsw"
+    one_line(run("index", corpus, "--index-type", "hnsw", "--nlist", 8, "--out", out), "--nlist does nothing")
+    assert not out.exists()
+
+
 # ----- index directories -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("edit", "fragment"),
