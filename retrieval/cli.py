@@ -27,7 +27,7 @@ from rich.text import Text
 from retrieval import files, home
 from retrieval.build import BuildOptions, build_index, check_target
 from retrieval.corpus import Corpus, CorpusSpec
-from retrieval.encoder import POOLINGS, PRECISIONS, EncoderSpec
+from retrieval.encoder import POOLINGS, PRECISIONS, EncoderSpec, model_dim
 from retrieval.errors import ConfigError, Interrupted, RetrievalError, render
 from retrieval.index import IndexSpec
 from retrieval.indexdir import RESCORE_DEPTH, Manifest
@@ -277,6 +277,8 @@ def index(
     ray_options = RayOptions(address, workers)
     transform.check()  # every value checked before a model is loaded; dim against d once it is known
     index_spec.check()
+    if vectors_column is None:
+        transform.check(model_dim(model))  # a local model's config knows d: refused now, not after a load
     index_spec.check_given({"nlist": nlist, "nprobe": nprobe, "train_size": train_size})  # those left None
     ray_options.check()
     check_target(target, overwrite)
@@ -579,7 +581,7 @@ def demo(
     """Index the Python standard library's docstrings (built here, no download) and run a few searches."""
     from retrieval.demo import DEMO_QUERIES, write_demo_corpus
 
-    TransformSpec(dim=dim).check()
+    TransformSpec(dim=dim).check(model_dim(DefaultEncoder.model))  # before the demo corpus is written
     SearchParams(k=k).check()
     corpus = home.index_root() / "stdlib-docs.parquet"
     rows = write_demo_corpus(corpus)

@@ -189,6 +189,17 @@ def resolve_model(name: str) -> Path | None:
     return None
 
 
+def model_dim(name: str) -> int | None:
+    """The hidden size a local model's config.json states, read without loading the model (None: not known
+    here, e.g. a hub name)."""
+    folder = resolve_model(name)
+    try:
+        size = json.loads((folder / "config.json").read_text()).get("hidden_size") if folder else None
+    except (OSError, ValueError):
+        return None
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def weights_sha256(folder: Path) -> str | None:
     """sha256 of the model's weights file: the model's identity, whatever its folder is called."""
     for name in ("model.safetensors", "pytorch_model.bin"):

@@ -35,6 +35,7 @@ from retrieval import files, indexdir, update
 from retrieval.build import BuildOptions, build_index
 from retrieval.cli import app, sigterm_exits
 from retrieval.corpus import CorpusSpec
+from retrieval.encoder import DEFAULT_MODEL, model_dim
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.evaluate import Queries
 from retrieval.index import IndexSpec
@@ -512,9 +513,13 @@ def test_dim_and_metric_out_of_range(cli_index: Path, tiny_bert: Path, tmp_path:
     one_line(run("tune", "--pairs", pairs, "--model", tiny_bert, "--metric", "x"), "unknown --metric 'x'")
 
 
-@case("options", "`demo --dim 0`", "refused before the demo corpus is written")
+@case("options", "`demo --dim 0`, `demo --dim 1000` (past MiniLM's 384)", "refused before the demo corpus is written")
 def test_demo_refuses_before_writing(isolated_home: Path) -> None:
     one_line(run("demo", "--dim", 0), "--dim must be at least 1")
+    assert not isolated_home.exists() or not list(isolated_home.iterdir())
+    if model_dim(DEFAULT_MODEL) is None:
+        pytest.skip(f"{DEFAULT_MODEL} is not installed here (make install)")
+    one_line(run("demo", "--dim", 1000), "--dim must be between 1 and the encoder's dimension 384")
     assert not isolated_home.exists() or not list(isolated_home.iterdir())
 
 
