@@ -188,8 +188,8 @@ def _build(
     except (RetrievalError, OSError):  # a user's error or a full disk: nothing to resume, nothing left behind
         shutil.rmtree(work, ignore_errors=True)
         raise
-    except KeyboardInterrupt:
-        log.warning("interrupted: the encoded parts are kept in %s; rerun with --resume to continue", work)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM as the CLI raises it
+        log.warning("stopped: the encoded parts are kept in %s; rerun with --resume to continue", work)
         raise
     info = encoder.info() if encoder else EncoderInfo(kind="vectors", dim=d, column=corpus.vectors_column)
     manifest = Manifest(

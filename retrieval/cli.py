@@ -28,7 +28,7 @@ from retrieval import files, home
 from retrieval.build import BuildOptions, build_index, check_target
 from retrieval.corpus import Corpus, CorpusSpec
 from retrieval.encoder import POOLINGS, PRECISIONS, EncoderSpec, model_dim
-from retrieval.errors import ConfigError, Interrupted, RetrievalError, render
+from retrieval.errors import ConfigError, Interrupted, RetrievalError, Terminated, render
 from retrieval.index import IndexSpec
 from retrieval.indexdir import RESCORE_DEPTH, Manifest
 from retrieval.search import SearchParams
@@ -90,8 +90,10 @@ def user_errors(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except KeyboardInterrupt:
-            exc: RetrievalError = Interrupted("interrupted")
+        except KeyboardInterrupt as stop:
+            exc: RetrievalError = Interrupted.by(
+                stop, "interrupted" if not isinstance(stop, Terminated) else "terminated"
+            )
         except RetrievalError as caught:
             exc = caught
         err.print(Text.assemble(("error: ", "bold red"), safe(render(exc, flag))))
@@ -146,10 +148,11 @@ def progress_bars() -> Iterator[Callable[[str, int, int], None]]:
 @contextmanager
 def sigterm_exits() -> Iterator[None]:
     """SIGTERM ends the command as Ctrl-C does, unwinding it: what it started is stopped on the way out, a
-    writer's lock and unfinished work directory are removed (a build's encoded parts stay, for --resume)."""
+    writer's lock and unfinished work directory are removed (a build's encoded parts stay, for --resume), and
+    the same line says so; the exit status is 143."""
 
     def exit_143(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
+        raise Terminated
 
     previous = signal.signal(signal.SIGTERM, exit_143)
     try:
@@ -277,12 +280,18 @@ def index(
     ray_options = RayOptions(address, workers)
     transform.check()  # every value checked before a model is loaded; dim against d once it is known
     index_spec.check()
-    if vectors_column is None:
-        transform.check(model_dim(model))  # a local model's config knows d: refused now, not after a load
-    index_spec.check_given({"nlist": nlist, "nprobe": nprobe, "train_size": train_size})  # those left None
+    given = {"nlist": nlist, "nprobe": nprobe, "train_size": train_size}  # None unless given; the rest, unless changed
+    given |= {
+        name: value
+        for name, value in (("m", m), ("ef_construction", ef_construction), ("ef_search", ef_search))
+        if value != getattr(DefaultIndex, name)
+    }
+    index_spec.check_given(given)
     ray_options.check()
     check_target(target, overwrite)
     source = Corpus(spec)  # the file(s) and their columns, before seconds go into loading a model
+    if not source.precomputed:
+        transform.check(model_dim(model))  # a local model's config knows d: refused now, not after a load
     # Ray: windows sized for the workers. Local: the default, grown past 4M rows as Ray's grow, so a big build
     # stays at a few thousand stash parts (each registration rewrites stash.json: 100M rows in 2,048-row
     # windows would be 48,828 parts and hours of rewriting)
@@ -302,11 +311,13 @@ def index(
                 ray = stack.enter_context(RayEngine(encoder_spec, ray_options))
             update = stack.enter_context(progress_bars())
             manifest = build_index(spec, encoder, target, transform, index_spec, options, progress=update, engine=ray)
-    except KeyboardInterrupt:
-        raise Interrupted(
-            "interrupted: the parts encoded so far are kept; rerun the same command with --resume to continue"
+    except KeyboardInterrupt as stop:
+        what = "terminated" if isinstance(stop, Terminated) else "interrupted"
+        raise Interrupted.by(
+            stop,
+            f"{what}: the parts encoded so far are kept; rerun the same command with --resume to continue"
             if files.work_dir(files.resolved(target)).exists()
-            else "interrupted; nothing was written"
+            else f"{what}; nothing was written",
         ) from None
     home.remember(target)
     err.print(summary_line(target, manifest, "built"), markup=False)

@@ -172,6 +172,11 @@ class Corpus:
         wanted = {"text_column": spec.text_column, "id_column": self.id_column}
         wanted |= {"title_column": spec.title_column, "vectors_column": spec.vectors_column}
         for option, column in wanted.items():
+            if column is not None and names.count(column) > 1:
+                raise CorpusError(
+                    f"{path} has {names.count(column)} columns named {column!r}; rename them so that one is "
+                    f"the {option.removesuffix('_column')} column"
+                )
             if column is not None and column not in names:
                 if option == "text_column" and spec.vectors_column:
                     continue
@@ -214,6 +219,8 @@ class Corpus:
             raise CorpusError(f"{path} is not a readable .npy array ({err}); save it with numpy.save") from err
         if array.ndim != 2:
             raise CorpusError(f"{path} holds an array of shape {array.shape}; expected 2-D (rows x dims) vectors")
+        if array.shape[1] == 0:
+            raise CorpusError(f"{path} holds vectors of width 0 (shape {array.shape}); store one vector per row")
         if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
             raise CorpusError(f"{path} holds {array.dtype} values; expected a float array of vectors")
         self.path, self._array, self.id_column, self.has_text = path, array, None, False
@@ -260,14 +267,17 @@ class Corpus:
         return cols
 
     def _strings(self, rb: pa.RecordBatch, column: str, first_row: int, path: Path | None = None) -> list[str | None]:
-        """A text-like column as Python strings; binary is decoded as UTF-8, and refused where it is not."""
+        """A text-like column as Python strings; binary is decoded as UTF-8, and refused where it is not (so is
+        a column typed as strings whose bytes are not UTF-8: parquet writers need not check)."""
         values = rb.column(column)
         if pa.types.is_dictionary(values.type):
             values = values.dictionary_decode()
         try:
             return values.cast(pa.string()).to_pylist()
-        except pa.ArrowInvalid:  # binary that is not UTF-8: find the row, name it
-            for i, value in enumerate(values.to_pylist()):
+        except (pa.ArrowInvalid, UnicodeDecodeError):  # bytes that are not UTF-8: find the row, name it
+            text_typed = pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+            raw = values.cast(pa.large_binary()) if text_typed else values
+            for i, value in enumerate(raw.to_pylist()):
                 try:
                     value is None or bytes(value).decode("utf-8")
                 except UnicodeDecodeError:

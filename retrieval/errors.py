@@ -41,9 +41,20 @@ class BusyError(IndexDirError):
 
 
 class Interrupted(RetrievalError):
-    """The user stopped the command (Ctrl-C); the message says what was kept and how to continue."""
+    """The user stopped the command (Ctrl-C, or SIGTERM); the message says what was kept and how to continue."""
 
     exit_code = 130
+
+    @classmethod
+    def by(cls, stop: KeyboardInterrupt, message: str) -> Interrupted:
+        """``message``, exiting as the signal asks: 130 for Ctrl-C (SIGINT), 143 for SIGTERM (``Terminated``)."""
+        interrupted = cls(message)
+        interrupted.exit_code = 143 if isinstance(stop, Terminated) else 130
+        return interrupted
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, a timeout, docker stop), raised where Ctrl-C would be: it unwinds the command the same way."""
 
 
 def render(err: BaseException, name: Callable[[str], str]) -> str:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from retrieval.errors import IndexDirError
 
 LAST_NAME = ".last-built"
+log = logging.getLogger(__name__)
 
 
 def index_root() -> Path:
@@ -26,10 +28,21 @@ def default_out(corpus_path: Path) -> Path:
 
 
 def remember(directory: Path) -> None:
-    """Make ``directory`` the index ``search`` uses by default."""
+    """Make ``directory`` the index ``search`` uses by default. A pointer that cannot be written (a read-only
+    working directory, an index root that is a file) is a warning: the index itself is built and complete."""
     root = index_root()
-    root.mkdir(parents=True, exist_ok=True)
-    (root / LAST_NAME).write_text(str(Path(directory).resolve()) + "\n")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / LAST_NAME).write_text(str(Path(directory).resolve()) + "\n")
+    except OSError as err:
+        log.warning(
+            "%s is complete, but it could not be recorded as the default index in %s (%s); name it when you "
+            "search: `retrieval search --index %s`",
+            directory,
+            root / LAST_NAME,
+            err.strerror or err,
+            directory,
+        )
 
 
 def default_index(name_it: str = "pass --index DIR") -> Path:

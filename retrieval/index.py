@@ -84,6 +84,11 @@ class IndexSpec:
             raise ConfigError(
                 "`index_type` is empty; use flat, hnsw, ivf or a FAISS index_factory string", "index_type"
             )
+        if "NSG" in self.kind:  # FAISS builds an NSG graph once, over every row: no windows, no `retrieval add`
+            raise ConfigError(
+                f"index type {self.kind!r}: NSG graphs cannot take rows in batches or be added to; use hnsw",
+                "index_type",
+            )
         if not 2 <= self.m <= 512:
             raise ConfigError(f"`m` (HNSW neighbours per node) must be between 2 and 512 (got {self.m})", "m")
         knobs = {"ef_construction": self.ef_construction, "ef_search": self.ef_search, "nlist": self.nlist}

@@ -106,6 +106,29 @@ def test_invalid_utf8_names_the_row_in_the_file_not_in_the_window(tmp_path: Path
         list(Corpus(CorpusSpec(path)).batches(4))
 
 
+@pytest.mark.parametrize("column", ["text", "id"])
+@pytest.mark.parametrize("kind", [pa.string(), pa.large_string()])
+def test_a_string_column_whose_bytes_are_not_utf8_names_the_row(tmp_path: Path, column: str, kind) -> None:
+    """Parquet writers need not check that a string column is UTF-8: such bytes are refused as binary's are."""
+    values = [f"{column} {i}".encode() for i in range(8)]
+    values[6] = b"bad \xff\xfe bytes"
+    offsets = np.cumsum([0] + [len(v) for v in values]).astype(np.int64 if kind == pa.large_string() else np.int32)
+    unchecked = pa.Array.from_buffers(kind, 8, [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b"".join(values))])
+    columns = {"id": [f"d{i}" for i in range(8)], "text": [f"text {i}" for i in range(8)], column: unchecked}
+    path = write_table(tmp_path / "c.parquet", **columns)
+    with pytest.raises(CorpusError, match=rf"column '{column}' of .*holds bytes that are not UTF-8 text \(row 6\)"):
+        list(Corpus(CorpusSpec(path)).batches(4))
+
+
+@pytest.mark.parametrize("column", ["text", "id"])
+def test_a_column_name_used_twice_is_refused(tmp_path: Path, column: str) -> None:
+    arrays = [pa.array([f"d{i}" for i in range(4)]), pa.array([f"text {i}" for i in range(4)]), pa.array(["x"] * 4)]
+    names = ["id", "text", column]
+    pq.write_table(pa.Table.from_arrays(arrays, names=names), tmp_path / "c.parquet")
+    with pytest.raises(CorpusError, match=rf"has 2 columns named '{column}'; rename them"):
+        Corpus(CorpusSpec(tmp_path / "c.parquet"))
+
+
 # ----- empty texts -----------------------------------------------------------------------------------------
 def empty_corpus(tmp_path: Path) -> Path:
     texts = [f"text {i}" for i in range(20)]

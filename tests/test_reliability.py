@@ -36,7 +36,7 @@ from retrieval.build import BuildOptions, build_index
 from retrieval.cli import app, sigterm_exits
 from retrieval.corpus import CorpusSpec
 from retrieval.encoder import DEFAULT_MODEL, model_dim
-from retrieval.errors import ConfigError, IndexDirError
+from retrieval.errors import ConfigError, IndexDirError, Terminated
 from retrieval.evaluate import Queries
 from retrieval.index import IndexSpec
 from retrieval.indexdir import INDEX, MANIFEST, STASH, IndexDir, Manifest, load
@@ -533,7 +533,7 @@ def test_refit_with_nan_gamma(copy: Path) -> None:
 @case(
     "options",
     "`refit --nprobe` on a flat index, `refit --epsilon` or `--no-center` on a raw one, `index --index-type hnsw "
-    "--nlist 8`",
+    "--nlist 8` (or `IVF2,Flat --nlist 5`, or flat `--m 8`)",
     "one line naming the option that would do nothing; the index is unchanged (they were accepted and ignored)",
 )
 def test_options_that_would_do_nothing(copy: Path, tmp_path: Path) -> None:
@@ -549,6 +549,9 @@ def test_options_that_would_do_nothing(copy: Path, tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "c.parquet", n=50)
     out = tmp_path / "hnsw"
     one_line(run("index", corpus, "--index-type", "hnsw", "--nlist", 8, "--out", out), "--nlist does nothing")
+    one_line(run("index", corpus, "--index-type", "IVF2,Flat", "--nlist", 5, "--out", out), "--nlist does nothing")
+    one_line(run("index", corpus, "--m", 8, "--out", out), "--m does nothing for a flat index")
+    one_line(run("index", corpus, "--index-type", "NSG32", "--out", out), "NSG graphs cannot take rows in batches")
     assert not out.exists()
 
 
@@ -924,8 +927,8 @@ def writer(argv: list[str]) -> int:
                 update.add(args.index, CorpusSpec(args.corpus), FakeEncoder(), window_rows=5)
             else:
                 update.refit(args.index, TransformSpec(dim=4))
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as stop:  # as the CLI exits: 143 for SIGTERM, 130 for Ctrl-C
+        return 143 if isinstance(stop, Terminated) else 130
     return 0
 
 
@@ -1036,12 +1039,15 @@ def test_sigterm_of_the_add_command(copy: Path, tmp_path: Path) -> None:
     assert snapshot(copy) == before and leftovers(copy) == []
 
 
+@pytest.mark.parametrize(
+    ("stop", "status", "word"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
 @case(
     "faults",
-    "Ctrl-C of `retrieval index`",
-    "one line saying the encoded parts are kept and --resume continues; a resumed build completes",
+    "Ctrl-C or SIGTERM of `retrieval index`",
+    "exit 130 / 143 and one line saying the encoded parts are kept and --resume continues; a resumed build completes",
 )
-def test_sigint_of_a_build(tiny_bert: Path, tmp_path: Path) -> None:
+def test_sigint_of_a_build(tiny_bert: Path, tmp_path: Path, stop: int, status: int, word: str) -> None:
     corpus = write_corpus(tmp_path / "c.parquet", n=3000)
     out = tmp_path / "idx"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RETRIEVAL_INDEX_ROOT": str(tmp_path / "root")}
@@ -1059,10 +1065,10 @@ def test_sigint_of_a_build(tiny_bert: Path, tmp_path: Path) -> None:
     while not (files.work_dir(out) / STASH / "part-00000.parquet").exists():
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read() if process.stderr else ""
         time.sleep(0.02)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(stop)
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130, stderr
-    lines = [line for line in stderr.splitlines() if line.strip() and "interrupted" in line]
+    assert process.returncode == status, stderr
+    lines = [line for line in stderr.splitlines() if line.strip() and word in line]
     assert lines and "--resume" in lines[-1] and "Traceback" not in stderr
     done = subprocess.run([*command, "--resume"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -1183,6 +1189,21 @@ def test_out_is_a_file(tiny_bert: Path, tmp_path: Path) -> None:
     one_line(run("index", corpus, "--model", tiny_bert, "--out", tmp_path / "f"), "already exists")
     one_line(run("index", corpus, "--model", tiny_bert, "--out", tmp_path / "f", "--overwrite"), "is a file")
     assert (tmp_path / "f").read_text() == "keep" and leftovers(tmp_path / "f") == []
+
+
+@case(
+    "options",
+    "the default-index pointer cannot be written (`RETRIEVAL_INDEX_ROOT` is a file, a read-only working directory)",
+    "the build succeeds (exit 0) with one warning naming `--index DIR`; the index is complete",
+)
+def test_a_pointer_that_cannot_be_written_is_a_warning(tiny_bert: Path, tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("RETRIEVAL_INDEX_ROOT", str(tmp_path / "afile"))
+    corpus = write_corpus(tmp_path / "c.parquet", n=20)
+    result = run("index", corpus, "--model", tiny_bert, "--out", tmp_path / "idx")
+    assert result.exit_code == 0, result.stderr
+    assert "could not be recorded as the default index" in result.stderr and "Traceback" not in result.stderr
+    assert Manifest.load(tmp_path / "idx").n == 20 and leftovers(tmp_path / "idx") == []
 
 
 @case(

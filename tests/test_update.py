@@ -486,6 +486,7 @@ def test_npy_input_builds_like_a_vectors_column(tmp_path):
         (np.zeros(10, dtype=np.float32), r"shape \(10,\); expected 2-D"),
         (np.zeros((2, 3, 4), dtype=np.float32), "expected 2-D"),
         (np.array([["a", "b"]]), "expected a float array"),
+        (np.zeros((50, 0), dtype=np.float32), r"vectors of width 0 \(shape \(50, 0\)\)"),
     ],
 )
 def test_npy_that_is_not_a_matrix_of_numbers_is_refused(tmp_path, array, message):
@@ -493,7 +494,8 @@ def test_npy_that_is_not_a_matrix_of_numbers_is_refused(tmp_path, array, message
     with pytest.raises(CorpusError, match=message):
         build_index(CorpusSpec(tmp_path / "bad.npy"), None, tmp_path / "idx")
     result = runner.invoke(app, ["index", str(tmp_path / "bad.npy"), "--out", str(tmp_path / "idx")])
-    assert result.exit_code == 1 and "expected" in result.output
+    assert result.exit_code == 1 and ("expected" in result.output or "width 0" in result.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npy"]  # nothing written, not even a work dir
 
 
 @pytest.mark.parametrize("content", [b"not numpy at all", b""])
