@@ -28,7 +28,7 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from fastapi_offline import FastAPIOffline
@@ -591,9 +591,14 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
             raise ApiError(409, "reload_refused", message, generation=outcome.generation)
         return JSONResponse({"reloaded": True, "generation": outcome.generation, "seconds": round(outcome.seconds, 3)})
 
+    # The page is one static file; the server writes its own k limit into the k box, so it never offers a k
+    # the server refuses (and needs no request, which the API key would refuse, to learn it).
+    page_html = (STATIC / "index.html").read_text(encoding="utf-8")
+    page_html = page_html.replace("__MAX_K__", str(options.max_k)).replace("__K__", str(min(10, options.max_k)))
+
     @app.get("/", include_in_schema=False)
-    async def page() -> FileResponse:
-        return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
+    async def page() -> HTMLResponse:
+        return HTMLResponse(page_html)
 
     app.include_router(api)
     return app

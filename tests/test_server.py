@@ -131,6 +131,7 @@ def test_health_ready_info_and_the_page(client: TestClient) -> None:
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "textContent" in page.text and "innerHTML" not in page.text
+    assert 'max="100" value="10"' in page.text and "__" not in page.text  # the server's k limit, written in
     assert client.get("/openapi.json").json()["paths"]["/search"]["post"]
 
 

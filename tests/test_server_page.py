@@ -155,9 +155,9 @@ def test_the_page_takes_its_k_limit_from_the_server(page_server: str, browser: w
     browser.find_element(By.ID, "go").click()
     WebDriverWait(browser, 20).until(expected_conditions.text_to_be_present_in_element((By.ID, "status"), "hits in"))
     assert len(browser.find_elements(By.CSS_SELECTOR, "#hits tbody tr")) == 5
-    # the page's own requests (the page, /info, the search) are all answered: no favicon 404 counted as an error
+    # the page's own requests (the page, the search) are all answered: no favicon 404 counted as an error
     metrics = metrics_of(page_server)
-    assert 'route="/info",status="200"' in metrics and 'route="/search",status="200"' in metrics
+    assert 'route="/",status="200"' in metrics and 'route="/search",status="200"' in metrics
     assert 'status="404"' not in metrics and "retrieval_errors_total{" not in metrics
 
 
