@@ -24,11 +24,13 @@ from retrieval.build import BuildOptions, build_index
 from retrieval.calibrate import (
     MAX_QUERIES,
     PLATEAU,
+    TIE_TOLERANCE,
     Calibration,
     calibrate,
     exact_neighbours,
     grid,
     knob_of,
+    query_sample,
     recall_with_ties,
     search_with,
 )
@@ -136,6 +138,11 @@ def test_recall_counts_rows_tied_with_the_kth_neighbour() -> None:
     # a query with fewer exact neighbours than k asks only for those
     assert recall_with_ties(np.array([[10, 11, 12, 13, -1]]), rows, scores, k=5) == 1.0
     assert recall_with_ties(np.array([[-1]]), np.array([[-1]]), np.array([[-np.inf]]), k=1) == 1.0
+    # float32 sums round: a score within TIE_TOLERANCE of the k-th is a tie, one beyond it is not
+    near = np.array([[0.9, 0.7, 0.7 - TIE_TOLERANCE / 2, 0.7 - 2 * TIE_TOLERANCE]], dtype=np.float64)
+    near_rows = np.array([[10, 11, 12, 13]])
+    assert recall_with_ties(np.array([[10, 12]]), near_rows, near, k=2) == 1.0
+    assert recall_with_ties(np.array([[10, 13]]), near_rows, near, k=2) == 0.5
     # the mean is over every wanted neighbour of every query
     two = recall_with_ties(np.array([[10, 11], [10, 99]]), np.repeat(rows, 2, axis=0), np.repeat(scores, 2, axis=0), 2)
     assert two == 0.75
@@ -294,6 +301,10 @@ def test_many_queries_are_sampled_down(built) -> None:
     many = queries(MAX_QUERIES + 300)
     cal, _ = calibrate_index(built["ivf"], many, 0.9)
     assert cal.queries == MAX_QUERIES
+    sample = query_sample(MAX_QUERIES + 300)  # seeded, sorted, distinct, from the whole range (not the first ones)
+    assert len(sample) == MAX_QUERIES and np.array_equal(sample, query_sample(MAX_QUERIES + 300))
+    assert np.all(np.diff(sample) > 0) and sample[-1] >= MAX_QUERIES and sample[-1] < MAX_QUERIES + 300
+    np.testing.assert_array_equal(query_sample(50), np.arange(50))
 
 
 def test_the_cli_measures_on_texts_and_applies(tiny_bert: Path, tmp_path: Path) -> None:

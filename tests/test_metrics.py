@@ -332,3 +332,5 @@ def test_knn_recall_counts_minus_one_as_a_miss_and_cuts_at_the_truths_width() ->
     assert knn_recall(np.array([[0, 1, 2, 3]]), np.array([[1, 0]])) == 1.0
     # two queries, k = 2: hits 1 of 2 and 2 of 2 -> 3 / 4
     assert knn_recall(np.array([[5, 9], [7, 8]]), np.array([[5, 6], [8, 7]])) == 0.75
+    # an explicit k cuts both: the truth's first 2 (1, 0), found in the first 2 rows (1, 9) -> 1 / 2, not 2 / 3
+    assert knn_recall(np.array([[1, 9, 0]]), np.array([[1, 0, 2]]), k=2) == 0.5

@@ -95,6 +95,10 @@ def test_k_larger_than_n_returns_every_document(tmp_path: Path) -> None:
         (SearchParams(rescore=False), "`rescore` must be an integer between 0 and 10,000 (got False)"),
         (SearchParams(ef_search=True), "`ef_search` must be an integer between 1"),
         (SearchParams(nprobe=True), "`nprobe` must be an integer between 1"),
+        (SearchParams(ef_search=2.5), "`ef_search` must be an integer between 1"),  # type: ignore[arg-type]
+        (SearchParams(nprobe=1.5), "`nprobe` must be an integer between 1"),  # type: ignore[arg-type]
+        (SearchParams(ef_search=(1 << 20) + 1), "`ef_search` must be an integer between 1"),
+        (SearchParams(nprobe=(1 << 20) + 1), "`nprobe` must be an integer between 1"),
     ],
 )
 def test_bad_search_params_are_refused(searcher: Searcher, params: SearchParams, message: str) -> None:

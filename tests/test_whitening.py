@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from retrieval.errors import ConfigError, IndexDirError
+from retrieval.info import spectrum_summary
 from retrieval.moments import RunningMoments
 from retrieval.whitening import (
     DEFAULT_CENTER_REDUCED,
@@ -456,6 +457,36 @@ def test_drift_numbers_equal_a_one_shot_reference(data: np.ndarray) -> None:
     assert drift.max_principal_angle_deg == pytest.approx(np.degrees(np.arccos(cosines.min())), rel=1e-6)
     assert drift.mean_shift == pytest.approx(np.linalg.norm(shift @ transform.kernel) / np.sqrt(at_fit.sum()))
     assert 0.1 < drift.subspace_overlap < 0.9 and drift.max_principal_angle_deg > 30  # a real change
+
+
+@pytest.mark.parametrize("center", [True, False])
+def test_covariance_drift_equals_a_one_shot_reference(data: np.ndarray, center: bool) -> None:
+    """The new data's second moment about the kernel's origin (the fit's mean, or zero), seen through the kernel,
+    against the fit's own, in float64: a centred kernel's drift must see a moved mean too."""
+    k, gamma, eps = 4, 0.5, 1e-6
+    x = data.astype(np.float64)
+    transform = fit(data, dim=k, gamma=gamma, epsilon=eps, center=center)
+    turn, _ = np.linalg.qr(np.eye(D) + 0.3 * np.random.default_rng(11).normal(size=(D, D)))
+    new = (x - x.mean(axis=0)) @ turn + x.mean(axis=0) + 0.2
+    drift = kernel_drift(transform, RunningMoments.from_array(new))
+    origin = x.mean(axis=0) if center else np.zeros(D)
+    w = transform.kernel.astype(np.float64)
+    at_fit = w.T @ ((x - origin).T @ (x - origin) / len(x)) @ w
+    now = w.T @ ((new - origin).T @ (new - origin) / len(new)) @ w
+    expected = np.linalg.norm(now - at_fit) / np.linalg.norm(np.diag(at_fit))
+    assert drift.covariance_drift == pytest.approx(expected, rel=1e-6) and expected > 1e-3  # a real change
+
+
+def test_the_spectrum_summary_of_a_known_spectrum() -> None:
+    """12 eigenvalues summing to 17: cumulative shares 8/17, 12/17, 14/17, 15/17, 16/17, ... (info, /info)."""
+    lam = np.array([8, 4, 2, 1, 1, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625, 0.015625])
+    summary = spectrum_summary(lam, k=2)
+    shares = np.cumsum(lam) / lam.sum()
+    assert summary["top"] == lam[:10].tolist() and summary["lambda_k"] == 4 and summary["lambda_min"] == 0.015625
+    assert summary["explained_at_k"] == pytest.approx(12 / 17)
+    first_reaching = {q: int(np.argmax(shares >= q)) + 1 for q in (0.5, 0.9, 0.99)}  # dims needed, counted from 1
+    assert first_reaching == {0.5: 2, 0.9: 5, 0.99: 8}  # 12/17 >= 0.5; 16/17 >= 0.9; 16.875/17 >= 0.99
+    assert (summary["dims_for_50pct"], summary["dims_for_90pct"], summary["dims_for_99pct"]) == (2, 5, 8)
 
 
 def test_refit_is_advised_on_either_threshold() -> None:
