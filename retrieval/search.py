@@ -182,7 +182,8 @@ class Searcher:
         return self.hits(*self.search_raw(raw, params))
 
     def search_raw(self, raw: np.ndarray, params: SearchParams = SearchParams()) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, rows) for raw encoder-space query vectors; rows are -1 where fewer than k were found."""
+        """(scores, rows) for raw encoder-space query vectors, ``min(k, N)`` columns wide; rows are -1 where an
+        approximate index found fewer (an IVF's probed lists can hold fewer than k rows)."""
         params.check()
         raw = np.atleast_2d(np.asarray(raw, dtype=np.float32))
         if raw.shape[1] != self.transform.dim_in:
