@@ -161,7 +161,8 @@ class Corpus:
                     "give every file its ids, or choose a column with `id_column`"
                 )
             self.id_column = DEFAULT_ID_COLUMN
-        self.has_text = all(spec.text_column in s.names for s in schemas.values()) and not spec.vectors_column
+        # a vectors corpus encodes nothing, but its texts (when it has them) are still what hits show
+        self.has_text = all(spec.text_column in s.names for s in schemas.values())
         self.vector_dim: int | None = None
         for path, schema in schemas.items():
             self._check_columns(path, schema)
@@ -289,13 +290,18 @@ class Corpus:
             raise
 
     def _texts(self, rb: pa.RecordBatch, first_row: int = 0, path: Path | None = None) -> list[str | None]:
+        """The texts to encode and store: the text column, each prefixed by its title when there is one. A
+        vectors corpus only stores them, so a text it lacks is an empty one (its vector decides if it is used)."""
+        title = self.spec.title_column
         if not self.has_text:
+            if title and self.precomputed:  # titles, but no text column: the titles are what hits show
+                return ["" if t is None else t for t in self._strings(rb, title, first_row, path)]
             return [""] * rb.num_rows
         texts = self._strings(rb, self.spec.text_column, first_row, path)
-        if self.spec.title_column:
-            titles = self._strings(rb, self.spec.title_column, first_row, path)
+        if title:
+            titles = self._strings(rb, title, first_row, path)
             texts = [None if t is None else f"{h or ''} {t}".strip() for h, t in zip(titles, texts, strict=True)]
-        return texts
+        return ["" if t is None else t for t in texts] if self.precomputed else texts
 
     def _raw_batches(
         self, rows: int, start: int = 0, stop: int | None = None

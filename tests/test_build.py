@@ -298,6 +298,25 @@ def test_precomputed_vectors_column_needs_no_encoder(tmp_path: Path) -> None:
         searcher.search("text", SearchParams(k=2))
 
 
+@pytest.mark.parametrize("columns", ["text and title", "title only"])
+def test_a_vectors_corpus_keeps_its_texts_for_the_hits(tmp_path: Path, columns: str) -> None:
+    """The vectors are given, so nothing is encoded, but the texts (title first, as for an encoded corpus) are
+    what the hits show; a null text is stored empty (the row's vector decides whether it is used)."""
+    x = FakeEncoder().encode([f"t{i}" for i in range(50)])
+    table = {"id": [f"v{i}" for i in range(50)], "emb": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), D)}
+    table["title"] = [f"Title {i}" for i in range(50)]
+    if columns == "text and title":
+        table["text"] = [None if i == 3 else f"body {i}" for i in range(50)]
+    pq.write_table(pa.table(table), tmp_path / "v.parquet")
+    build_index(CorpusSpec(tmp_path / "v.parquet", vectors_column="emb", title_column="title"), None, tmp_path / "i")
+    searcher = Searcher.load(tmp_path / "i")
+    hit = searcher.search_vectors(x[7], SearchParams(k=1))[0][0]
+    assert (hit.id, hit.text) == ("v7", "Title 7 body 7" if columns == "text and title" else "Title 7")
+    assert searcher.search_vectors(x[3], SearchParams(k=1))[0][0].text == (
+        "" if columns == "text and title" else "Title 3"
+    )
+
+
 # ----- streaming windows -----------------------------------------------------------------------------------
 def test_windows_that_do_not_divide_n_give_the_same_index(corpus: Path, tmp_path: Path) -> None:
     small = build(corpus, tmp_path / "w7", options=BuildOptions(window_rows=7))
