@@ -91,9 +91,7 @@ def user_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except KeyboardInterrupt as stop:
-            exc: RetrievalError = Interrupted.by(
-                stop, "interrupted" if not isinstance(stop, Terminated) else "terminated"
-            )
+            exc: RetrievalError = Interrupted.by(stop)
         except RetrievalError as caught:
             exc = caught
         err.print(Text.assemble(("error: ", "bold red"), safe(render(exc, flag))))
@@ -312,12 +310,11 @@ def index(
             update = stack.enter_context(progress_bars())
             manifest = build_index(spec, encoder, target, transform, index_spec, options, progress=update, engine=ray)
     except KeyboardInterrupt as stop:
-        what = "terminated" if isinstance(stop, Terminated) else "interrupted"
         raise Interrupted.by(
             stop,
-            f"{what}: the parts encoded so far are kept; rerun the same command with --resume to continue"
+            ": the parts encoded so far are kept; rerun the same command with --resume to continue"
             if files.work_dir(files.resolved(target)).exists()
-            else f"{what}; nothing was written",
+            else "; nothing was written",
         ) from None
     home.remember(target)
     err.print(summary_line(target, manifest, "built"), markup=False)

@@ -46,10 +46,11 @@ class Interrupted(RetrievalError):
     exit_code = 130
 
     @classmethod
-    def by(cls, stop: KeyboardInterrupt, message: str) -> Interrupted:
-        """``message``, exiting as the signal asks: 130 for Ctrl-C (SIGINT), 143 for SIGTERM (``Terminated``)."""
-        interrupted = cls(message)
-        interrupted.exit_code = 143 if isinstance(stop, Terminated) else 130
+    def by(cls, stop: KeyboardInterrupt, rest: str = "") -> Interrupted:
+        """ "interrupted" (Ctrl-C, exit 130) or "terminated" (SIGTERM, ``Terminated``, exit 143), then ``rest``."""
+        terminated = isinstance(stop, Terminated)
+        interrupted = cls(("terminated" if terminated else "interrupted") + rest)
+        interrupted.exit_code = 143 if terminated else 130
         return interrupted
 
 

@@ -61,9 +61,9 @@ class IndexSpec:
     def knobs_that_apply(self) -> set[str]:
         """The knobs this kind reads: HNSW's for an HNSW graph, IVF's for inverted lists (a factory string
         names its own M and list count, so only the search-time and build-time beams and nprobe apply)."""
-        if self.kind in ("flat", "hnsw", "ivf"):
-            kinds = {"flat": set(), "hnsw": {"m", "ef_construction", "ef_search"}, "ivf": {"nlist", "nprobe"}}
-            return kinds[self.kind] | ({"train_size"} if self.kind == "ivf" else set())
+        named = {"flat": set(), "hnsw": {"m", "ef_construction", "ef_search"}, "ivf": {"nlist", "nprobe", "train_size"}}
+        if self.kind in named:
+            return named[self.kind]
         return (
             ({"ef_construction", "ef_search"} if "HNSW" in self.kind else set())
             | ({"nprobe"} if "IVF" in self.kind else set())
@@ -73,8 +73,9 @@ class IndexSpec:
     def check_given(self, given: dict[str, Any]) -> None:
         """Refuse a knob given for a kind that does not read it (None: not given): it would be accepted and
         do nothing."""
+        applies = self.knobs_that_apply()
         for name, value in given.items():
-            if value is not None and name not in self.knobs_that_apply():
+            if value is not None and name not in applies:
                 kind = self.kind if self.kind in ("flat", "hnsw", "ivf") else f"{self.kind!r}"
                 raise ConfigError(f"`{name}` does nothing for a {kind} index; drop it, or change `index_type`", name)
 
