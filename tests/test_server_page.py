@@ -139,6 +139,30 @@ def test_the_page_searches_and_shows_hits_as_text(page_server: str, browser: web
     assert len(search(browser, "document number 3", "1e1")) == 10  # what the browser's number box reads as 10
 
 
+def test_a_search_lives_in_the_address(page_server: str, browser: webdriver.Chrome) -> None:
+    """?q=&k= searches on load; each search is a history entry (Back shows the previous one again); the API key
+    typed into the page never reaches the address."""
+    browser.get(page_server + "?q=document+number+42+about+topic+0&k=3")
+    WebDriverWait(browser, 20).until(expected_conditions.text_to_be_present_in_element((By.ID, "status"), "hits in"))
+    first = [row.text for row in browser.find_elements(By.CSS_SELECTOR, "#hits tbody tr")]
+    assert len(first) == 3 and "doc42" in first[0]
+    assert browser.find_element(By.ID, "q").get_attribute("value") == "document number 42 about topic 0"
+
+    browser.find_element(By.ID, "key").send_keys("s3cret")
+    search(browser, "document number 17 about topic 3", 2)
+    assert "q=document+number+17+about+topic+3" in browser.current_url and "k=2" in browser.current_url
+    assert "s3cret" not in browser.current_url
+
+    browser.back()  # to the address first opened: its query and its three hits again
+    WebDriverWait(browser, 20).until(
+        lambda driver: driver.find_element(By.ID, "q").get_attribute("value") == "document number 42 about topic 0"
+    )
+    WebDriverWait(browser, 20).until(
+        lambda driver: [row.text for row in driver.find_elements(By.CSS_SELECTOR, "#hits tbody tr")] == first
+    )
+    assert browser.current_url.endswith("/?q=document+number+42+about+topic+0&k=3")  # the address first opened
+
+
 def metrics_of(base: str) -> str:
     with urllib.request.urlopen(base + "metrics", timeout=10) as response:
         return response.read().decode()
