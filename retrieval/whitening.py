@@ -162,6 +162,17 @@ class Whitening:
                 "epsilon",
             )
         kernel = u[:, :k] * lam_reg ** (-gamma / 2)
+        # Queries and documents are transformed in float32: each column's largest entry must be a normal float32
+        # (vectors at a scale of 1e-20 whitened with gamma 2 give entries of 1e40, which would turn into inf/NaN)
+        reach = np.abs(kernel).max(axis=0)
+        for entry in (reach.max(), reach.min()):
+            if not np.finfo(np.float32).tiny <= entry <= np.finfo(np.float32).max:
+                raise ConfigError(
+                    f"whitening with gamma {gamma:g} needs kernel entries of {entry:.1e}, outside float32's range: "
+                    f"the vectors' scale (largest eigenvalue {scale:.1e}) is too extreme; "
+                    "rescale the vectors (e.g. to unit norm) or use a smaller gamma",
+                    "gamma",
+                )
         return cls(mean, kernel, lam, float(gamma), float(epsilon), int(n), bool(center))
 
     @cached_property

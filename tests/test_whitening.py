@@ -148,6 +148,18 @@ def test_singular_covariance_without_epsilon_is_refused() -> None:
     assert fit(x, dim=1, epsilon=0.0).dim_out == 1  # the kept direction alone is fine
 
 
+@pytest.mark.parametrize("scale", [1e-20, 1e19])
+def test_a_kernel_outside_float32_is_refused_not_turned_into_nan(scale: float) -> None:
+    """Queries and documents are transformed in float32: gamma 2 on vectors at 1e-20 needs kernel entries of
+    ~1e40 (inf in float32, NaN vectors after), at 1e19 entries of ~1e-38 (subnormal). Refused, naming the cause;
+    gamma 1 on the same vectors fits, and gives the unit-scale data's vectors (whitening is scale-free)."""
+    x = np.random.default_rng(3).normal(size=(400, 16))
+    with pytest.raises(ConfigError, match="outside float32's range.*rescale the vectors"):
+        fit(x * scale, dim=8, gamma=2.0)
+    scaled = fit(x * scale, dim=8, gamma=1.0)
+    np.testing.assert_allclose(scaled.transform(x * scale), fit(x, dim=8, gamma=1.0).transform(x), atol=2e-5)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_round_off_eigenvalues_count_as_zero(seed: int) -> None:
     """Rank-3 data in 16 dims kept at 8: directions 4-8 are null, their eigenvalues round-off of either sign
