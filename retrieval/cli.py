@@ -466,6 +466,46 @@ def add(
 
 @app.command()
 @user_errors
+def remove(
+    index_dir: IndexDirArg,
+    ids: Annotated[list[str] | None, typer.Argument(help="Ids of the documents to remove.", show_default=False)] = None,
+    ids_from: Annotated[
+        Path | None,
+        typer.Option(help="A file of ids to remove, one per line ('-': standard input).", dir_okay=False),
+    ] = None,
+    missing_ok: Annotated[
+        bool, typer.Option("--missing-ok", help="Skip ids the index does not hold instead of refusing them all.")
+    ] = False,
+) -> None:
+    """Remove documents by id, from the index and its stash, with its existing kernel: nothing is encoded."""
+    from retrieval.update import remove as remove_rows
+
+    wanted = [*(ids or []), *(read_ids(ids_from) if ids_from is not None else [])]
+    if not wanted:
+        raise ConfigError("no ids to remove: give them as arguments or with --ids-from FILE (one per line)", "ids")
+    with sigterm_exits(), progress_bars() as update:
+        manifest = remove_rows(index_dir, wanted, missing_ok=missing_ok, progress=update)
+    if manifest is None:
+        err.print(f"none of the {len(set(wanted)):,} ids is in {safe(str(index_dir))}: nothing changed", markup=False)
+        return
+    rows = manifest.corpus.removed[-1]["rows"]
+    err.print(f"removed {rows:,} rows from {safe(str(index_dir))}: now {manifest.n:,}", markup=False)
+
+
+def read_ids(path: Path) -> list[str]:
+    """Ids from a text file (or standard input for ``-``), one per line; blank lines skipped, no other stripping
+    (an id may hold spaces)."""
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path} is not UTF-8 text ({error.reason}); write one id per line", "ids_from") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read {path}: {error.strerror or error}", "ids_from") from None
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@app.command()
+@user_errors
 def refit(
     index_dir: IndexDirArg,
     dim: Annotated[int | None, typer.Option(help="Output dimension k \\[default: keep].")] = None,

@@ -176,7 +176,7 @@ class RescoreRecord:
 
 @dataclass(frozen=True)
 class CorpusRecord:
-    """Where the rows came from: the first corpus, and one entry per ``add``."""
+    """Where the rows came from: the first corpus, one entry per ``add`` and one per ``remove``."""
 
     path: str
     rows: int
@@ -185,6 +185,7 @@ class CorpusRecord:
     sha256: str
     settings: dict[str, Any] = field(default_factory=dict)  # text_column, id_column, ...
     added: list[dict[str, Any]] = field(default_factory=list)
+    removed: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -180,9 +181,16 @@ class VectorStash:
         self, vectors: dict[str, np.ndarray], ids: Sequence[str], texts: Sequence[str], source_batches: int = 1
     ) -> Part:
         """Write and register the next part. ``source_batches`` counts the corpus record batches it covers."""
-        part = self.write_part(f"part-{len(self._parts):05d}", vectors, ids, texts, source_batches)
+        part = self.write_part(self._next_stem(), vectors, ids, texts, source_batches)
         self.register([part])
         return part
+
+    def _next_stem(self) -> str:
+        """``part-NNNNN`` numbered past every registered part: the part count in a stash only ever appended to,
+        but a ``remove`` that emptied a part leaves fewer parts than numbers, and a reused name would overwrite one.
+        """
+        numbers = [int(m.group(1)) for part in self._parts if (m := re.match(r"part-(\d+)", part.docs))]
+        return f"part-{max(numbers, default=len(self._parts) - 1) + 1:05d}"
 
     # ----- checking -----------------------------------------------------------------------------------
     def verify(self, full: bool = True, docs: bool = False, sampled: str | None = None) -> None:

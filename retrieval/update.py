@@ -14,9 +14,11 @@ index intact.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,7 @@ from retrieval.indexdir import (
     write_manifest,
 )
 from retrieval.ingest import Ingest
+from retrieval.moments import RunningMoments
 from retrieval.progress import Progress, Timer, no_progress
 from retrieval.stash import VectorStash
 from retrieval.whitening import TransformSpec, Whitening
@@ -241,6 +244,109 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
             new = write_manifest(work, new)
     log.info("added %d rows to %s (now %d)", ingest.moments.n, old.path, new.n)
     return new
+
+
+# ----- remove ----------------------------------------------------------------------------------------------
+def remove(
+    directory: Path, ids: Iterable[str], missing_ok: bool = False, progress: Progress = no_progress
+) -> Manifest | None:
+    """Remove the documents with these ``ids`` from the index at ``directory``, nothing encoded.
+
+    The stash loses their rows (parts without any are hard-linked, the others rewritten), the FAISS index is
+    refilled from the rows kept, with the EXISTING kernel (as ``add``: ``info`` reports drift, ``refit`` re-fits);
+    a trained index (IVF, PQ) keeps its lists, any index its knobs and calibrated default, and the moments are
+    counted again from the rows kept. Ids the index does not hold are refused, all or nothing, unless
+    ``missing_ok``; then None when it holds none of them, and nothing is written. The directory is replaced
+    atomically: on any failure the previous index stays as it was.
+    """
+    wanted = set(map(str, ids))
+    if not wanted:
+        raise ConfigError("no ids to remove; give the ids of the documents to remove", "ids")
+    directory = files.resolved(directory)
+    with files.write_errors(directory), files.writing(directory):
+        return _remove(IndexDir(directory), wanted, missing_ok, progress)
+
+
+def _remove(old: IndexDir, wanted: set[str], missing_ok: bool, progress: Progress) -> Manifest | None:
+    manifest = old.manifest()
+    old.verify(manifest, "full", list(manifest.files))
+    stash = old.stash("remove documents")
+    stash.verify(full=True)  # every kept row goes into the new index and stash: a corrupt part must not
+    dropped: list[np.ndarray] = []  # per part, the rows to drop (one part's ids in memory at a time)
+    found: set[str] = set()
+    for ids in stash.iter_ids():
+        rows = [row for row, i in enumerate(ids) if i in wanted]
+        found.update(ids[row] for row in rows)
+        dropped.append(np.array(rows, dtype=np.int64))
+    count = len(found)  # ids are unique in an index
+    if count < len(wanted) and not missing_ok:
+        absent = sorted(wanted - found)
+        raise CorpusError(
+            f"{len(absent):,} of the {len(wanted):,} ids are not in the index (first: {', '.join(absent[:5])}); "
+            "nothing was removed: check the ids, or pass `missing_ok` to remove the others"
+        )
+    if count == 0:
+        return None
+    if count == len(stash):
+        raise CorpusError(f"removing all {count:,} documents would leave an empty index; build a new one instead")
+
+    transform, pooling = old.transform(), manifest.transform.pooling
+    timer = Timer()
+    with files.replacing(old.path, "removing", OWN_NAMES) as work:
+        with timer.stage("stash"):
+            kept = _stash_without(stash, dropped, work / STASH, f"g{manifest.generation + 1}")
+        link_from(work, old, TRANSFORM)
+        if manifest.has_rescorer:
+            link_from(work, old, RESCORE)
+        with timer.stage("load"):
+            faiss_index = old.faiss_index()
+            faiss_index.reset()  # its rows go; a trained index keeps its lists, HNSW its knobs
+        moments = RunningMoments(stash.dim)
+        with timer.stage("index"):
+            for block in kept.iter_blocks(pooling=pooling):
+                moments.update(block)
+                faiss_index.add(transform.transform(block))
+                progress("index", len(block), len(kept))
+        with timer.stage("write"):
+            save_moments(work, moments)
+            save_faiss_index(work, faiss_index)
+            save_docs(work, kept)
+            digest = hashlib.sha256("\n".join(sorted(wanted)).encode()).hexdigest()
+            removed = {"rows": count, "asked": len(wanted), "ids_sha256": digest, "at": now()}
+            new = manifest.next_version(
+                corpus=dataclasses.replace(manifest.corpus, removed=[*manifest.corpus.removed, removed]),
+                index=index_record(
+                    faiss_index, manifest.index.spec, len(kept), manifest.index.factory, manifest.index.calibration
+                ),
+                stash=StashRecord.of(kept),
+                timings=timer.seconds,
+            )
+            new = write_manifest(work, new)
+    log.info("removed %d rows from %s (now %d)", count, old.path, new.n)
+    return new
+
+
+def _stash_without(stash: VectorStash, dropped: list[np.ndarray], root: Path, tag: str) -> VectorStash:
+    """A new stash at ``root`` without the rows ``dropped[i]`` of each part ``i``: untouched parts hard-linked,
+    the others rewritten under a new name (``part-00003`` -> ``part-00003-g4``), emptied parts left out."""
+    kept = VectorStash.create(root, stash.dim, stash.poolings, stash.dtype, stash.meta)
+    parts = []
+    start = 0
+    for part, rows, docs in zip(stash.parts, dropped, stash.iter_docs(), strict=True):
+        if len(rows) == 0:
+            for name in part.names:
+                files.link_or_copy(stash.root / name, root / name)
+            parts.append(part)
+        elif len(rows) < part.rows:
+            keep = np.setdiff1d(np.arange(part.rows), rows)
+            vectors = {pooling: stash.read_rows(start + keep, pooling, keep=False) for pooling in stash.poolings}
+            docs = docs.take(keep)
+            stem = re.sub(r"-g\d+$", "", part.docs.removesuffix(".parquet")) + f"-{tag}"
+            texts = docs["text"].to_pylist()
+            parts.append(kept.write_part(stem, vectors, docs["id"].to_pylist(), texts, part.source_batches))
+        start += part.rows
+    kept.register(parts)
+    return kept
 
 
 # ----- calibrate -------------------------------------------------------------------------------------------

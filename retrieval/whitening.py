@@ -436,6 +436,7 @@ class Drift:
 
     @property
     def rows_added(self) -> int:
+        """Net rows since the fit: negative when more were removed than added."""
         return self.rows_now - self.rows_at_fit
 
     @property
@@ -446,7 +447,9 @@ class Drift:
         """One line for ``retrieval info``."""
         line = (
             f"{self.covariance_drift:.3f} (whitened covariance, relative), subspace overlap "
-            f"{self.subspace_overlap:.3f}, {self.rows_added:,} rows added since the fit"
+            f"{self.subspace_overlap:.3f}, "
+            + (f"{self.rows_added:,} rows added" if self.rows_added >= 0 else f"{-self.rows_added:,} fewer rows")
+            + " since the fit"
         )
         return line + ("; consider `retrieval refit`" if self.refit_advised else "")
 

@@ -648,7 +648,7 @@ def read_only(directory: Path) -> Iterator[str]:
         yield "simulated"
 
 
-@case("index dir", "the index on a read-only file system", "search works; add and refit refuse in one line")
+@case("index dir", "the index on a read-only file system", "search works; add, refit and remove refuse in one line")
 def test_read_only_index(copy: Path, tmp_path: Path) -> None:
     more = new_docs(tmp_path / "more.parquet")
     expected = ok(run("search", "document number 3", "--index", copy, "--json")).stdout
@@ -656,7 +656,19 @@ def test_read_only_index(copy: Path, tmp_path: Path) -> None:
         assert ok(run("search", "document number 3", "--index", copy, "--json")).stdout == expected
         one_line(run("add", copy, more), "cannot write", "writable directory")
         one_line(run("refit", copy, "--dim", 4), "cannot write", "writable directory")
+        one_line(run("remove", copy, "doc3"), "cannot write", "writable directory")
     assert leftovers(copy) == []
+
+
+@case(
+    "index dir",
+    "`remove` with ids the index does not hold",
+    "one line naming the first of them; nothing removed (`--missing-ok` removes the others)",
+)
+def test_remove_unknown_ids(fake_index: Path) -> None:
+    before = snapshot(fake_index)
+    one_line(run("remove", fake_index, "doc3", "no-such-doc"), "1 of the 2 ids", "first: no-such-doc", "--missing-ok")
+    assert snapshot(fake_index) == before and leftovers(fake_index) == []
 
 
 @case(
@@ -892,9 +904,9 @@ def test_planted_symlink_in_a_work_dir(tmp_path: Path) -> None:
 
 # ----- faults ------------------------------------------------------------------------------------------------
 def writer(argv: list[str]) -> int:
-    """The process the fault tests kill: ``writer add|refit INDEX [CORPUS] --pause POINT --marker FILE``."""
+    """The process the fault tests kill: ``writer add|refit|remove INDEX [CORPUS] --pause POINT --marker FILE``."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("action", choices=["add", "refit"])
+    parser.add_argument("action", choices=["add", "refit", "remove"])
     parser.add_argument("index", type=Path)
     parser.add_argument("corpus", type=Path, nargs="?")
     parser.add_argument("--pause", choices=["encode", "write", "publish"], required=True)
@@ -919,17 +931,22 @@ def writer(argv: list[str]) -> int:
     else:
         real_rename = os.rename
         files.os.rename = lambda src, dst: (
-            (hold() if str(src).endswith((".adding", ".refitting")) else None) or real_rename(src, dst)
+            (hold() if str(src).endswith((".adding", ".refitting", ".removing")) else None) or real_rename(src, dst)
         )  # type: ignore[assignment]
     try:
         with sigterm_exits():  # as the CLI's writers run
             if args.action == "add":
                 update.add(args.index, CorpusSpec(args.corpus), FakeEncoder(), window_rows=5)
+            elif args.action == "remove":
+                update.remove(args.index, REMOVED)
             else:
                 update.refit(args.index, TransformSpec(dim=4))
     except KeyboardInterrupt as stop:  # as the CLI exits: 143 for SIGTERM, 130 for Ctrl-C
         return 143 if isinstance(stop, Terminated) else 130
     return 0
+
+
+REMOVED = [f"doc{i}" for i in range(3, 40)]  # what the fault tests' `remove` takes out
 
 
 def start_writer(tmp_path: Path, action: str, index: Path, pause: str) -> tuple[subprocess.Popen, Path]:
@@ -967,11 +984,19 @@ def results(index: Path) -> list[list[str]]:
 
 @pytest.mark.parametrize(
     ("action", "pause"),
-    [("add", "encode"), ("add", "write"), ("add", "publish"), ("refit", "write"), ("refit", "publish")],
+    [
+        ("add", "encode"),
+        ("add", "write"),
+        ("add", "publish"),
+        ("refit", "write"),
+        ("refit", "publish"),
+        ("remove", "write"),
+        ("remove", "publish"),
+    ],
 )
 @case(
     "faults",
-    "SIGKILL of `add` or `refit` while encoding, writing, or between publish's two renames",
+    "SIGKILL of `add`, `refit` or `remove` while encoding, writing, or between publish's two renames",
     "the old index searches with identical results; the next writer clears the stale work; a rerun works",
 )
 def test_sigkill_of_a_writer(fake_index: Path, tmp_path: Path, action: str, pause: str) -> None:
@@ -984,14 +1009,18 @@ def test_sigkill_of_a_writer(fake_index: Path, tmp_path: Path, action: str, paus
     assert snapshot(fake_index) == before
     if action == "add":
         update.add(fake_index, CorpusSpec(new_docs(tmp_path / "again.parquet", 30)), FakeEncoder())
+    elif action == "remove":
+        assert update.remove(fake_index, REMOVED) is not None and IndexDir(fake_index).manifest().n == 263
     else:
         update.refit(fake_index, TransformSpec(dim=4))
     assert leftovers(fake_index) == []
 
 
-@pytest.mark.parametrize("action", ["add", "refit"])
+@pytest.mark.parametrize("action", ["add", "refit", "remove"])
 @case(
-    "faults", "Ctrl-C (SIGINT) of `add` or `refit`", "exit 130; the old index unchanged; no work directory or lock left"
+    "faults",
+    "Ctrl-C (SIGINT) of `add`, `refit` or `remove`",
+    "exit 130; the old index unchanged; no work directory or lock left",
 )
 def test_sigint_of_a_writer(fake_index: Path, tmp_path: Path, action: str) -> None:
     before = snapshot(fake_index)
@@ -1002,10 +1031,12 @@ def test_sigint_of_a_writer(fake_index: Path, tmp_path: Path, action: str) -> No
     assert snapshot(fake_index) == before and leftovers(fake_index) == []
 
 
-@pytest.mark.parametrize(("action", "pause"), [("add", "write"), ("add", "publish"), ("refit", "publish")])
+@pytest.mark.parametrize(
+    ("action", "pause"), [("add", "write"), ("add", "publish"), ("refit", "publish"), ("remove", "publish")]
+)
 @case(
     "faults",
-    "SIGTERM (kill, timeout, docker stop) of `add` or `refit`, also between publish's two renames",
+    "SIGTERM (kill, timeout, docker stop) of `add`, `refit` or `remove`, also between publish's two renames",
     "exit 143; the old index unchanged; no work directory or lock left",
 )
 def test_sigterm_of_a_writer(fake_index: Path, tmp_path: Path, action: str, pause: str) -> None:

@@ -423,7 +423,7 @@ def test_cli_add_npy_continues_row_ids_and_refit(tmp_path):
     assert result.exit_code != 0 and "no kernel to centre" in result.output
 
 
-@pytest.mark.parametrize("command", ["add", "refit"])
+@pytest.mark.parametrize("command", ["add", "refit", "remove"])
 def test_cli_commands_have_help_on_every_option(command):
     cmd = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
     assert cmd.help

@@ -1,0 +1,187 @@
+"""Removing documents by id (``update.remove``, ``retrieval remove``): the rows leave the stash, the docs and the
+FAISS index; the kernel stays; what is left equals the original with those rows taken out, bit for bit where
+nothing is recomputed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+from conftest import FakeEncoder
+from test_update import files_beside, more_docs, verify_loads
+from typer.testing import CliRunner
+
+from retrieval import update
+from retrieval.build import BuildOptions, build_index
+from retrieval.cli import app
+from retrieval.corpus import CorpusSpec
+from retrieval.docs import Docs
+from retrieval.errors import CorpusError, IndexDirError
+from retrieval.index import IndexSpec, load_index
+from retrieval.indexdir import DOCS, INDEX, MOMENTS, TRANSFORM, IndexDir
+from retrieval.info import describe_index
+from retrieval.moments import RunningMoments
+from retrieval.search import Searcher, SearchParams
+from retrieval.whitening import TransformSpec
+
+OPTIONS = BuildOptions(window_rows=64)  # parts of 64 rows: doc0-63, doc64-127, doc128-191, doc192-255, doc256-299
+runner = CliRunner()
+# Rows from three parts, one of them (doc128-191) whole: rewritten parts, a dropped part and untouched ones.
+GONE = ["doc3", "doc70", "doc71", "doc299", *(f"doc{i}" for i in range(128, 192))]
+
+
+def build(corpus: Path, out: Path, index: IndexSpec = IndexSpec()) -> None:
+    build_index(CorpusSpec(corpus), FakeEncoder(), out, TransformSpec(dim=8), index=index, options=OPTIONS)
+
+
+def files_of(directory: Path) -> dict[Path, bytes]:
+    return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def stash_rows(directory: Path) -> np.ndarray:
+    return np.concatenate(list(IndexDir(directory).stash().iter_blocks()))
+
+
+def test_removed_rows_leave_the_stash_docs_and_index_and_the_kernel_stays(tmp_path, corpus):
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    before, ids = stash_rows(directory), Docs(directory / DOCS).ids
+    transform_bytes = (directory / TRANSFORM).read_bytes()
+    untouched = IndexDir(directory).stash().parts[3]  # doc192-255: nothing removed there
+    inode = os.stat(IndexDir(directory).stash().root / untouched.vectors["mean"]).st_ino
+    keep = np.array([i not in GONE for i in ids])
+
+    manifest = update.remove(directory, GONE)
+
+    assert manifest is not None and manifest.n == 300 - len(GONE) == 232 and manifest.generation == 2
+    assert manifest.corpus.removed[0]["rows"] == len(GONE)
+    stash = IndexDir(directory).stash()
+    np.testing.assert_array_equal(stash_rows(directory), before[keep])  # the very stored values, in order
+    assert (
+        Docs(directory / DOCS).ids == [i for i in ids if i not in GONE] == [i for part in stash.iter_ids() for i in part]
+    )
+    assert [p.rows for p in stash.parts] == [63, 62, 64, 43]  # the emptied part is gone
+    assert os.stat(stash.root / untouched.vectors["mean"]).st_ino == inode  # linked, not copied
+    assert (directory / TRANSFORM).read_bytes() == transform_bytes
+    transform = IndexDir(directory).transform()
+    flat = load_index(directory / INDEX)
+    stored = faiss.rev_swig_ptr(flat.get_xb(), flat.ntotal * flat.d).reshape(flat.ntotal, flat.d)
+    np.testing.assert_allclose(stored, transform.transform(before[keep]), atol=1e-6)
+    reference = RunningMoments.from_array(before[keep].astype(np.float64))  # float64 one-shot
+    moments = RunningMoments.load(directory / MOMENTS)
+    assert moments.n == 232
+    np.testing.assert_allclose(moments.mean, reference.mean, rtol=1e-12)
+    np.testing.assert_allclose(moments.m2, reference.m2, rtol=1e-10, atol=1e-9)
+    assert "68 fewer rows since the fit" in describe_index(directory)["summary"]["kernel drift"]
+    verify_loads(directory)
+
+    searcher = Searcher.load(directory, encoder=FakeEncoder())
+    hits = searcher.search_vectors(before[~keep], SearchParams(k=10))  # each removed document's own vector
+    assert not {hit.id for row in hits for hit in row} & set(GONE)
+    assert not files_beside(directory)
+
+
+def lists(directory: Path) -> np.ndarray:
+    index = load_index(directory / INDEX)
+    quantizer = faiss.extract_index_ivf(index).quantizer
+    return quantizer.reconstruct_n(0, quantizer.ntotal)
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf"])
+def test_an_approximate_index_keeps_its_lists_knobs_and_calibration(tmp_path, corpus, kind):
+    directory = tmp_path / "idx"
+    build(corpus, directory, IndexSpec(kind, nlist=8, nprobe=2, m=8, ef_search=24))
+    before, ids = stash_rows(directory), Docs(directory / DOCS).ids
+    update.calibrate_index(directory, before[::7], target=0.9)
+    old = IndexDir(directory).manifest()
+    centroids = lists(directory) if kind == "ivf" else None
+
+    new = update.remove(directory, GONE)
+
+    assert new is not None and new.index.search == old.index.search and new.index.calibration == old.index.calibration
+    assert new.index.factory == old.index.factory and new.index.ntotal == 232
+    if centroids is not None:  # the same lists: not trained again
+        np.testing.assert_array_equal(lists(directory), centroids)
+    kept = before[[i not in GONE for i in ids]]
+    searcher = Searcher.load(directory, encoder=FakeEncoder())
+    wide = SearchParams(k=1, rescore=0, ef_search=200, nprobe=8)  # exhaustive: each kept row finds itself
+    found = [row[0].id for row in searcher.search_vectors(kept[::5], wide)]
+    assert found == [i for i in ids if i not in GONE][::5]
+
+
+def test_unknown_ids_are_refused_all_or_nothing_unless_missing_ok(tmp_path, corpus):
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    before = files_of(directory)
+    with pytest.raises(CorpusError, match=r"2 of the 3 ids are not in the index \(first: nope1, nope2\); nothing"):
+        update.remove(directory, ["doc5", "nope2", "nope1"])
+    assert files_of(directory) == before and not files_beside(directory)
+
+    assert update.remove(directory, ["nope1"], missing_ok=True) is None  # none there: nothing written
+    assert files_of(directory) == before
+
+    manifest = update.remove(directory, ["doc5", "nope1"], missing_ok=True)
+    assert manifest is not None and manifest.n == 299 and "doc5" not in Docs(directory / DOCS).ids
+    assert manifest.corpus.removed[0] | {"at": None, "ids_sha256": None} == {
+        "rows": 1, "asked": 2, "at": None, "ids_sha256": None
+    }  # fmt: skip
+
+
+def test_removing_every_document_is_refused(tmp_path, corpus):
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    with pytest.raises(CorpusError, match="would leave an empty index"):
+        update.remove(directory, [f"doc{i}" for i in range(300)])
+    assert IndexDir(directory).manifest().n == 300
+
+
+def test_adding_after_a_part_was_emptied_never_overwrites_a_part(tmp_path, corpus):
+    """Four parts left of five: a new part named by the count (part-00004) would overwrite doc256-299's."""
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    update.remove(directory, [f"doc{i}" for i in range(128, 192)])
+    manifest = update.add(directory, CorpusSpec(more_docs(tmp_path / "more.parquet", ["new1", "new2"])), FakeEncoder())
+    assert manifest.n == 238
+    ids = Docs(directory / DOCS).ids
+    assert ids[-3:] == ["doc299", "new1", "new2"] and len(set(ids)) == 238
+    verify_loads(directory)
+    assert [p.docs for p in IndexDir(directory).stash().parts][-1] == "part-00005.parquet"
+
+
+def test_a_failure_midway_leaves_the_index_as_it_was(tmp_path, corpus, monkeypatch):
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    before = files_of(directory)
+
+    def disk_full(*args):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("retrieval.docs.write_docs", disk_full)  # after the stash, moments and index are written
+    with pytest.raises(IndexDirError, match="no space left on the device .* is unchanged"):
+        update.remove(directory, GONE)
+    assert files_of(directory) == before and not files_beside(directory)
+
+
+def test_cli_remove_takes_ids_as_arguments_from_a_file_and_from_stdin(tmp_path, corpus):
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    (tmp_path / "ids.txt").write_text("doc10\n\ndoc 11 is not an id\ndoc12\n")
+    result = runner.invoke(app, ["remove", str(directory), "doc1", "--ids-from", str(tmp_path / "ids.txt")])
+    assert result.exit_code == 1 and "1 of the 4 ids are not in the index (first: doc 11 is not an id)" in result.output
+    result = runner.invoke(
+        app, ["remove", str(directory), "doc1", "--ids-from", str(tmp_path / "ids.txt"), "--missing-ok"]
+    )
+    assert result.exit_code == 0 and "removed 3 rows from" in result.output and "now 297" in result.output
+    result = runner.invoke(app, ["remove", str(directory), "--ids-from", "-"], input="doc20\ndoc21\n")
+    assert result.exit_code == 0 and "now 295" in result.output, result.output
+    result = runner.invoke(app, ["remove", str(directory), "doc20", "--missing-ok"])
+    assert result.exit_code == 0 and "none of the 1 ids is in" in result.output and "nothing changed" in result.output
+
+    assert runner.invoke(app, ["remove", str(directory)]).output.startswith("error: no ids to remove")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    result = runner.invoke(app, ["remove", str(directory), "--ids-from", str(tmp_path / "latin1.txt")])
+    assert result.exit_code == 1 and "is not UTF-8 text" in result.output and "Traceback" not in result.output
+    assert IndexDir(directory).manifest().n == 295
