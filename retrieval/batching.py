@@ -1,4 +1,4 @@
-"""Dynamic micro-batching: a worker thread encodes and searches together whatever queries are waiting.
+"""Dynamic micro-batching: worker threads (one by default) encode and search together whatever queries are waiting.
 
 Concurrent requests would otherwise each pay a whole forward pass and a whole scan for one text. The worker
 instead takes the queued jobs, up to ``max_batch`` queries, waiting at most ``max_wait`` seconds after the

@@ -51,7 +51,7 @@ from retrieval.indexdir import (
 from retrieval.ingest import Ingest, poolings_for
 from retrieval.moments import RunningMoments
 from retrieval.progress import Progress, Timer, no_progress
-from retrieval.stash import BLOCK_ROWS, DTYPES, VectorStash
+from retrieval.stash import BLOCK_ROWS, DTYPES, STATE_NAME, VectorStash
 from retrieval.whitening import RawTransform, TransformSpec, Whitening
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ def _open_stash(
     Precision "auto" is settled before the stash records the encoder, and a resumed build takes the choice
     recorded (timing could choose otherwise the second time, and a stash must not mix fp32 and bf16 vectors)."""
     stash_dir = work / STASH
-    resuming = options.resume and (stash_dir / "stash.json").is_file()
+    resuming = options.resume and (stash_dir / STATE_NAME).is_file()
     if resuming:
         _check_no_links(work)
         stash = VectorStash.open(stash_dir)
@@ -290,7 +290,7 @@ def _open_stash(
         return stash, stash.source_batches
     if options.resume:
         log.warning("nothing to resume in %s; starting a fresh build", work)
-    elif (stash_dir / "stash.json").is_file():
+    elif (stash_dir / STATE_NAME).is_file():
         log.warning("discarding the unfinished build in %s (rerun with `--resume` to continue one)", work)
     if work.exists():
         shutil.rmtree(work)
@@ -383,35 +383,28 @@ def fill_index(
     spec: IndexSpec,
     pooling: str | None = None,
     progress: Progress = no_progress,
-    timer: Timer | None = None,
     engine: Engine | None = None,
 ) -> Any:
     """Pass 2: train on a transformed sample where the index needs it, then add the stash block by block
-    (or let ``engine`` fill shards of a large IVF index in parallel and merge them).
-
-    ``timer`` (optional) gets the stages "train" (sample, transform, train) and "add" (read, transform, add)."""
+    (or let ``engine`` fill shards of a large IVF index in parallel and merge them)."""
     n = len(stash)
-    timer = timer or Timer()
     index = create_index(spec, transform.dim_out, n)
     sample_rows = training_rows(index, spec, n)
     if sample_rows:
-        with timer.stage("train"):
-            train(index, transform.transform(stash.sample(sample_rows, pooling=pooling)))
+        train(index, transform.transform(stash.sample(sample_rows, pooling=pooling)))
     filled = engine.fill(index, stash, transform, pooling) if engine else None
     if filled is not None:  # shards filled in parallel and merged
         index = filled
         progress("index", n, n)
     else:
         for block in stash.iter_blocks(BLOCK_ROWS, pooling=pooling):
-            with timer.stage("add"):
-                vectors = transform.transform(block)
-                if not np.isfinite(vectors).all():  # never publish an index of NaN or inf vectors
-                    raise ConfigError(
-                        "the transform gives non-finite vectors on this data; use a larger `epsilon` or a smaller "
-                        "`gamma`",
-                        "epsilon",
-                    )
-                index.add(vectors)
+            vectors = transform.transform(block)
+            if not np.isfinite(vectors).all():  # never publish an index of NaN or inf vectors
+                raise ConfigError(
+                    "the transform gives non-finite vectors on this data; use a larger `epsilon` or a smaller `gamma`",
+                    "epsilon",
+                )
+            index.add(vectors)
             progress("index", block.shape[0], n)
     set_search_params(index, **default_search_params(index, spec))
     return index

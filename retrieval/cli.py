@@ -262,7 +262,7 @@ def index(
     ] = None,
     workers: Annotated[int | None, typer.Option(help="Ray: encoding workers \\[default: one per CPU].")] = None,
 ) -> None:
-    """Build a whitened FAISS index from a parquet corpus (a file, a folder or a glob)."""
+    """Build a whitened FAISS index from a parquet corpus (a file, a folder or a glob) or a .npy of vectors."""
     from retrieval.distributed import RayEngine, RayOptions, window_rows
 
     choice("pooling", pooling, POOLINGS)
@@ -343,7 +343,7 @@ def _bytes(n: float) -> str:
 
 
 # ----- search ----------------------------------------------------------------------------------------------
-IndexDir = Annotated[Path | None, typer.Option("--index", help="Index directory \\[default: the last built].")]
+IndexOption = Annotated[Path | None, typer.Option("--index", help="Index directory \\[default: the last built].")]
 EfOption = Annotated[int | None, typer.Option("--ef-search", "--ef", help="HNSW search beam width.")]
 NprobeOption = Annotated[int | None, typer.Option(help="IVF lists probed.")]
 RescoreOption = Annotated[
@@ -360,7 +360,7 @@ RescoreOption = Annotated[
 @user_errors
 def search(
     query: Annotated[str, typer.Argument(help="The query text.")],
-    index_dir: IndexDir = None,
+    index_dir: IndexOption = None,
     k: Annotated[int, typer.Option("-k", "--k", help="Number of hits.")] = DefaultSearch.k,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per hit, one per line.")] = False,
     rescore: RescoreOption = DefaultSearch.rescore,
@@ -973,8 +973,7 @@ def serve(
     shutdown_timeout: Annotated[int, typer.Option(help="On SIGTERM, seconds to let requests in flight finish.")] = 30,
 ) -> None:
     """Serve an index over HTTP (FastAPI): /search, /embed, /info, /health, /ready, /metrics, a page at /."""
-    from retrieval.errors import RetrievalError
-    from retrieval.indexdir import IndexDir as Directory
+    from retrieval.indexdir import IndexDir
 
     try:
         from retrieval import server
@@ -1000,7 +999,7 @@ def serve(
     if api_key is not None and not (api_key.isascii() and api_key.isprintable() and api_key.strip() == api_key != ""):
         raise ConfigError("`api_key` must be printable ASCII without surrounding spaces (it travels in an HTTP header)")
     directory = index_dir or home.default_index("name it: `retrieval serve DIR`")
-    Directory(directory).manifest()  # a missing or foreign directory fails here, in one line, not in the server
+    IndexDir(directory).manifest()  # a missing or foreign directory fails here, in one line, not in the server
     err.print(f"serving {safe(str(directory))} on http://{host}:{port}/ (docs at /docs)", markup=False)
     server.run(directory, options, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout)
 

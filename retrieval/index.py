@@ -76,7 +76,7 @@ class IndexSpec:
         applies = self.knobs_that_apply()
         for name, value in given.items():
             if value is not None and name not in applies:
-                kind = self.kind if self.kind in ("flat", "hnsw", "ivf") else f"{self.kind!r}"
+                kind = self.kind if self.kind in KINDS else f"{self.kind!r}"
                 raise ConfigError(f"`{name}` does nothing for a {kind} index; drop it, or change `index_type`", name)
 
     def check(self) -> None:

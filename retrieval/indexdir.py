@@ -294,9 +294,6 @@ class IndexDir:
     def __repr__(self) -> str:
         return f"IndexDir({str(self.path)!r})"
 
-    def file(self, name: str) -> Path:
-        return self.path / name
-
     def manifest(self) -> Manifest:
         path = self.path / MANIFEST
         if not self.path.is_dir():

@@ -381,7 +381,7 @@ def tune_pairs(
     raw = model.encode_poolings(sentences, poolings, on_batch=lambda n: progress("encode", n, len(sentences)))
     vectors = {p: dict(zip(sentences, raw[p], strict=True)) for p in poolings}
     grid = candidates(poolings, list(dims or default_dims(model.dim)), gammas, model.dim)
-    return tune_sts(vectors, sentences, dev, test, grid, metric)
+    return tune_sts(vectors, sentences, dev, test, grid, metric, on_trial=lambda t: progress("tune", 1, len(grid)))
 
 
 def tune_sts(

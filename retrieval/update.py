@@ -54,7 +54,7 @@ from retrieval.indexdir import (
 from retrieval.ingest import Ingest
 from retrieval.moments import RunningMoments
 from retrieval.progress import Progress, Timer, no_progress
-from retrieval.stash import VectorStash
+from retrieval.stash import STATE_NAME, VectorStash
 from retrieval.whitening import TransformSpec, Whitening
 
 log = logging.getLogger(__name__)
@@ -497,7 +497,7 @@ def _check_new_ids(stash: VectorStash, source: Corpus, window_rows: int) -> None
 def link_stash(stash: VectorStash, root: Path) -> VectorStash:
     """The stash's parts hard-linked under ``root`` (no copy); ``stash.json`` copied, as ``register`` rewrites it."""
     for path in stash.files():
-        if path.name == "stash.json":
+        if path.name == STATE_NAME:
             root.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, root / path.name)
         else:

@@ -282,9 +282,6 @@ class RawTransform:
             raise IndexDirError(f"{path}: corrupt raw transform ({err}); rebuild the index") from err
 
 
-Transform = Whitening | RawTransform
-
-
 def load_transform(path: str | os.PathLike[str]) -> Whitening | RawTransform:
     """Load whichever transform ``path`` holds."""
     data = _read(path)
