@@ -996,8 +996,7 @@ def serve(
         watch_interval=watch_interval,
     )
     options.check()
-    if api_key is not None and not (api_key.isascii() and api_key.isprintable() and api_key.strip() == api_key != ""):
-        raise ConfigError("`api_key` must be printable ASCII without surrounding spaces (it travels in an HTTP header)")
+    server.check_api_key(api_key)
     directory = index_dir or home.default_index("name it: `retrieval serve DIR`")
     IndexDir(directory).manifest()  # a missing or foreign directory fails here, in one line, not in the server
     err.print(f"serving {safe(str(directory))} on http://{host}:{port}/ (docs at /docs)", markup=False)

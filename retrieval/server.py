@@ -371,10 +371,17 @@ def document_limits(app: FastAPI, options: ServeOptions) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def check_api_key(key: str | None) -> None:
+    """Refuse a key no client could send: it travels in an HTTP header (printable ASCII, no surrounding space)."""
+    if key is not None and not (key.isascii() and key.isprintable() and key.strip() == key != ""):
+        raise ConfigError("`api_key` must be printable ASCII without surrounding spaces (it travels in an HTTP header)")
+
+
 def create_app(service: Service, api_key: str | None = None, manage: bool = True) -> FastAPI:
     """The FastAPI app serving ``service``. ``manage``: start the service with the app and stop it after.
     ``api_key``: when set, every route but /health (and the static page and the API docs, which hold no index
     data) needs ``Authorization: Bearer <key>``."""
+    check_api_key(api_key)
     options = service.options
     metrics = Metrics(service)
     service.on_batch = metrics.on_batch

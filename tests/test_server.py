@@ -865,6 +865,13 @@ def test_serve_refuses_bad_options_in_one_line_before_starting(
     assert result.exit_code == 1 and message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("key", ["clé", " key", ""])
+def test_the_app_refuses_a_key_no_client_can_send(index: Path, key: str) -> None:
+    """The library's create_app checks the key as the command does (a non-ASCII key would never match)."""
+    with pytest.raises(ConfigError, match="printable ASCII"):
+        create_app(Service(index, ServeOptions(), encoder=FakeEncoder()), api_key=key)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_engine_runs_with_the_blas_threads_asked(index: Path, threads: int) -> None:
     """Every BLAS the process has loaded (numpy's, FAISS's) runs as many threads as asked in the engine thread,
