@@ -331,15 +331,22 @@ class LimitBody:
 
 
 # ----- the app -----------------------------------------------------------------------------------------------
+def param_bounds(options: ServeOptions) -> dict[str, tuple[int, int]]:
+    """The inclusive range of each numeric search parameter: what the handlers enforce and the spec states."""
+    return {
+        "k": (1, options.max_k),
+        "rescore": (0, options.max_rescore),
+        "ef": (1, options.max_knob),
+        "nprobe": (1, options.max_knob),
+    }
+
+
 def document_limits(app: FastAPI, options: ServeOptions) -> None:
     """Write the limits the handlers enforce into the OpenAPI spec (they are this server's options, not fixed in
     the models): k, rescore, ef and nprobe bounds, text lengths, batch sizes."""
     text = {"minLength": 1, "maxLength": options.max_query_chars}
     bounds: dict[str, dict[str, Any]] = {
-        "k": {"minimum": 1, "maximum": options.max_k},
-        "rescore": {"minimum": 0, "maximum": options.max_rescore},
-        "ef": {"minimum": 1, "maximum": options.max_knob},
-        "nprobe": {"minimum": 1, "maximum": options.max_knob},
+        **{name: {"minimum": low, "maximum": high} for name, (low, high) in param_bounds(options).items()},
         "q": text,
         "query": text,
         "queries": {"minItems": 1, "maxItems": options.max_queries, "items": text},
@@ -417,13 +424,9 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
 
     # ----- search ------------------------------------------------------------------------------------------
     def search_params(k: int, rescore: int | None, ef: int | None, nprobe: int | None) -> SearchParams:
-        bounds: list[tuple[str, int | None, int, int]] = [
-            ("k", k, 1, options.max_k),
-            ("rescore", rescore, 0, options.max_rescore),
-            ("ef", ef, 1, options.max_knob),
-            ("nprobe", nprobe, 1, options.max_knob),
-        ]
-        for name, value, low, high in bounds:
+        given = {"k": k, "rescore": rescore, "ef": ef, "nprobe": nprobe}
+        for name, (low, high) in param_bounds(options).items():
+            value = given[name]
             if value is not None and not low <= value <= high:
                 raise ApiError(422, "invalid_param", f"`{name}` must be between {low} and {high} (got {value})", name)
         if rescore and service.ready and service.searcher().manifest.stash is None:
