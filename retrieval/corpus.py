@@ -421,8 +421,7 @@ class Corpus:
     def _first_duplicate(self, hashes: np.ndarray, rows: int) -> str | None:
         """The first id (in row order) seen a second time, or None. ``hashes``: every row's ``id_hashes``; only
         when two are equal are the ids read again, and only those with a repeated hash kept as strings."""
-        ordered = np.sort(hashes)
-        repeated = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+        repeated = repeated_values(hashes)
         if not len(repeated):
             return None
         seen: set[str] = set()
@@ -481,6 +480,12 @@ def id_hashes(ids: Sequence[str]) -> np.ndarray:
     """64-bit hashes of ids (Python's string hash: stable within one process), 8 bytes per id where a set of the
     strings costs ~100. For finding repeated ids in bounded memory: equal hashes are then checked on the strings."""
     return np.fromiter((hash(i) for i in ids), dtype=np.int64, count=len(ids))
+
+
+def repeated_values(hashes: np.ndarray) -> np.ndarray:
+    """The values that occur more than once in ``hashes``, sorted: the ids worth reading again as strings."""
+    ordered = np.sort(hashes)
+    return np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
 
 
 def _find_files(path: Path) -> tuple[list[Path], Path | None]:

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from retrieval import errors
-from retrieval.corpus import Corpus, CorpusReport, Tally
+from retrieval.corpus import Corpus, CorpusReport, Tally, repeated_values
 from retrieval.encoder import Encoder, EncoderInfo, EncoderSpec
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.ingest import Ingest
@@ -296,7 +296,7 @@ class RayEngine:
         for row in found:
             tally.add(Tally(**json.loads(row["tally"])))
         if hashes:
-            suspects = _repeated(np.concatenate([np.frombuffer(row["hashes"], dtype=np.uint64) for row in found]))
+            suspects = repeated_values(np.concatenate([np.frombuffer(row["hashes"], dtype=np.uint64) for row in found]))
             if len(suspects):  # equal hashes: look at the ids themselves
                 again = _run(ray, units, _check_units, fn_args=(source, tuple(int(h) for h in suspects)))
                 _refuse_duplicates(source, [json.loads(row["ids"]) for row in again])
@@ -578,12 +578,6 @@ def _fill_shard(
 def id_hash(id_: str) -> int:
     """A 64-bit hash of an id: what the driver holds per row to find duplicates (8 bytes, not the string)."""
     return int.from_bytes(hashlib.blake2b(id_.encode(), digest_size=8).digest(), "little")
-
-
-def _repeated(hashes: np.ndarray) -> np.ndarray:
-    """The values that occur more than once."""
-    hashes = np.sort(hashes)
-    return np.unique(hashes[1:][hashes[1:] == hashes[:-1]])
 
 
 def _refuse_duplicates(source: Corpus, found: list[list[str]]) -> None:
