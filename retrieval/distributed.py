@@ -38,6 +38,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,33 @@ class PassStats:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+LOCAL_RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",  # no usage report
+    "RAY_AUTH_MODE": "disabled",  # no ~/.ray/auth_token
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # a one-node Ray: every listener on 127.0.0.1 (see on_loopback)
+}
+
+
+@contextmanager
+def on_loopback() -> Iterator[None]:
+    """Within the block, a Ray started by this process listens on 127.0.0.1 only, not on the machine's external
+    address (its GCS, raylet and workers accept tasks: code execution for anyone who can reach them).
+
+    Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when it is imported, into a constant that decides both the
+    node's address and where its servers bind (Ray 2.60: ``ray._private.ray_constants.ENABLE_RAY_CLUSTER``); a
+    process that imported ray before setting the variable (any caller of the library) gets every listener on
+    all interfaces. So the constant itself is set for the start and restored after it: a cluster joined later
+    by the same process is reached by its real address."""
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def init_local(ray: Any, attempts: int = 2, **options: Any) -> Any:
@@ -222,20 +250,20 @@ class RayEngine:
 
     def _start_local(self, ray: Any) -> None:
         """A private single-machine Ray: every listener on loopback, its files in a short temporary folder."""
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no ~/.ray/auth_token
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a one-node cluster: bind 127.0.0.1 only
+        for key, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(key, value)  # inherited by Ray's processes
         # Unix socket paths are limited to ~107 bytes: the session folder must sit under a short path.
         short = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 32 else "/tmp"
         self._started = Path(tempfile.mkdtemp(prefix="ray-", dir=short))
-        init_local(
-            ray,
-            num_cpus=os.cpu_count() or 1,
-            include_dashboard=False,
-            object_store_memory=OBJECT_STORE_BYTES,
-            _temp_dir=str(self._started),
-            logging_level=logging.WARNING,
-        )
+        with on_loopback():
+            init_local(
+                ray,
+                num_cpus=os.cpu_count() or 1,
+                include_dashboard=False,
+                object_store_memory=OBJECT_STORE_BYTES,
+                _temp_dir=str(self._started),
+                logging_level=logging.WARNING,
+            )
 
     def close(self) -> None:
         """Shut down the Ray this engine started (or leave the cluster it joined); a Ray started by the caller

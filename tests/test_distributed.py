@@ -11,6 +11,8 @@ Run as a script, this file is a build driver the resume test kills (``python tes
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import json
 import logging
 import os
 import shutil
@@ -38,7 +40,15 @@ ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 from retrieval.build import BuildOptions, build_index  # noqa: E402
 from retrieval.cli import app  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
-from retrieval.distributed import RayEngine, RayOptions, init_local, plan, window_rows  # noqa: E402
+from retrieval.distributed import (  # noqa: E402
+    LOCAL_RAY_ENV,
+    RayEngine,
+    RayOptions,
+    init_local,
+    on_loopback,
+    plan,
+    window_rows,
+)
 from retrieval.encoder import EncoderSpec  # noqa: E402
 from retrieval.errors import ConfigError, CorpusError, ModelError  # noqa: E402
 from retrieval.index import IndexSpec  # noqa: E402
@@ -113,17 +123,17 @@ def cluster() -> Iterator[str]:
     """A local Ray for this module; yields its address. Workers inherit PYTHONPATH, so they import this
     checkout's retrieval."""
     folder = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Unix socket paths
-    env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    context = init_local(
-        ray,
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=256 << 20,
-        _temp_dir=str(folder),
-        log_to_driver=False,
-    )
+    saved = {key: os.environ.get(key) for key in LOCAL_RAY_ENV}
+    os.environ.update(LOCAL_RAY_ENV)
+    with on_loopback():  # ray was imported above: the variable alone would not keep it on 127.0.0.1
+        context = init_local(
+            ray,
+            num_cpus=2,
+            include_dashboard=False,
+            object_store_memory=256 << 20,
+            _temp_dir=str(folder),
+            log_to_driver=False,
+        )
     try:
         yield context.address_info["gcs_address"]
     finally:
@@ -375,6 +385,66 @@ def parts(stash_json: Path) -> int:
         return len(VectorStash.open(stash_json.parent).parts)
     except Exception:  # not yet written, or mid-rename: not ready
         return 0
+
+
+LOOPBACK_CHILD = """
+import json, sys
+import ray  # imported first, as a program using the library may have: RAY_* variables set later change nothing
+from retrieval.distributed import RayEngine, RayOptions
+from retrieval.encoder import EncoderSpec
+engine = RayEngine(EncoderSpec("unused"), RayOptions())
+engine.connect()
+print(json.dumps({"folder": str(engine._started)}), flush=True)
+sys.stdin.readline()
+engine.close()
+"""
+
+
+def listening_addresses(pids: set[int]) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The local addresses of the TCP sockets that the processes ``pids`` listen on (/proc/net/tcp and tcp6)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue
+        inodes |= {link[len("socket:[") : -1] for link in links if link.startswith("socket:[")}
+    found: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # state 0A: LISTEN
+                raw = bytes.fromhex(fields[1].split(":")[0])  # 32-bit words in host (little-endian) order
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append(ipaddress.ip_address(words))
+    return found
+
+
+def test_a_local_ray_listens_on_loopback_only_even_when_ray_was_imported_first(tmp_path: Path) -> None:
+    """Ray's GCS, raylet and workers take tasks from whoever reaches them: a private Ray must not listen on the
+    machine's external address. Ray fixes that choice when it is imported, so the library must set it for the
+    start itself; a caller that imported ray first got every listener on all interfaces."""
+    short = Path(tempfile.mkdtemp(prefix="rl-", dir="/tmp"))
+    env = {**os.environ, "TMPDIR": str(short), "PYTHONPATH": str(conftest.ROOT)}
+    for key in LOCAL_RAY_ENV:
+        env.pop(key, None)
+    child = subprocess.Popen(
+        [sys.executable, "-c", LOOPBACK_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        folder = json.loads(child.stdout.readline())["folder"]
+        addresses = listening_addresses({child.pid, *processes_mentioning(folder)})
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.kill()
+        shutil.rmtree(short, ignore_errors=True)
+    assert len(addresses) >= 3  # the GCS, the raylet, the driver (at least)
+    mapped = [getattr(a, "ipv4_mapped", None) or a for a in addresses]  # ::ffff:127.0.0.1 is 127.0.0.1
+    outside = [a for a in mapped if not a.is_loopback]
+    assert not outside, f"listening beyond loopback: {outside}"
 
 
 def processes_mentioning(text: str) -> list[int]:
