@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import os
 import time
@@ -95,7 +96,7 @@ class SearchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     query: str | None = Field(None, description="One query text.", examples=["how do whitening transforms work"])
     queries: list[str] | None = Field(None, description="Several query texts, answered in order.")
-    k: int = Field(10, description="Hits per query.")
+    k: int | None = Field(None, description="Hits per query (default 10, or the server's `max_k` when lower).")
     rescore: int | None = Field(None, description="Re-rank this many candidates by the full stashed vectors.")
     ef: int | None = Field(None, description="HNSW search beam width (efSearch) for this request.")
     nprobe: int | None = Field(None, description="IVF lists probed for this request.")
@@ -331,6 +332,11 @@ class LimitBody:
 
 
 # ----- the app -----------------------------------------------------------------------------------------------
+def default_k(options: ServeOptions) -> int:
+    """Hits for a request that gives no ``k``: 10, or the server's ``max_k`` when that is lower."""
+    return min(10, options.max_k)
+
+
 def param_bounds(options: ServeOptions) -> dict[str, tuple[int, int]]:
     """The inclusive range of each numeric search parameter: what the handlers enforce and the spec states."""
     return {
@@ -370,8 +376,11 @@ def document_limits(app: FastAPI, options: ServeOptions) -> None:
             for model in ("SearchRequest", "EmbedRequest"):
                 for name, prop in schema["components"]["schemas"][model]["properties"].items():
                     constrain(prop, bounds.get(name, {}))
+            schema["components"]["schemas"]["SearchRequest"]["properties"]["k"]["default"] = default_k(options)
             for parameter in schema["paths"]["/search"]["get"]["parameters"]:
                 constrain(parameter["schema"], bounds.get(parameter["name"], {}))
+                if parameter["name"] == "k":
+                    parameter["schema"]["default"] = default_k(options)
             return schema
         return app.openapi_schema
 
@@ -423,7 +432,8 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     api = APIRouter(route_class=KeyedRoute, dependencies=bearer)
 
     # ----- search ------------------------------------------------------------------------------------------
-    def search_params(k: int, rescore: int | None, ef: int | None, nprobe: int | None) -> SearchParams:
+    def search_params(k: int | None, rescore: int | None, ef: int | None, nprobe: int | None) -> SearchParams:
+        k = default_k(options) if k is None else k  # a k left out is never one the server refuses
         given = {"k": k, "rescore": rescore, "ef": ef, "nprobe": nprobe}
         for name, (low, high) in param_bounds(options).items():
             value = given[name]
@@ -501,7 +511,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     async def search_get(
         request: Request,
         q: Annotated[str, Query(description="The query text.")],
-        k: Annotated[int, Query(description="Hits per query.")] = 10,
+        k: Annotated[int | None, Query(description="Hits per query (default 10, or the server's max_k).")] = None,
         rescore: Annotated[int | None, Query(description="Re-rank this many candidates.")] = None,
         ef: Annotated[int | None, Query(description="HNSW search beam width.")] = None,
         nprobe: Annotated[int | None, Query(description="IVF lists probed.")] = None,
@@ -604,7 +614,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     # The page is one static file; the server writes its own k limit into the k box, so it never offers a k
     # the server refuses (and needs no request, which the API key would refuse, to learn it).
     page_html = (STATIC / "index.html").read_text(encoding="utf-8")
-    page_html = page_html.replace("__MAX_K__", str(options.max_k)).replace("__K__", str(min(10, options.max_k)))
+    page_html = page_html.replace("__MAX_K__", str(options.max_k)).replace("__K__", str(default_k(options)))
 
     @app.get("/", include_in_schema=False)
     async def page() -> HTMLResponse:
@@ -630,9 +640,38 @@ class KeyedRoute(APIRoute):
                     "missing or wrong API key: send `Authorization: Bearer <key>`",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
+            if request.method == "POST":
+                _refuse_repeated_keys(await request.body())  # read once: FastAPI parses the cached body
             return await handler(request)
 
         return checked
+
+
+class _Repeated(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _refuse_repeated_keys(body: bytes) -> None:
+    """Refuse a JSON body that gives a key twice: the parser keeps the last, and which one the client meant is a
+    guess (as a query parameter given twice is refused). Anything that is not JSON is left to FastAPI to report."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in items:
+            if key in seen:
+                raise _Repeated(key)
+            seen[key] = value
+        return seen
+
+    try:
+        json.loads(body, object_pairs_hook=pairs)
+    except _Repeated as repeated:
+        name = repeated.key if valid_unicode(repeated.key) else None  # never echo what cannot be encoded
+        message = f"give `{name}` once" if name else "a key is given twice"
+        raise ApiError(422, "invalid_request", message, name) from None
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to read: FastAPI's error says so
+        pass
 
 
 def describe(service: Service) -> dict[str, Any]:

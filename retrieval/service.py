@@ -23,7 +23,7 @@ from retrieval.batching import Batcher, BatchStats
 from retrieval.encoder import Encoder
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.indexdir import IndexDir, Verify, check_verify, now
-from retrieval.search import Searcher
+from retrieval.search import MAX_K, Searcher
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,9 @@ class ServeOptions:
         for name, seconds in (("max_wait_ms", self.max_wait_ms), ("watch_interval", self.watch_interval)):
             if not 0 <= seconds <= 3600:
                 raise ConfigError(f"`{name}` must be between 0 and 3600 (got {seconds!r})", name)
+        if self.max_k > MAX_K:
+            limit = f"at most {MAX_K:,}, the most hits a search returns"
+            raise ConfigError(f"`max_k` must be {limit} (got {self.max_k:,})", "max_k")
         if self.max_rescore < 0:
             raise ConfigError(f"`max_rescore` must be at least 0 (got {self.max_rescore})", "max_rescore")
         check_verify(self.verify)

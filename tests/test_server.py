@@ -180,7 +180,7 @@ def test_the_spec_states_the_servers_own_limits(index: Path) -> None:
         spec = client.get("/openapi.json").json()
     models = spec["components"]["schemas"]
     search = models["SearchRequest"]["properties"]
-    assert (search["k"]["minimum"], search["k"]["maximum"]) == (1, 50)
+    assert {"type": "integer", "minimum": 1, "maximum": 50} in search["k"]["anyOf"] and search["k"]["default"] == 10
     assert {"type": "integer", "minimum": 0, "maximum": 400} in search["rescore"]["anyOf"]
     assert {"type": "string", "minLength": 1, "maxLength": 300} in search["query"]["anyOf"]
     queries = next(b for b in search["queries"]["anyOf"] if b["type"] == "array")
@@ -189,7 +189,8 @@ def test_the_spec_states_the_servers_own_limits(index: Path) -> None:
     assert inputs["string"]["maxLength"] == 300 and inputs["array"]["maxItems"] == 7
     assert "maxItems" not in inputs["string"] and "maxLength" not in inputs["array"]
     get = {p["name"]: p["schema"] for p in spec["paths"]["/search"]["get"]["parameters"]}
-    assert get["k"]["maximum"] == 50 and get["q"]["maxLength"] == 300
+    assert {"type": "integer", "minimum": 1, "maximum": 50} in get["k"]["anyOf"] and get["q"]["maxLength"] == 300
+    assert get["k"]["default"] == 10
     for path, method in (("/ready", "get"), ("/info", "get"), ("/reload", "post")):
         assert spec["paths"][path][method]["responses"]["200"]["content"]["application/json"]["schema"] != {}, path
 
@@ -234,6 +235,7 @@ def test_metrics_name_the_draining_version_while_stopping(index: Path) -> None:
 # ----- bad input: always a 4xx with one JSON error shape, never a 500 or a traceback ---------------------------
 LONG = "x" * 2001
 JSON_TYPE = {"content-type": "application/json"}
+JSON = {"headers": {"Content-Type": "application/json"}}
 BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
     ("get", "/search", {}, 422, "invalid_request", "q"),
     ("get", "/search", {"params": {"q": ""}}, 422, "empty_query", "q"),
@@ -248,6 +250,9 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
     ("get", "/search", {"params": [("q", "a"), ("q", "b")]}, 422, "invalid_request", "q"),
     ("get", "/search", {"params": [("q", "a"), ("k", "5"), ("k", "6")]}, 422, "invalid_request", "k"),
     ("post", "/search", {"json": {}}, 422, "invalid_request", "query"),
+    # a key given twice: the parser keeps the last, which the client may not have meant (refused as in GET)
+    ("post", "/search", {"content": '{"query": "a", "k": 3, "k": 5}', **JSON}, 422, "invalid_request", "k"),
+    ("post", "/embed", {"content": '{"inputs": ["a"], "inputs": ["b"]}', **JSON}, 422, "invalid_request", "inputs"),
     ("post", "/search", {"json": {"query": "a", "queries": ["b"]}}, 422, "invalid_request", "query"),
     ("post", "/search", {"json": {"query": ""}}, 422, "empty_query", "query"),
     ("post", "/search", {"json": {"query": LONG}}, 422, "query_too_long", "query"),
@@ -851,6 +856,7 @@ def test_concurrent_http_requests_are_batched(index: Path) -> None:
         (["serve", "{index}", "--engine-workers", "2"], "--torch-threads"),  # auto needs one worker
         (["serve", "{index}", "--api-key", "clé"], "--api-key must be printable ASCII"),  # never matchable
         (["serve", "{index}", "--api-key", " key"], "--api-key must be printable ASCII"),
+        (["serve", "{index}", "--max-k", "20000"], "--max-k must be at most 10,000"),
     ],
 )
 def test_serve_refuses_bad_options_in_one_line_before_starting(
@@ -863,6 +869,31 @@ def test_serve_refuses_bad_options_in_one_line_before_starting(
     argv = [a.format(index=index, missing=tmp_path / "missing") for a in args]
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 1 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_request_without_k_gets_the_default_or_the_server_s_max_k_when_lower(index: Path) -> None:
+    """With --max-k below 10, leaving k out was refused ("`k` must be between 1 and 7 (got 10)")."""
+    test_client, _ = serve(index, max_k=7)
+    with test_client:
+        wait_ready(test_client)
+        got = test_client.get("/search", params={"q": "document number 3"})
+        assert got.status_code == 200 and len(got.json()["results"][0]["hits"]) == 7, got.text
+        posted = test_client.post("/search", json={"queries": ["document number 3", "topic 2"]})
+        assert posted.status_code == 200 and [len(r["hits"]) for r in posted.json()["results"]] == [7, 7]
+        assert test_client.get("/search", params={"q": "a", "k": 8}).status_code == 422
+        spec = test_client.get("/openapi.json").json()
+        assert spec["components"]["schemas"]["SearchRequest"]["properties"]["k"]["default"] == 7  # what is used
+    test_client, _ = serve(index)
+    with test_client:
+        wait_ready(test_client)
+        assert len(test_client.get("/search", params={"q": "document 3"}).json()["results"][0]["hits"]) == 10
+
+
+def test_a_max_k_beyond_what_a_search_returns_is_refused() -> None:
+    """--max-k 20000 was accepted and advertised (spec, /info, the page) while every k over 10,000 was refused."""
+    with pytest.raises(ConfigError, match="`max_k` must be at most 10,000"):
+        ServeOptions(max_k=20_000).check()
+    ServeOptions(max_k=10_000).check()
 
 
 @pytest.mark.parametrize("key", ["clé", " key", ""])
