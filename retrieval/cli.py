@@ -539,13 +539,14 @@ def refit(
     from retrieval.update import refit as refit_index
 
     choice("pooling", pooling, POOLINGS)
+    generation = Manifest.load(index_dir).generation  # first: the settings kept are read from this version or later
     transform = transform_spec(
         index_dir, dim=dim, gamma=gamma, epsilon=epsilon, whiten=whiten, center=center, pooling=pooling
     )
     knobs = {"m": m, "ef_construction": ef_construction, "ef_search": ef_search, "nlist": nlist, "nprobe": nprobe}
     spec = index_spec(index_dir, kind=index_type, train_size=train_size, **knobs)
     with sigterm_exits(), progress_bars() as update:
-        manifest = refit_index(index_dir, transform, spec, progress=update)
+        manifest = refit_index(index_dir, transform, spec, progress=update, generation=generation)
     err.print(summary_line(index_dir, manifest, "refitted"), markup=False)
 
 

@@ -112,6 +112,11 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+# The work directories of updates (``replacing``): never resumed, so any left when a writer takes the lock is a
+# killed writer's, and goes. A build's ("building") is kept for ``--resume``.
+UPDATE_PURPOSES = ("adding", "refitting", "removing", "calibrating")
+
+
 def work_dir(target: Path, purpose: str = "building") -> Path:
     """The hidden sibling where ``target`` is assembled; same filesystem, so the final rename is atomic."""
     return target.parent / f".{target.name}.{purpose}"
@@ -180,6 +185,8 @@ def replacing(target: Path, purpose: str, own: Collection[str] = ()) -> Iterator
 
     A work directory left by an interrupted run is discarded first; the published target never depends on it.
     """
+    if purpose not in UPDATE_PURPOSES:
+        raise ValueError(f"unknown update purpose {purpose!r}; add it to UPDATE_PURPOSES")
     work = work_dir(target, purpose)
     if work.exists():
         shutil.rmtree(work)
@@ -207,13 +214,14 @@ def recover(target: Path) -> None:
 
 @contextmanager
 def writing(target: Path) -> Iterator[None]:
-    """Hold the one writer's lock of ``target`` (build, add, refit), or fail at once if another process has it.
+    """Hold the one writer's lock of ``target`` (build, add, remove, refit), or fail at once if another process
+    has it.
 
     Once the lock is held, an interrupted ``publish`` of the target is undone, so the writer starts from a whole
-    index. The lock is ``flock`` on a hidden file beside the target, removed on release (a killed writer leaves
-    the file but not the lock: the kernel drops it). Removing a lock file is safe only with a check: a process
-    that opened it just before it was removed would lock a dead inode, so the lock counts only if the path
-    still names the inode locked.
+    index, and what a killed update left (``UPDATE_PURPOSES``) is removed. The lock is ``flock`` on a hidden
+    file beside the target, removed on release (a killed writer leaves the file but not the lock: the kernel
+    drops it). Removing a lock file is safe only with a check: a process that opened it just before it was
+    removed would lock a dead inode, so the lock counts only if the path still names the inode locked.
     """
     path = lock_path(target)
     made = [d for d in [target.parent, *target.parent.parents] if not d.exists()]  # removed again if left empty
@@ -237,6 +245,10 @@ def writing(target: Path) -> Iterator[None]:
         old = work_dir(target, "old")
         if not target.exists() and old.is_dir():
             os.rename(old, target)
+        for purpose in UPDATE_PURPOSES:  # a killed update's work: gigabytes of a new index nobody will publish
+            stale = work_dir(target, purpose)
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
         yield
     finally:
         os.unlink(path)  # before unlocking, so no one can take the lock on a file that is about to vanish

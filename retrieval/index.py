@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     import faiss
 
 from retrieval.errors import ConfigError, IndexDirError
+from retrieval.files import WRITE_ERRNOS
 
 log = logging.getLogger(__name__)
 
@@ -344,9 +346,18 @@ class _Owned:
 
 
 def save_index(index: faiss.Index, path: Path) -> None:
+    """``faiss.write_index``; a failed write (a full disk) raised as the ``OSError`` it was, not FAISS's
+    ``RuntimeError``, so writers report it in one line and clean up as for any other write."""
     import faiss
 
-    faiss.write_index(index, str(path))
+    try:
+        faiss.write_index(index, str(path))
+    except RuntimeError as err:  # FAISS's message ends with strerror(errno): "... (No space left on device)"
+        said = str(err)
+        code = next((code for code in WRITE_ERRNOS if os.strerror(code) in said), None)
+        if code is None:
+            raise IndexDirError(f"FAISS could not write {path} ({said.splitlines()[0]})") from err
+        raise OSError(code, os.strerror(code), str(path)) from err
 
 
 def load_index(path: Path, mmap: bool = False) -> faiss.Index:

@@ -297,6 +297,8 @@ class IndexDir:
     def manifest(self) -> Manifest:
         path = self.path / MANIFEST
         if not self.path.is_dir():
+            files.recover(self.path)  # a publish killed between its two renames: the previous version comes back
+        if not self.path.is_dir():
             raise IndexDirError(f"no index directory at {self.path}; build one with `retrieval index CORPUS`")
         if not path.is_file():
             raise IndexDirError(f"{self.path} has no {MANIFEST}: it is not a complete index; rebuild it")

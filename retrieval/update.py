@@ -29,7 +29,7 @@ from retrieval.build import WINDOW_ROWS, index_record, input_dim, write_version
 from retrieval.calibrate import Calibration, Served, calibrate, check_target, query_sample
 from retrieval.corpus import Corpus, CorpusSpec, id_hashes
 from retrieval.encoder import Encoder, from_info
-from retrieval.errors import ConfigError, CorpusError
+from retrieval.errors import BusyError, ConfigError, CorpusError
 from retrieval.index import IndexSpec, check_buildable, set_search_params
 from retrieval.indexdir import (
     DOCS,
@@ -101,19 +101,28 @@ def refit(
     index: IndexSpec | None = None,
     progress: Progress = no_progress,
     scorer: TransformSpec | None = None,
+    generation: int | None = None,
 ) -> Manifest:
     """Re-fit the kernel and rebuild the index of ``directory`` from its stash, without encoding anything.
 
     ``index=None`` keeps the current index kind and knobs. The moments come from ``moments.npz`` when the
     pooling is unchanged, else from one pass over the stash for the new pooling. ``scorer``: the full-dimension
     scorer of re-scoring (raw, or a full-rank whitening fitted here; ``tune`` chooses it); None keeps the
-    current one while the pooling is unchanged, else raw cosine.
+    current one while the pooling is unchanged, else raw cosine. ``generation``: the version the specs were
+    read from (``transform_spec``, ``index_spec``); if another writer has published since, the refit is refused,
+    since the settings it keeps would undo that writer's.
     """
     directory = files.resolved(directory)
     if index is not None:
         index.check()
     with files.write_errors(directory), files.writing(directory):
-        return _refit(IndexDir(directory), transform, index, progress, scorer)
+        old = IndexDir(directory)
+        if generation is not None and (now_serving := old.manifest().generation) != generation:
+            raise BusyError(
+                f"{directory} changed while this refit was starting (version {generation} -> {now_serving}): "
+                "run it again, to re-fit the new version"
+            )
+        return _refit(old, transform, index, progress, scorer)
 
 
 def _refit(

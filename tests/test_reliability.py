@@ -1154,6 +1154,101 @@ def test_disk_full_during_a_build(tmp_path: Path) -> None:
         assert Searcher.load(out, encoder=FakeEncoder()).manifest.n == 40
 
 
+@pytest.mark.parametrize("first", ["add", "refit", "remove", "info --verify"])
+@case(
+    "faults",
+    "a publish killed between its two renames (the index moved aside), then `add`, `refit`, `remove` or "
+    "`info --verify` before any search",
+    "the previous version is put back and the command works (it said: no index directory, build one)",
+)
+def test_an_index_left_aside_is_restored_by_whichever_command_comes_first(
+    fake_index: Path, tmp_path: Path, first: str
+) -> None:
+    before = snapshot(fake_index)
+    os.rename(fake_index, files.work_dir(fake_index, "old"))  # the state a kill after publish's first rename leaves
+    argv = {
+        "add": ["add", fake_index, new_docs(tmp_path / "more.parquet")],
+        "refit": ["refit", fake_index, "--dim", 4],
+        "remove": ["remove", fake_index, "doc3"],
+        "info --verify": ["info", fake_index, "--verify"],
+    }[first]
+    result = run(*argv) if first == "info --verify" else None
+    if result is None:  # the writers load the fake encoder's index through the library, as the CLI would
+        if first == "add":
+            update.add(fake_index, update.read_like_build(fake_index, argv[2]), FakeEncoder())
+        elif first == "refit":
+            update.refit(fake_index, update.transform_spec(fake_index, dim=4))
+        else:
+            update.remove(fake_index, ["doc3"])
+    else:
+        ok(result)
+        assert snapshot(fake_index) == before
+    assert leftovers(fake_index) == []
+
+
+@case(
+    "faults",
+    "a refit whose kept settings were read before another writer published",
+    "refused in one line (its unset options would undo the other writer's change); run again",
+)
+def test_a_refit_based_on_an_older_version_is_refused(fake_index: Path, tmp_path: Path) -> None:
+    generation = IndexDir(fake_index).manifest().generation
+    spec = update.transform_spec(fake_index, gamma=1.0)  # read as `retrieval refit --gamma 1` reads it ...
+    update.refit(fake_index, update.transform_spec(fake_index, dim=6))  # ... when another refit publishes first
+    with pytest.raises(IndexDirError, match=r"changed while this refit was starting \(version 1 -> 2\): run it again"):
+        update.refit(fake_index, spec, generation=generation)
+    assert IndexDir(fake_index).manifest().transform.k == 6  # the other writer's change stands
+
+
+@case(
+    "faults",
+    "a killed update's work directory (`.IDX.refitting`) when a writer of another kind runs next",
+    "removed by the next writer of any kind; a build's `.IDX.building` is kept for `--resume`",
+)
+def test_a_killed_update_s_work_is_cleared_by_any_next_writer(fake_index: Path, tmp_path: Path) -> None:
+    for purpose in (*files.UPDATE_PURPOSES, "building"):
+        (files.work_dir(fake_index, purpose) / "index.faiss").parent.mkdir()
+        (files.work_dir(fake_index, purpose) / "index.faiss").write_bytes(b"a killed writer's")
+    update.add(fake_index, CorpusSpec(new_docs(tmp_path / "m.parquet")), FakeEncoder())
+    assert leftovers(fake_index) == [files.work_dir(fake_index).name]  # .fidx.building only
+
+
+@pytest.mark.parametrize(
+    ("said", "message"),
+    [
+        ("write error in x: 0 != 4096 (No space left on device)", "no space left on the device"),
+        ("something FAISS could not do", r"FAISS could not write .*index.faiss \(.*: something FAISS could not do\)"),
+    ],
+)
+@case(
+    "faults",
+    "FAISS fails to write `index.faiss` (a full disk) in `add` or a build",
+    "one line (no space left, or FAISS's own reason); the old index intact; no work directory left",
+)
+def test_a_failed_faiss_write_is_one_line(fake_index: Path, tmp_path: Path, said: str, message: str) -> None:
+    import faiss
+
+    before = snapshot(fake_index)
+
+    def refuse(*args: Any) -> None:
+        raise RuntimeError(f"Error in void faiss::write_index: {said}")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(faiss, "write_index", refuse)
+        with pytest.raises(IndexDirError, match=message):
+            update.add(fake_index, CorpusSpec(new_docs(tmp_path / "m.parquet")), FakeEncoder())
+        corpus = write_corpus(tmp_path / "c.parquet", n=50)
+        with pytest.raises(IndexDirError, match=message):
+            build_index(
+                CorpusSpec(corpus),
+                FakeEncoder(),
+                fake_index,
+                TransformSpec(dim=4),
+                options=BuildOptions(overwrite=True),
+            )
+    assert snapshot(fake_index) == before and leftovers(fake_index) == []
+
+
 @case(
     "faults",
     "two writers at once (`add` while `refit` runs)",
