@@ -48,7 +48,8 @@ def cut(source: Path, start: int, work: Path) -> tuple[Path, Path]:
 
 
 def retrieval(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "retrieval", *args], check=True, stdout=subprocess.DEVNULL)
+    command = [sys.executable, "-m", "retrieval", *args]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=benchlib.retrieval_env())
 
 
 def on_test(directory: Path, raw_test: np.ndarray, value: int, target: float) -> dict[str, Any]:

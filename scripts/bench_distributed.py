@@ -9,9 +9,10 @@ agents and workers) every 0.25 s. Variants, interleaved round-robin so backgroun
     ray-512      the Ray engine: 2 actors x 0.5 CPU x 1 torch thread, windows of 512 rows
     local-512    the local engine with Ray's windows of 512 rows (isolates the window size)
 
-Precision is fixed to bf16 (what "auto" picks on this CPU) so a timing decision under load cannot flip one run
-to fp32. Where Ray's extra time goes comes from the engine's own PassStats: cluster start, the validation pass
-as Ray tasks, actor start (import torch, load the model), the workers' busy time per window, the tail, adopt
+Precision is fixed for the whole run (``--precision``; by default bf16 on a CPU with native bf16, else fp32) so a
+timing decision under load cannot flip one run to the other; a CPU without native bf16 would only emulate it.
+Where Ray's extra time goes comes from the engine's own PassStats: cluster start, the validation pass as Ray
+tasks, actor start (import torch, load the model), the workers' busy time per window, the tail, adopt
 (registering parts and merging moments on the driver) and the metadata returned (mostly m2, 8 d^2 bytes/window).
 
     flock /work/bench.lock python scripts/bench_distributed.py         # full run (~10 min on 2 idle cores)
@@ -39,6 +40,8 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
+
+from retrieval.encoder import cpu_supports_bf16  # noqa: E402
 
 HERE = Path(__file__).resolve()
 SCIFACT = benchlib.REPO.parent / "shared" / "data" / "scifact" / "corpus.parquet"
@@ -129,7 +132,7 @@ def child(args: argparse.Namespace) -> None:
 
     engine_name, window = VARIANTS[args.child]
     corpus = CorpusSpec(args.corpus, id_column="doc_id", title_column="title")
-    spec = EncoderSpec(MODEL, precision="bf16")
+    spec = EncoderSpec(MODEL, precision=args.precision)
     options = BuildOptions(window_rows=window, overwrite=True)
     report: dict[str, Any] = {"variant": args.child, "engine": engine_name, "window_rows": window}
     began = time.perf_counter()
@@ -156,9 +159,10 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(report))
 
 
-def run_child(variant: str, corpus: Path, out: Path) -> dict[str, Any]:
+def run_child(variant: str, corpus: Path, out: Path, precision: str) -> dict[str, Any]:
     env = {**os.environ, "TMPDIR": "/tmp"}
     command = [sys.executable, str(HERE), "--child", variant, "--corpus", str(corpus), "--out", str(out)]
+    command += ["--precision", precision]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     sampler = PeakPss(process.pid)
     sampler.start()
@@ -248,7 +252,8 @@ def write_results(report: dict[str, Any], folder: Path) -> None:
         "",
         f"`{report['command']}`",
         "",
-        f"{report['corpus_rows']:,} SciFact passages (title + text), {MODEL} (bf16, mean pooling), dim 128, flat; "
+        f"{report['corpus_rows']:,} SciFact passages (title + text), {MODEL} "
+        f"({report.get('precision', 'bf16')}, mean pooling), dim 128, flat; "
         f"{report['repeats']} run(s) per variant interleaved, medians. Machine: {report['machine']['cpu']}, "
         f"{report['machine']['cores']} cores; load average {report['machine']['loadavg_at_start']} at start, "
         f"{report['loadavg_at_end']} at end (other work shared the cores).",
@@ -300,6 +305,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--rows", type=int, help="Use only the first ROWS passages (smoke runs).")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="bf16" if cpu_supports_bf16() else "fp32",
+        help="Encoder precision of every run [default: bf16 where the CPU has it natively, else fp32].",
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--results", type=Path, default=benchlib.RESULTS / "distributed")
     args = parser.parse_args()
@@ -318,7 +329,7 @@ def main() -> None:
         runs: list[dict[str, Any]] = []
         for repeat in range(args.repeats):
             for variant in args.variants.split(","):
-                report = run_child(variant, corpus, work / variant)
+                report = run_child(variant, corpus, work / variant, args.precision)
                 print(
                     f"run {repeat + 1} {variant}: {report['wall_s']:.1f} s, {rows / report['wall_s']:.1f} texts/s, "
                     f"peak PSS {report['peak_pss_mib']:,.0f} MiB",
@@ -333,7 +344,7 @@ def main() -> None:
 
 def save(args: argparse.Namespace, info: dict[str, Any], rows: int, runs: list[dict[str, Any]], final: bool) -> None:
     summary = summarise(runs)
-    command = " ".join(["flock /work/bench.lock python scripts/bench_distributed.py", *sys.argv[1:]])
+    command = benchlib.command_line()
     report = {
         "command": command,
         "complete": final,
@@ -341,6 +352,7 @@ def save(args: argparse.Namespace, info: dict[str, Any], rows: int, runs: list[d
         "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
         "corpus_rows": rows,
         "repeats": args.repeats,
+        "precision": args.precision,
         "workers": WORKERS,
         "runs": runs,
         "summary": summary,

@@ -219,7 +219,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     flat, hnsw = args.work / "serve-flat", args.work / "serve-hnsw"
     sample_corpus(args)
     run = [sys.executable, "-m", "retrieval"]
-    env = {**os.environ, "PYTHONPATH": str(benchlib.REPO)}
+    env = benchlib.retrieval_env()
     timings = {}
     if not (flat / "manifest.json").is_file():
         start = time.perf_counter()
@@ -396,6 +396,7 @@ def reload(args: argparse.Namespace, log: Path) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     try:
         server.wait_ready()
+        first = server.get_json("/ready")["generation"]  # the copied index's own (a refit or add made it > 1)
         rss_start = server.rss_mib()
         env = {**os.environ, "PYTHONPATH": str(benchlib.REPO)}
 
@@ -430,7 +431,7 @@ def reload(args: argparse.Namespace, log: Path) -> dict[str, Any]:
         def second_publish_served() -> bool:
             if len(events) < len(adds):
                 return False
-            if server.get_json("/ready").get("generation") != 1 + len(adds):
+            if server.get_json("/ready").get("generation") != first + len(adds):
                 return False
             served.setdefault("at", time.monotonic())
             return time.monotonic() - served["at"] >= 5.0
@@ -438,7 +439,7 @@ def reload(args: argparse.Namespace, log: Path) -> dict[str, Any]:
         result = drive(server, queries, 16, args.seconds, warmup=0, until=second_publish_served)
         thread.join(600)
         deadline = time.monotonic() + 60
-        while server.get_json("/ready").get("generation") != 3 and time.monotonic() < deadline:
+        while server.get_json("/ready").get("generation") != first + len(adds) and time.monotonic() < deadline:
             time.sleep(0.5)
         info = server.get_json("/info")
         found = found_after(server, adds)
@@ -446,6 +447,7 @@ def reload(args: argparse.Namespace, log: Path) -> dict[str, Any]:
             "clients": 16,
             **result,
             "publishes": events,
+            "generation_before": first,
             "generation_after": info["index"]["generation"],
             "n_after": info["index"]["n"],
             "loads": info["server"]["loads"],
@@ -624,7 +626,7 @@ def targets(merged: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 "target": "zero errors across two reloads (16 clients)",
                 "measured": f"{r['errors']} errors in {r['requests']:,}; generation {r['generation_after']}",
-                "met": r["errors"] == 0 and r["generation_after"] == 3,
+                "met": r["errors"] == 0 and r["generation_after"] == r.get("generation_before", 1) + 2,
             }
         )
         rows.append(

@@ -23,6 +23,16 @@ RESULTS = REPO / "results"
 
 
 # ----- the machine ------------------------------------------------------------------------------------------
+# Where benchmarks' `retrieval index` runs record the "last built" index: never the user's own `indexes/`, which a
+# bare `retrieval search` would then send to a benchmark's scratch index.
+SCRATCH_INDEX_ROOT = "/tmp/retrieval-bench-root"
+
+
+def retrieval_env(**extra: str) -> dict[str, str]:
+    """The environment for a `python -m retrieval` a benchmark starts: this checkout, the scratch index root."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "RETRIEVAL_INDEX_ROOT": SCRATCH_INDEX_ROOT, **extra}
+
+
 def _cpu_flags() -> list[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

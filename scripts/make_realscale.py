@@ -38,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import benchlib
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -98,7 +99,7 @@ def encode(data: Path, until: int, threads: int, name: str, chunks_range: str) -
     target, snapshot = data / name, data / f"{name}-100k"
     log_path = data / f"encode-log-{name}.json"
     log = json.loads(log_path.read_text()) if log_path.is_file() else []
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
+    env = benchlib.retrieval_env(HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads))
     columns = ["--id-column", "id", "--title-column", "title"]
     retrieval = [sys.executable, "-m", "retrieval"]
     done = {entry["chunk"] for entry in log}
