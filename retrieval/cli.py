@@ -493,7 +493,7 @@ def remove(
 
 
 def read_ids(path: Path) -> list[str]:
-    """Ids from a text file (or standard input for ``-``), one per line; blank lines skipped, no other stripping
+    """Ids from a text file (or standard input for ``-``), one per line; empty lines skipped, nothing stripped
     (an id may hold spaces)."""
     try:
         text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
@@ -501,7 +501,7 @@ def read_ids(path: Path) -> list[str]:
         raise ConfigError(f"{path} is not UTF-8 text ({error.reason}); write one id per line", "ids_from") from None
     except OSError as error:
         raise ConfigError(f"cannot read {path}: {error.strerror or error}", "ids_from") from None
-    return [line for line in text.splitlines() if line.strip()]
+    return [line for line in text.splitlines() if line]  # "  " is an id like any other: looked for, not dropped
 
 
 @app.command()

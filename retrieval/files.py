@@ -78,7 +78,7 @@ def write_errors(target: Path) -> Iterator[None]:
                 f"(the previous index at {target}, if any, is unchanged)"
             ) from err
         raise IndexDirError(
-            f"cannot write {where} ({err.strerror}); index, add and refit need a writable directory "
+            f"cannot write {where} ({err.strerror}); index, add, remove and refit need a writable directory "
             "(search works on a read-only index)"
         ) from err
 

@@ -410,6 +410,12 @@ def load_for_adding(path: Path, rows: int) -> faiss.Index:
     return grown
 
 
+def list_count(index: faiss.Index) -> int | None:
+    """An IVF index's number of lists (None for any other kind)."""
+    ivf = _ivf(index)
+    return None if ivf is None else int(ivf.nlist)
+
+
 def _core(index: faiss.Index) -> Any:
     """The index that holds the codes and the knobs, under any pre-transform (RR, OPQ, PCA) and Refine."""
     import faiss

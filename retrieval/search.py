@@ -19,7 +19,7 @@ import numpy as np
 from retrieval.encoder import Encoder, from_info
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.files import available_memory, touch_pages
-from retrieval.index import FaissProduct, flat_vectors, one_query_twin, search_parameters
+from retrieval.index import FaissProduct, flat_vectors, list_count, one_query_twin, search_parameters
 from retrieval.indexdir import Loaded, Verify, load
 from retrieval.scan import FlatScan
 from retrieval.stash import VectorStash
@@ -223,7 +223,8 @@ class Searcher:
         nprobe = defaults.get("nprobe") if nprobe is None else nprobe
         if k == self.index.ntotal:  # every document asked for: an approximate search reached 126-443 of 450
             ef_search = None if ef_search is None else max(ef_search, k)  # a beam that holds them all
-            nprobe = None if nprobe is None else k  # every list (FAISS caps nprobe at nlist)
+            # every list: a build has at least one row per list, but `remove` can leave fewer rows than lists
+            nprobe = None if nprobe is None else max(nprobe, k, list_count(index) or 0)
         params = search_parameters(index, ef_search=ef_search, nprobe=nprobe)
         return index.search(np.ascontiguousarray(vectors, dtype=np.float32), k, params=params)
 

@@ -39,6 +39,7 @@ from retrieval.indexdir import (
     RESCORE,
     STASH,
     TRANSFORM,
+    CorpusRecord,
     IndexDir,
     Manifest,
     RescoreRecord,
@@ -237,20 +238,10 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
                 faiss_index.add(transform.transform(ingest(batch, ids)))
         with timer.stage("write"):
             save_moments(work, old.moments().merge(ingest.moments))  # fresh files: the old index stays intact
-            save_faiss_index(work, faiss_index)
-            save_docs(work, grown)
             added = {"path": str(Path(corpus.path).resolve()), "rows": ingest.moments.n}
             added |= {"sha256": source.fingerprint(), "at": now(), **corpus.settings()}
-            new = manifest.next_version(
-                corpus=dataclasses.replace(manifest.corpus, added=[*manifest.corpus.added, added]),
-                # a knob measured on queries (`calibrate`) stays: same lists or graph, more rows
-                index=index_record(
-                    faiss_index, manifest.index.spec, len(grown), manifest.index.factory, manifest.index.calibration
-                ),
-                stash=StashRecord.of(grown),
-                timings=timer.seconds,
-            )
-            new = write_manifest(work, new)
+            record = dataclasses.replace(manifest.corpus, added=[*manifest.corpus.added, added])
+            new = _write_rows_changed(work, manifest, faiss_index, grown, record, timer)
     log.info("added %d rows to %s (now %d)", ingest.moments.n, old.path, new.n)
     return new
 
@@ -296,8 +287,9 @@ def _remove(old: IndexDir, wanted: set[str], missing_ok: bool, progress: Progres
         )
     if count == 0:
         return None
-    if count == len(stash):
-        raise CorpusError(f"removing all {count:,} documents would leave an empty index; build a new one instead")
+    if len(stash) - count < 2:  # as a build needs: a kernel's drift is measured by fitting one to the rows left
+        left = "an empty index" if count == len(stash) else "a single document"
+        raise CorpusError(f"removing {count:,} of {len(stash):,} documents would leave {left}; build a new one instead")
 
     transform, pooling = old.transform(), manifest.transform.pooling
     timer = Timer()
@@ -318,21 +310,26 @@ def _remove(old: IndexDir, wanted: set[str], missing_ok: bool, progress: Progres
                 progress("index", len(block), len(kept))
         with timer.stage("write"):
             save_moments(work, moments)
-            save_faiss_index(work, faiss_index)
-            save_docs(work, kept)
             digest = hashlib.sha256("\n".join(sorted(wanted)).encode()).hexdigest()
             removed = {"rows": count, "asked": len(wanted), "ids_sha256": digest, "at": now()}
-            new = manifest.next_version(
-                corpus=dataclasses.replace(manifest.corpus, removed=[*manifest.corpus.removed, removed]),
-                index=index_record(
-                    faiss_index, manifest.index.spec, len(kept), manifest.index.factory, manifest.index.calibration
-                ),
-                stash=StashRecord.of(kept),
-                timings=timer.seconds,
-            )
-            new = write_manifest(work, new)
+            record = dataclasses.replace(manifest.corpus, removed=[*manifest.corpus.removed, removed])
+            new = _write_rows_changed(work, manifest, faiss_index, kept, record, timer)
     log.info("removed %d rows from %s (now %d)", count, old.path, new.n)
     return new
+
+
+def _write_rows_changed(
+    work: Path, manifest: Manifest, faiss_index: Any, stash: VectorStash, corpus: CorpusRecord, timer: Timer
+) -> Manifest:
+    """The index, docs and manifest of a version whose rows changed (``add``, ``remove``) under the same kernel
+    and index kind. A knob measured on queries (``calibrate``) stays: the same lists or graph settings."""
+    save_faiss_index(work, faiss_index)
+    save_docs(work, stash)
+    record = index_record(
+        faiss_index, manifest.index.spec, len(stash), manifest.index.factory, manifest.index.calibration
+    )
+    new = manifest.next_version(corpus=corpus, index=record, stash=StashRecord.of(stash), timings=timer.seconds)
+    return write_manifest(work, new)
 
 
 def _stash_without(stash: VectorStash, dropped: list[np.ndarray], root: Path, tag: str) -> VectorStash:

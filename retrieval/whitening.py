@@ -444,9 +444,7 @@ class Drift:
         """One line for ``retrieval info``."""
         line = (
             f"{self.covariance_drift:.3f} (whitened covariance, relative), subspace overlap "
-            f"{self.subspace_overlap:.3f}, "
-            + (f"{self.rows_added:,} rows added" if self.rows_added >= 0 else f"{-self.rows_added:,} fewer rows")
-            + " since the fit"
+            f"{self.subspace_overlap:.3f}; {self.rows_now:,} rows now, {self.rows_at_fit:,} at the fit"
         )
         return line + ("; consider `retrieval refit`" if self.refit_advised else "")
 

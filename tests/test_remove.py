@@ -74,7 +74,7 @@ def test_removed_rows_leave_the_stash_docs_and_index_and_the_kernel_stays(tmp_pa
     assert moments.n == 232
     np.testing.assert_allclose(moments.mean, reference.mean, rtol=1e-12)
     np.testing.assert_allclose(moments.m2, reference.m2, rtol=1e-10, atol=1e-9)
-    assert "68 fewer rows since the fit" in describe_index(directory)["summary"]["kernel drift"]
+    assert "; 232 rows now, 300 at the fit" in describe_index(directory)["summary"]["kernel drift"]
     verify_loads(directory)
 
     searcher = Searcher.load(directory, encoder=FakeEncoder())
@@ -129,12 +129,29 @@ def test_unknown_ids_are_refused_all_or_nothing_unless_missing_ok(tmp_path, corp
     }  # fmt: skip
 
 
-def test_removing_every_document_is_refused(tmp_path, corpus):
+def test_removing_every_document_or_all_but_one_is_refused(tmp_path, corpus):
+    """A build needs 2 rows; one row left made `info` fail (its drift fits a kernel to the rows left)."""
     directory = tmp_path / "idx"
     build(corpus, directory)
     with pytest.raises(CorpusError, match="would leave an empty index"):
         update.remove(directory, [f"doc{i}" for i in range(300)])
+    with pytest.raises(CorpusError, match="removing 299 of 300 documents would leave a single document"):
+        update.remove(directory, [f"doc{i}" for i in range(299)])
     assert IndexDir(directory).manifest().n == 300
+    update.remove(directory, [f"doc{i}" for i in range(298)])
+    assert "2 rows now, 300 at the fit" in describe_index(directory)["summary"]["kernel drift"]
+
+
+def test_an_ivf_index_left_with_fewer_rows_than_lists_still_finds_every_row(tmp_path, corpus):
+    """Asking for every document probes every list: it probed k lists, fewer than the 8 here once 5 rows remain."""
+    directory = tmp_path / "idx"
+    build(corpus, directory, IndexSpec("ivf", nlist=8, nprobe=1))
+    before = stash_rows(directory)
+    update.remove(directory, [f"doc{i}" for i in range(295)])
+    searcher = Searcher.load(directory, encoder=FakeEncoder())
+    for nprobe in (None, 1, 8):
+        hits = searcher.search_vectors(before[:20], SearchParams(k=5, rescore=0, nprobe=nprobe))
+        assert all(sorted(h.id for h in row) == [f"doc{i}" for i in range(295, 300)] for row in hits), nprobe
 
 
 def test_adding_after_a_part_was_emptied_never_overwrites_a_part(tmp_path, corpus):
@@ -167,9 +184,9 @@ def test_a_failure_midway_leaves_the_index_as_it_was(tmp_path, corpus, monkeypat
 def test_cli_remove_takes_ids_as_arguments_from_a_file_and_from_stdin(tmp_path, corpus):
     directory = tmp_path / "idx"
     build(corpus, directory)
-    (tmp_path / "ids.txt").write_text("doc10\n\ndoc 11 is not an id\ndoc12\n")
+    (tmp_path / "ids.txt").write_text("doc10\n\ndoc 11 is not an id\n  \ndoc12\n")  # "  " is looked for too
     result = runner.invoke(app, ["remove", str(directory), "doc1", "--ids-from", str(tmp_path / "ids.txt")])
-    assert result.exit_code == 1 and "1 of the 4 ids are not in the index (first: doc 11 is not an id)" in result.output
+    assert result.exit_code == 1 and "2 of the 5 ids are not in the index (first:   , doc 11 is" in result.output
     result = runner.invoke(
         app, ["remove", str(directory), "doc1", "--ids-from", str(tmp_path / "ids.txt"), "--missing-ok"]
     )
