@@ -641,7 +641,9 @@ class KeyedRoute(APIRoute):
                     headers={"WWW-Authenticate": "Bearer"},
                 )
             if request.method == "POST":
-                _refuse_repeated_keys(await request.body())  # read once: FastAPI parses the cached body
+                parsed = _parse_refusing_repeated_keys(await request.body())
+                if parsed is not NOT_JSON:  # parsed once: Starlette's Request.json() returns what it cached here,
+                    request._json = parsed  # which is what FastAPI reads the body with
             return await handler(request)
 
         return checked
@@ -652,9 +654,13 @@ class _Repeated(Exception):
         self.key = key
 
 
-def _refuse_repeated_keys(body: bytes) -> None:
-    """Refuse a JSON body that gives a key twice: the parser keeps the last, and which one the client meant is a
-    guess (as a query parameter given twice is refused). Anything that is not JSON is left to FastAPI to report."""
+NOT_JSON = object()
+
+
+def _parse_refusing_repeated_keys(body: bytes) -> Any:
+    """The JSON body, refused if it gives a key twice: the parser keeps the last, and which one the client meant
+    is a guess (as a query parameter given twice is refused). ``NOT_JSON`` for anything that is not JSON, which
+    is left to FastAPI to report."""
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: dict[str, Any] = {}
@@ -665,13 +671,13 @@ def _refuse_repeated_keys(body: bytes) -> None:
         return seen
 
     try:
-        json.loads(body, object_pairs_hook=pairs)
+        return json.loads(body, object_pairs_hook=pairs)
     except _Repeated as repeated:
         name = repeated.key if valid_unicode(repeated.key) else None  # never echo what cannot be encoded
         message = f"give `{name}` once" if name else "a key is given twice"
         raise ApiError(422, "invalid_request", message, name) from None
     except (ValueError, RecursionError):  # not JSON, or nested too deep to read: FastAPI's error says so
-        pass
+        return NOT_JSON
 
 
 def describe(service: Service) -> dict[str, Any]:
