@@ -18,7 +18,7 @@ import hashlib
 import logging
 import re
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -217,8 +217,9 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
         raise CorpusError(f"{corpus.path} gives {width}-d vectors; the index at {old.path} takes {stash.dim}-d")
     offset = 0
     if source.id_column is None and not source.named_files:
-        # Row-number ids start past every ASCII row number the index holds, so none can clash: no second pass.
-        offset = next_row_number(stash)
+        # Row-number ids start past every ASCII row number the index holds or removed, so none can clash or come
+        # back: no second pass.
+        offset = next_row_number(stash, manifest.corpus)
     else:
         _check_new_ids(stash, source, window_rows)
 
@@ -274,10 +275,12 @@ def _remove(old: IndexDir, wanted: set[str], missing_ok: bool, progress: Progres
     stash.verify(full=True)  # every kept row goes into the new index and stash: a corrupt part must not
     dropped: list[np.ndarray] = []  # per part, the rows to drop (one part's ids in memory at a time)
     found: set[str] = set()
+    next_number = max(len(stash), _past_removed(manifest.corpus))
     for ids in stash.iter_ids():
         rows = [row for row, i in enumerate(ids) if i in wanted]
         found.update(ids[row] for row in rows)
         dropped.append(np.array(rows, dtype=np.int64))
+        next_number = max(next_number, _past_row_numbers(ids))
     count = len(found)  # ids are unique in an index
     if count < len(wanted) and not missing_ok:
         absent = sorted(wanted - found)
@@ -311,7 +314,9 @@ def _remove(old: IndexDir, wanted: set[str], missing_ok: bool, progress: Progres
         with timer.stage("write"):
             save_moments(work, moments)
             digest = hashlib.sha256("\n".join(sorted(wanted)).encode()).hexdigest()
-            removed = {"rows": count, "asked": len(wanted), "ids_sha256": digest, "at": now()}
+            # Where added row-number ids start stays past the removed ones: an id names one document, ever.
+            removed = {"rows": count, "asked": len(wanted), "ids_sha256": digest}
+            removed |= {"next_row_number": next_number, "at": now()}
             record = dataclasses.replace(manifest.corpus, removed=[*manifest.corpus.removed, removed])
             new = _write_rows_changed(work, manifest, faiss_index, kept, record, timer)
     log.info("removed %d rows from %s (now %d)", count, old.path, new.n)
@@ -462,14 +467,24 @@ def _encoder_for(manifest: Manifest, source: Corpus, encoder: Encoder | None) ->
     return encoder
 
 
-def next_row_number(stash: VectorStash) -> int:
-    """Where row-number ids of added rows start: past the index's rows and past every id that is a row number
-    (a build that skipped empty rows numbered its ids by source row, so they can run past the row count)."""
-    top = len(stash)
+def next_row_number(stash: VectorStash, corpus: CorpusRecord | None = None) -> int:
+    """Where row-number ids of added rows start: past the index's rows, past every id that is a row number (a
+    build that skipped empty rows numbered its ids by source row, so they can run past the row count) and past
+    every row number ``remove`` took out of the index (``corpus``'s record of removals)."""
+    top = max(len(stash), _past_removed(corpus))
     for ids in stash.iter_ids():
-        numbers = [int(i) for i in ids if i.isdecimal() and i.isascii()]
-        top = max(top, max(numbers, default=-1) + 1)
+        top = max(top, _past_row_numbers(ids))
     return top
+
+
+def _past_row_numbers(ids: Sequence[str]) -> int:
+    """One past the highest id of ``ids`` that is an ASCII row number (0 when none is)."""
+    return max((int(i) for i in ids if i.isdecimal() and i.isascii()), default=-1) + 1
+
+
+def _past_removed(corpus: CorpusRecord | None) -> int:
+    """Where row numbers stood at each removal (recorded since removals kept it; 0 for older records)."""
+    return max((int(r.get("next_row_number", 0)) for r in corpus.removed), default=0) if corpus else 0
 
 
 def _check_new_ids(stash: VectorStash, source: Corpus, window_rows: int) -> None:

@@ -125,7 +125,7 @@ def test_unknown_ids_are_refused_all_or_nothing_unless_missing_ok(tmp_path, corp
     manifest = update.remove(directory, ["doc5", "nope1"], missing_ok=True)
     assert manifest is not None and manifest.n == 299 and "doc5" not in Docs(directory / DOCS).ids
     assert manifest.corpus.removed[0] | {"at": None, "ids_sha256": None} == {
-        "rows": 1, "asked": 2, "at": None, "ids_sha256": None
+        "rows": 1, "asked": 2, "at": None, "ids_sha256": None, "next_row_number": 300
     }  # fmt: skip
 
 
@@ -201,3 +201,24 @@ def test_cli_remove_takes_ids_as_arguments_from_a_file_and_from_stdin(tmp_path, 
     result = runner.invoke(app, ["remove", str(directory), "--ids-from", str(tmp_path / "latin1.txt")])
     assert result.exit_code == 1 and "is not UTF-8 text" in result.output and "Traceback" not in result.output
     assert IndexDir(directory).manifest().n == 295
+
+
+def test_a_removed_row_number_id_never_names_an_added_document(tmp_path):
+    """Row-number ids of added rows start past every row number the index held, removed ones included: removing
+    the last rows and adding again gave the new rows the removed rows' ids (``next_row_number`` counted the rows
+    and ids left), so a client holding an old hit's id found another document under it."""
+    from test_update import anisotropic
+
+    np.save(tmp_path / "a.npy", anisotropic(40))
+    np.save(tmp_path / "b.npy", anisotropic(3, seed=5))
+    directory = tmp_path / "idx"
+    build_index(CorpusSpec(tmp_path / "a.npy"), None, directory, TransformSpec(dim=4), options=OPTIONS)
+    update.remove(directory, ["39", "38", "12"])
+    assert update.add(directory, CorpusSpec(tmp_path / "b.npy")).n == 40
+    assert Docs(directory / DOCS).ids[-3:] == ["40", "41", "42"]
+
+    update.remove(directory, ["42", "41"])  # the mark stays past the highest row number ever held
+    update.refit(directory, TransformSpec(dim=3))  # and survives a refit, which keeps the corpus record
+    result = runner.invoke(app, ["add", str(directory), str(tmp_path / "b.npy")])
+    assert result.exit_code == 0, result.output
+    assert Docs(directory / DOCS).ids[-4:] == ["40", "43", "44", "45"]
