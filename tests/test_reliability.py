@@ -1106,6 +1106,25 @@ def test_sigint_of_a_build(tiny_bert: Path, tmp_path: Path, stop: int, status: i
     assert Manifest.load(out).n == 3000 and leftovers(out) == []
 
 
+@case("faults", "Ctrl-C while the command line starts (importing its modules)", "exit 130 and one line, no traceback")
+def test_sigint_while_the_cli_starts(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RETRIEVAL_INDEX_ROOT": str(tmp_path / "root")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "retrieval", "info", str(tmp_path / "none")],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal delivers it (above)
+    )
+    maps, deadline = Path(f"/proc/{process.pid}/maps"), time.monotonic() + 60
+    while "_multiarray_umath" not in maps.read_text():  # numpy loaded: the CLI's imports are under way
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read() if process.stderr else ""
+        time.sleep(0.002)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert (process.returncode, stderr) == (130, "error: interrupted\n")
+
+
 @contextmanager
 def small_disk(directory: Path, size: str) -> Iterator[str]:
     """A ``size`` tmpfs mounted at ``directory`` where mounts are allowed; else writes of more than ~1 MB under
