@@ -183,7 +183,7 @@ class Searcher:
 
     def search_raw(self, raw: np.ndarray, params: SearchParams = SearchParams()) -> tuple[np.ndarray, np.ndarray]:
         """(scores, rows) for raw encoder-space query vectors, ``min(k, N)`` columns wide; rows are -1 where an
-        approximate index found fewer (an IVF's probed lists can hold fewer than k rows)."""
+        approximate index found fewer even with its knobs widened to span it (``search_transformed``)."""
         params.check()
         raw = np.atleast_2d(np.asarray(raw, dtype=np.float32))
         if raw.shape[1] != self.transform.dim_in:
@@ -225,8 +225,17 @@ class Searcher:
             ef_search = None if ef_search is None else max(ef_search, k)  # a beam that holds them all
             # every list: a build has at least one row per list, but `remove` can leave fewer rows than lists
             nprobe = None if nprobe is None else max(nprobe, k, list_count(index) or 0)
-        params = search_parameters(index, ef_search=ef_search, nprobe=nprobe)
-        return index.search(np.ascontiguousarray(vectors, dtype=np.float32), k, params=params)
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        scores, rows = index.search(vectors, k, params=search_parameters(index, ef_search=ef_search, nprobe=nprobe))
+        # Fewer than k found (the probed lists held fewer rows, the beam reached fewer): those queries again, with
+        # the knob doubled until they fill or it spans the index; a user asking for k of N >= k documents gets k.
+        short = np.flatnonzero((rows < 0).any(axis=1))
+        while len(short) and (wider := _wider(index, ef_search, nprobe)) is not None:
+            ef_search, nprobe = wider
+            params = search_parameters(index, ef_search=ef_search, nprobe=nprobe)
+            scores[short], rows[short] = index.search(vectors[short], k, params=params)
+            short = short[(rows[short] < 0).any(axis=1)]
+        return scores, rows
 
     def stash(self) -> VectorStash:
         """This version's raw-vector stash, its parts memory-mapped (``Loaded.open_stash``)."""
@@ -264,6 +273,14 @@ class Searcher:
                 self._described = report
             return report
         return self._described
+
+
+def _wider(index: Any, ef_search: int | None, nprobe: int | None) -> tuple[int | None, int | None] | None:
+    """The knobs doubled, each up to what spans the index (efSearch N, nprobe every list); None when both do."""
+    lists = list_count(index) or 0
+    wider_ef = None if ef_search is None else min(2 * ef_search, max(ef_search, index.ntotal))
+    wider_nprobe = None if nprobe is None else min(2 * nprobe, max(nprobe, lists))
+    return None if (wider_ef, wider_nprobe) == (ef_search, nprobe) else (wider_ef, wider_nprobe)
 
 
 def rescore(
