@@ -393,6 +393,74 @@ def check_api_key(key: str | None) -> None:
         raise ConfigError("`api_key` must be printable ASCII without surrounding spaces (it travels in an HTTP header)")
 
 
+def search_params(
+    service: Service, k: int | None, rescore: int | None, ef: int | None, nprobe: int | None
+) -> SearchParams:
+    """The search knobs of a request, each checked against the server's bounds (``param_bounds``): 422 naming
+    the field otherwise. A ``k`` left out is never one the server refuses (``default_k``)."""
+    options = service.options
+    k = default_k(options) if k is None else k
+    given = {"k": k, "rescore": rescore, "ef": ef, "nprobe": nprobe}
+    for name, (low, high) in param_bounds(options).items():
+        value = given[name]
+        if value is not None and not low <= value <= high:
+            raise ApiError(422, "invalid_param", f"`{name}` must be between {low} and {high} (got {value})", name)
+    if rescore and service.ready and service.searcher().manifest.stash is None:
+        raise ApiError(422, "invalid_param", "this index kept no raw-vector stash: `rescore` must be 0", "rescore")
+    extra = {} if rescore is None else {"rescore": rescore}  # None: the library's default depth
+    params = SearchParams(k=k, ef_search=ef, nprobe=nprobe, **extra)
+    try:
+        params.check()
+    except ConfigError as err:
+        raise ApiError(422, "invalid_param", render(err, field_name), field_name(err.param or "") or None) from err
+    return params
+
+
+def query_texts(values: list[str], name: str, options: ServeOptions) -> list[str]:
+    """The texts of field ``name``, each checked (not empty, valid UTF-8, within the length limit) and not more
+    than the batch limit: 4xx naming the field and item otherwise."""
+    if not values:
+        raise ApiError(422, "empty_query", f"`{name}` holds no text", name)
+    if len(values) > options.max_queries:
+        raise ApiError(
+            413, "too_many_queries", f"`{name}` holds {len(values)} texts; the limit is {options.max_queries}", name
+        )
+    for i, text in enumerate(values):
+        where = f"`{name}`" if len(values) == 1 and name in ("query", "q") else f"`{name}` item {i}"
+        if not text.strip():
+            raise ApiError(422, "empty_query", f"{where} is empty or only whitespace", name)
+        if not valid_unicode(text):
+            raise ApiError(422, "invalid_text", f"{where} holds a lone surrogate: send valid UTF-8 text", name)
+        if len(text) > options.max_query_chars:
+            raise ApiError(
+                422,
+                "query_too_long",
+                f"{where} has {len(text):,} characters; the limit is {options.max_query_chars:,}",
+                name,
+            )
+    return values
+
+
+def check_query_string(request: Request) -> None:
+    """Refuse a GET /search query string whose parameters are unknown, repeated, or not UTF-8 once
+    percent-decoded (Starlette decodes those to U+FFFD, which would be searched; a POST body that is not UTF-8
+    is refused the same way)."""
+    raw = request.scope.get("query_string", b"").decode("latin-1")
+    for name, value in urllib.parse.parse_qsl(raw, keep_blank_values=True, errors="surrogateescape"):
+        if not valid_unicode(name + value):
+            param = name if valid_unicode(name) else None  # never echo what cannot be encoded
+            where = f"`{param}`" if param else "a parameter name"
+            message = f"{where} is not UTF-8 once percent-decoded: percent-encode UTF-8 text"
+            raise ApiError(422, "invalid_text", message, param)
+    unknown = sorted(set(request.query_params) - {"q", "k", "rescore", "ef", "nprobe"})
+    if unknown:
+        raise ApiError(422, "invalid_request", f"unknown parameter `{unknown[0]}`", unknown[0])
+    twice = next((name for name in request.query_params if len(request.query_params.getlist(name)) > 1), None)
+    if twice is not None:  # which of two values would count is a guess: refused
+        several = "; POST /search takes several queries" if twice == "q" else ""
+        raise ApiError(422, "invalid_request", f"give `{twice}` once{several}", twice)
+
+
 def create_app(service: Service, api_key: str | None = None, manage: bool = True) -> FastAPI:
     """The FastAPI app serving ``service``. ``manage``: start the service with the app and stop it after.
     ``api_key``: when set, every route but /health (and the static page and the API docs, which hold no index
@@ -432,45 +500,6 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     api = APIRouter(route_class=KeyedRoute, dependencies=bearer)
 
     # ----- search ------------------------------------------------------------------------------------------
-    def search_params(k: int | None, rescore: int | None, ef: int | None, nprobe: int | None) -> SearchParams:
-        k = default_k(options) if k is None else k  # a k left out is never one the server refuses
-        given = {"k": k, "rescore": rescore, "ef": ef, "nprobe": nprobe}
-        for name, (low, high) in param_bounds(options).items():
-            value = given[name]
-            if value is not None and not low <= value <= high:
-                raise ApiError(422, "invalid_param", f"`{name}` must be between {low} and {high} (got {value})", name)
-        if rescore and service.ready and service.searcher().manifest.stash is None:
-            raise ApiError(422, "invalid_param", "this index kept no raw-vector stash: `rescore` must be 0", "rescore")
-        extra = {} if rescore is None else {"rescore": rescore}  # None: the library's default depth
-        params = SearchParams(k=k, ef_search=ef, nprobe=nprobe, **extra)
-        try:
-            params.check()
-        except ConfigError as err:
-            raise ApiError(422, "invalid_param", render(err, field_name), field_name(err.param or "") or None) from err
-        return params
-
-    def texts_of(values: list[str], name: str) -> list[str]:
-        if not values:
-            raise ApiError(422, "empty_query", f"`{name}` holds no text", name)
-        if len(values) > options.max_queries:
-            raise ApiError(
-                413, "too_many_queries", f"`{name}` holds {len(values)} texts; the limit is {options.max_queries}", name
-            )
-        for i, text in enumerate(values):
-            where = f"`{name}`" if len(values) == 1 and name in ("query", "q") else f"`{name}` item {i}"
-            if not text.strip():
-                raise ApiError(422, "empty_query", f"{where} is empty or only whitespace", name)
-            if not valid_unicode(text):
-                raise ApiError(422, "invalid_text", f"{where} holds a lone surrogate: send valid UTF-8 text", name)
-            if len(text) > options.max_query_chars:
-                raise ApiError(
-                    422,
-                    "query_too_long",
-                    f"{where} has {len(text):,} characters; the limit is {options.max_query_chars:,}",
-                    name,
-                )
-        return values
-
     async def answer(future: Future[Answer]) -> Answer:
         """The engine's answer. On SIGTERM uvicorn lets requests finish for ``--shutdown-timeout`` seconds, then
         cancels them: one still waiting gets the JSON 503 ``shutting_down`` rather than uvicorn's plain-text 500
@@ -516,23 +545,8 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
         ef: Annotated[int | None, Query(description="HNSW search beam width.")] = None,
         nprobe: Annotated[int | None, Query(description="IVF lists probed.")] = None,
     ) -> JSONResponse:
-        # Starlette decodes percent-escapes that are not UTF-8 to U+FFFD, which would be searched: refused, as a
-        # POST body that is not UTF-8 is
-        raw = request.scope.get("query_string", b"").decode("latin-1")
-        for name, value in urllib.parse.parse_qsl(raw, keep_blank_values=True, errors="surrogateescape"):
-            if not valid_unicode(name + value):
-                param = name if valid_unicode(name) else None  # never echo what cannot be encoded
-                where = f"`{param}`" if param else "a parameter name"
-                message = f"{where} is not UTF-8 once percent-decoded: percent-encode UTF-8 text"
-                raise ApiError(422, "invalid_text", message, param)
-        unknown = sorted(set(request.query_params) - {"q", "k", "rescore", "ef", "nprobe"})
-        if unknown:
-            raise ApiError(422, "invalid_request", f"unknown parameter `{unknown[0]}`", unknown[0])
-        twice = next((name for name in request.query_params if len(request.query_params.getlist(name)) > 1), None)
-        if twice is not None:  # which of two values would count is a guess: refused
-            several = "; POST /search takes several queries" if twice == "q" else ""
-            raise ApiError(422, "invalid_request", f"give `{twice}` once{several}", twice)
-        return await run_search(texts_of([q], "q"), search_params(k, rescore, ef, nprobe))
+        check_query_string(request)
+        return await run_search(query_texts([q], "q", options), search_params(service, k, rescore, ef, nprobe))
 
     @api.post(
         "/search",
@@ -544,8 +558,11 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     async def search_post(body: SearchRequest) -> JSONResponse:
         if (body.query is None) == (body.queries is None):
             raise ApiError(422, "invalid_request", "give either `query` (one text) or `queries` (a list)", "query")
-        texts = texts_of([body.query], "query") if body.query is not None else texts_of(body.queries or [], "queries")
-        return await run_search(texts, search_params(body.k, body.rescore, body.ef, body.nprobe))
+        if body.query is not None:
+            texts = query_texts([body.query], "query", options)
+        else:
+            texts = query_texts(body.queries or [], "queries", options)
+        return await run_search(texts, search_params(service, body.k, body.rescore, body.ef, body.nprobe))
 
     @api.post(
         "/embed",
@@ -554,7 +571,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
         summary="Vectors of texts, by the index's own encoder",
     )
     async def embed(body: EmbedRequest) -> JSONResponse:
-        texts = texts_of([body.inputs] if isinstance(body.inputs, str) else body.inputs, "inputs")
+        texts = query_texts([body.inputs] if isinstance(body.inputs, str) else body.inputs, "inputs", options)
         encodes()
         result = await answer(service.batcher.submit_embed(texts, body.transformed))
         vectors = result.vectors
