@@ -359,28 +359,64 @@ RescoreOption = Annotated[
 @app.command()
 @user_errors
 def search(
-    query: Annotated[str, typer.Argument(help="The query text.")],
+    query: Annotated[str | None, typer.Argument(help="The query text (or give --queries).")] = None,
     index_dir: IndexOption = None,
     k: Annotated[int, typer.Option("-k", "--k", help="Number of hits.")] = DefaultSearch.k,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per hit, one per line.")] = False,
     rescore: RescoreOption = DefaultSearch.rescore,
     ef_search: EfOption = None,
     nprobe: NprobeOption = None,
+    queries: Annotated[
+        Path | None,
+        typer.Option(
+            help="Search every query of a file, in batches: a parquet (texts in --text-column, ids from query_id "
+            "if present, else row numbers), or text with one query per line (ids: line numbers); - reads standard "
+            "input. With --json each hit also carries its query_id.",
+            dir_okay=False,
+        ),
+    ] = None,
+    text_column: Annotated[str, typer.Option(help="--queries parquet: the column of query texts.")] = "text",
 ) -> None:
-    """Search an index with a text query."""
+    """Search an index with a text query, or with every query of a file (--queries)."""
     from retrieval.search import Searcher
 
+    if query is not None and queries is not None:
+        raise ConfigError("give a QUERY or `queries` (a file of queries), not both", "queries")
+    if query is None and queries is None:
+        raise ConfigError("give a QUERY to search for, or `queries` (a file of queries)", "queries")
     params = SearchParams(k=k, rescore=rescore, ef_search=ef_search, nprobe=nprobe)
     params.check()
     directory = index_dir or home.default_index()
-    # sizes and sampled hashes: a whole sha256 of a 3 GB index would cost seconds per one-shot search
-    searcher = Searcher.load(directory, encoder=one_query_encoder(directory), verify="quick")
-    hits = searcher.search(query, params)
-    if as_json:
-        for hit in hits:
-            print(json.dumps({"rank": hit.rank, "id": hit.id, "score": hit.score, "text": hit.text}))
+    if query is not None:
+        # sizes and sampled hashes: a whole sha256 of a 3 GB index would cost seconds per one-shot search
+        searcher = Searcher.load(directory, encoder=one_query_encoder(directory), verify="quick")
+        show_hits(searcher.search(query, params), as_json, f"{query!r} in {directory}")
         return
-    table = Table(title=Text(safe(f"{query!r} in {directory}")), title_justify="left")
+    assert queries is not None
+    from retrieval.evaluate import read_query_file
+
+    asked = read_query_file(queries, text_column)
+    searcher = Searcher.load(directory, verify="quick")
+    with progress_bars() as update:
+        for start in range(0, len(asked), SEARCH_CHUNK):
+            ids, texts = asked.ids[start : start + SEARCH_CHUNK], asked.texts[start : start + SEARCH_CHUNK]
+            for query_id, text, hits in zip(ids, texts, searcher.search_batch(texts, params), strict=True):
+                show_hits(hits, as_json, f"{query_id}: {text!r}", query_id)
+            update("search", len(ids), len(asked))
+
+
+# Queries of a --queries file searched at once: batches for the encoder and FAISS, output as each chunk is done.
+SEARCH_CHUNK = 256
+
+
+def show_hits(hits: Sequence[Any], as_json: bool, title: str, query_id: str | None = None) -> None:
+    """Hits as JSON lines (with ``query_id`` first when given), or as a table under ``title``."""
+    if as_json:
+        first = {} if query_id is None else {"query_id": query_id}
+        for hit in hits:
+            print(json.dumps(first | {"rank": hit.rank, "id": hit.id, "score": hit.score, "text": hit.text}))
+        return
+    table = Table(title=Text(safe(title)), title_justify="left")
     for name in ("rank", "score", "id", "text"):
         table.add_column(
             name,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,46 @@ def read_queries(path: Path, id_column: str = "query_id", text_column: str = "te
             raise CorpusError(f"query id {query!r} appears more than once in {path}: query ids must be unique")
         seen.add(query)
     return Queries(strings, texts)
+
+
+def read_query_file(path: Path, text_column: str = "text", id_column: str = "query_id") -> Queries:
+    """Queries to search (``retrieval search --queries``): a parquet file (texts in ``text_column``, ids from
+    ``id_column`` when the file has one, else row numbers from 0), or a UTF-8 text file of one query per line
+    (ids: line numbers from 1; blank lines skipped); ``-`` reads those lines from standard input."""
+    if str(path) != "-" and Path(path).suffix == ".parquet":
+        table = _read(path, [text_column], "queries", optional=[id_column])
+        _require(table, text_column, path, _is_text, ", not text")
+        texts = table.column(text_column).to_pylist()
+        ids = table.column(id_column).to_pylist() if id_column in table.column_names else list(range(len(texts)))
+        for row, (query, text) in enumerate(zip(ids, texts, strict=True)):
+            if query is None:
+                raise CorpusError(f"row {row} of {path} has a null {id_column!r}: give every query an id")
+            if text is None or not text.strip():
+                raise CorpusError(f"query {query} of {path} has no text (null or blank): give every query its text")
+        queries = Queries([str(q) for q in ids], texts)
+    else:
+        queries = _query_lines(path)
+    if not queries.ids:
+        raise CorpusError(f"{'standard input' if str(path) == '-' else path} holds no query")
+    return queries
+
+
+def _query_lines(path: Path) -> Queries:
+    where = "standard input" if str(path) == "-" else str(path)
+    if str(path) == "-":
+        data = sys.stdin.buffer.read()
+    elif Path(path).is_file():
+        data = Path(path).read_bytes()
+    else:
+        raise CorpusError(f"queries file not found: {path}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise CorpusError(f"line {line} of {where} is not UTF-8: give one UTF-8 query per line") from None
+    numbered = [(str(n), line.rstrip("\r")) for n, line in enumerate(text.split("\n"), start=1)]
+    kept = [(n, line) for n, line in numbered if line.strip()]
+    return Queries([n for n, _ in kept], [line for _, line in kept])
 
 
 def read_texts(path: Path, text_column: str = "text") -> list[str]:

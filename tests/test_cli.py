@@ -102,6 +102,73 @@ def test_search_json_is_one_object_per_line(built: Path) -> None:
     assert scores == sorted(scores, reverse=True)
 
 
+QUERIES = ["document number 7 about topic 0", "topic 3", "document number 150 about topic 3", "nothing like it"]
+
+
+def assert_hits_of_each_query(lines: list[str], ids: list[str], built: Path, k: int) -> None:
+    """JSON lines of a --queries search: k hits per query, in file order, each as the library finds it alone."""
+    from retrieval.search import Searcher, SearchParams
+
+    hits = [json.loads(line) for line in lines]
+    assert [h["query_id"] for h in hits] == [i for i in ids for _ in range(k)]
+    searcher = Searcher.load(built)
+    for n, query in enumerate(QUERIES):
+        alone = searcher.search(query, SearchParams(k=k))
+        got = hits[n * k : (n + 1) * k]
+        assert [h["id"] for h in got] == [h.id for h in alone] and [h["rank"] for h in got] == list(range(1, k + 1))
+        assert [h["score"] for h in got] == pytest.approx([h.score for h in alone], abs=1e-5)
+
+
+def test_search_every_query_of_a_text_file(built: Path, tmp_path: Path) -> None:
+    """One query per line (CRLF too), blank lines skipped, ids the line numbers; hits as each query alone."""
+    path = tmp_path / "q.txt"
+    path.write_bytes(f"{QUERIES[0]}\n\n  \n{QUERIES[1]}\r\n{QUERIES[2]}\n{QUERIES[3]}".encode())
+    result = run("search", "--queries", path, "--index", built, "-k", 3, "--json")
+    assert result.exit_code == 0, result.output
+    assert_hits_of_each_query(result.stdout.splitlines(), ["1", "4", "5", "6"], built, 3)
+
+    stdin = runner.invoke(
+        app, ["search", "--queries", "-", "--index", str(built), "-k", "3", "--json"], "\n".join(QUERIES)
+    )
+    assert stdin.exit_code == 0, stdin.output
+    assert_hits_of_each_query(stdin.stdout.splitlines(), ["1", "2", "3", "4"], built, 3)
+
+    table = run("search", "--queries", path, "--index", built, "-k", 2)
+    titles = [line.strip() for line in table.stdout.splitlines() if line.strip().startswith(("1:", "4:", "5:", "6:"))]
+    assert table.exit_code == 0 and titles == [f"{n}: {q!r}" for n, q in zip([1, 4, 5, 6], QUERIES, strict=True)]
+
+
+def test_search_every_query_of_a_parquet(built: Path, tmp_path: Path) -> None:
+    with_ids = tmp_path / "q.parquet"
+    pq.write_table(pa.table({"query_id": [10, 11, 12, 13], "question": QUERIES}), with_ids)
+    result = run("search", "--queries", with_ids, "--text-column", "question", "--index", built, "-k", 2, "--json")
+    assert result.exit_code == 0, result.output
+    assert_hits_of_each_query(result.stdout.splitlines(), ["10", "11", "12", "13"], built, 2)
+    without = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"text": QUERIES}), without)
+    result = run("search", "--queries", without, "--index", built, "-k", 2, "--json")
+    assert result.exit_code == 0, result.output
+    assert_hits_of_each_query(result.stdout.splitlines(), ["0", "1", "2", "3"], built, 2)
+
+
+def test_bad_query_files_are_one_line(built: Path, tmp_path: Path) -> None:
+    (tmp_path / "bad.txt").write_bytes(b"fine\n\xff\xfe not utf-8\n")
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    pq.write_table(pa.table({"text": ["a", None]}), tmp_path / "null.parquet")
+    pq.write_table(pa.table({"query": ["a"]}), tmp_path / "column.parquet")
+    cases = [
+        (["x", "--queries", tmp_path / "blank.txt"], "give a QUERY or --queries (a file of queries), not both"),
+        ([], "give a QUERY to search for, or --queries"),
+        (["--queries", tmp_path / "nope.txt"], "queries file not found"),
+        (["--queries", tmp_path / "bad.txt"], "line 2 of"),
+        (["--queries", tmp_path / "blank.txt"], "holds no query"),
+        (["--queries", tmp_path / "null.parquet"], "query 1 of"),
+        (["--queries", tmp_path / "column.parquet"], "has no column 'text' (columns: query)"),
+    ]
+    for args, fragment in cases:
+        assert_one_clear_error(run("search", *args, "--index", built), fragment)
+
+
 def test_info_shows_what_the_index_holds(built: Path, tiny_bert: Path) -> None:
     result = run("info", built)
     assert result.exit_code == 0, result.output
