@@ -401,32 +401,61 @@ class TransformerEncoder:
     def _encode_poolings(
         self, texts: Sequence[str], poolings: Sequence[str], on_batch: Callable[[int], None] | None
     ) -> dict[str, np.ndarray]:
-        torch = self._torch
+        """Three routes: one text through the traced model; short texts packed several to a row; the others in
+        length-sorted padded batches."""
         out = {p: np.empty((len(texts), self.dim), dtype=np.float32) for p in poolings}
         if not texts:
             return out
-        if len(texts) == 1:
-            if self._traced is None:
-                self._single_calls += 1
-                if self._single_calls >= TRACE_AFTER:
-                    self._traced = self._trace()
-            if self._traced:
-                self._encode_single(texts[0], poolings, out)
-                if on_batch is not None:
-                    on_batch(1)
-                return out
+        if len(texts) == 1 and self._single_is_traced():
+            self._encode_single(texts[0], poolings, out)
+            if on_batch is not None:
+                on_batch(1)
+            return out
         with self._lock:
             tokens = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
         lengths = [len(ids) for ids in tokens["input_ids"]]
-        want_hidden = "first-last-avg" in poolings
+        short = self._to_pack(tokens, lengths)
+        self._encode_packs(short, lengths, tokens, poolings, out, on_batch)
+        packed = set(short)
+        self._encode_padded(
+            [i for i in range(len(lengths)) if i not in packed], lengths, tokens, poolings, out, on_batch
+        )
+        return out
+
+    def _single_is_traced(self) -> bool:
+        """Whether a single text goes through the traced model: traced on the ``TRACE_AFTER``-th single call."""
+        if self._traced is None:
+            self._single_calls += 1
+            if self._single_calls >= TRACE_AFTER:
+                self._traced = self._trace()
+        return bool(self._traced)
+
+    def _to_pack(self, tokens: Any, lengths: Sequence[int]) -> list[int]:
+        """The texts to pack (at most ``PACK_MAX_TOKENS`` tokens, two or more, packing agreeing with padded
+        batches); precision "auto" is settled here on a padded batch of them, as ``_encode_padded`` would."""
         capacity = min(PACK_TOKENS, self.max_length)
         short = [i for i, n in enumerate(lengths) if n <= min(PACK_MAX_TOKENS, capacity)]
         if len(short) > 1 and self.packing is None:
             self.packing = self._packing_agrees()
         if len(short) < 2 or not self.packing:
-            short = []
-        if short and self.bf16 is None:  # precision "auto" is timed on a padded batch, as below
+            return []
+        if self.bf16 is None:
             self.bf16 = self._bf16_is_faster(self._padded(tokens, short[: self.batch_size]))
+        return short
+
+    def _encode_packs(
+        self,
+        short: list[int],
+        lengths: Sequence[int],
+        tokens: Any,
+        poolings: Sequence[str],
+        out: dict[str, np.ndarray],
+        on_batch: Callable[[int], None] | None,
+    ) -> None:
+        """The ``short`` texts packed into rows (``pack_rows``), the rows into forward passes (``shape_batches``)."""
+        if not short:
+            return
+        capacity = min(PACK_TOKENS, self.max_length)
         short_lengths = [lengths[i] for i in short]
         packed_rows = pack_rows(short_lengths, capacity)
         if 1 < len(packed_rows) <= self.batch_size:  # one forward pass, as wide as its widest row: even them out
@@ -437,11 +466,22 @@ class TransformerEncoder:
             self._encode_packed([packs[r] for r in rows], width, tokens["input_ids"], poolings, out)
             if on_batch:
                 on_batch(sum(len(packs[r]) for r in rows))
-        packed = set(short)
-        long = [i for i in range(len(lengths)) if i not in packed]
+
+    def _encode_padded(
+        self,
+        texts: list[int],
+        lengths: Sequence[int],
+        tokens: Any,
+        poolings: Sequence[str],
+        out: dict[str, np.ndarray],
+        on_batch: Callable[[int], None] | None,
+    ) -> None:
+        """The texts at these indices in length-sorted batches (``batches``), each padded to its longest."""
+        torch = self._torch
+        want_hidden = "first-last-avg" in poolings
         with torch.inference_mode():
-            for local, width in self.batches([lengths[i] for i in long]):
-                rows = np.asarray(long, dtype=np.int64)[local]
+            for local, width in self.batches([lengths[i] for i in texts]):
+                rows = np.asarray(texts, dtype=np.int64)[local]
                 batch = self._padded(tokens, rows, width)
                 if self.bf16 is None and len(rows) > 1:
                     self.bf16 = self._bf16_is_faster(batch)
@@ -451,7 +491,6 @@ class TransformerEncoder:
                     out[p][rows] = pool(p, result, mask).numpy()
                 if on_batch:
                     on_batch(len(rows))
-        return out
 
     def _padded(self, tokens: Any, rows: Sequence[int], width: int | None = None) -> Any:
         """Rows of the tokenised texts as one batch of tensors, padded to ``width`` (None: to the longest)."""
