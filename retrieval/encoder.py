@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -53,6 +53,16 @@ LENGTH_STEPS = 8
 # squared, which bounds PACK_TOKENS.
 PACK_TOKENS = 256
 PACK_MAX_TOKENS = 64
+
+
+class _Work(NamedTuple):
+    """One ``encode_poolings`` call's tokenised texts and where their vectors go, as its routes share them."""
+
+    tokens: Any
+    lengths: list[int]
+    poolings: Sequence[str]
+    out: dict[str, np.ndarray]
+    on_batch: Callable[[int], None] | None
 
 
 @dataclass(frozen=True)
@@ -415,11 +425,10 @@ class TransformerEncoder:
             tokens = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
         lengths = [len(ids) for ids in tokens["input_ids"]]
         short = self._to_pack(tokens, lengths)
-        self._encode_packs(short, lengths, tokens, poolings, out, on_batch)
+        work = _Work(tokens, lengths, poolings, out, on_batch)
+        self._encode_packs(work, short)
         packed = set(short)
-        self._encode_padded(
-            [i for i in range(len(lengths)) if i not in packed], lengths, tokens, poolings, out, on_batch
-        )
+        self._encode_padded(work, [i for i in range(len(lengths)) if i not in packed])
         return out
 
     def _single_is_traced(self) -> bool:
@@ -443,18 +452,11 @@ class TransformerEncoder:
             self.bf16 = self._bf16_is_faster(self._padded(tokens, short[: self.batch_size]))
         return short
 
-    def _encode_packs(
-        self,
-        short: list[int],
-        lengths: Sequence[int],
-        tokens: Any,
-        poolings: Sequence[str],
-        out: dict[str, np.ndarray],
-        on_batch: Callable[[int], None] | None,
-    ) -> None:
+    def _encode_packs(self, work: _Work, short: list[int]) -> None:
         """The ``short`` texts packed into rows (``pack_rows``), the rows into forward passes (``shape_batches``)."""
         if not short:
             return
+        tokens, lengths, poolings, out, on_batch = work
         capacity = min(PACK_TOKENS, self.max_length)
         short_lengths = [lengths[i] for i in short]
         packed_rows = pack_rows(short_lengths, capacity)
@@ -467,16 +469,9 @@ class TransformerEncoder:
             if on_batch:
                 on_batch(sum(len(packs[r]) for r in rows))
 
-    def _encode_padded(
-        self,
-        texts: list[int],
-        lengths: Sequence[int],
-        tokens: Any,
-        poolings: Sequence[str],
-        out: dict[str, np.ndarray],
-        on_batch: Callable[[int], None] | None,
-    ) -> None:
+    def _encode_padded(self, work: _Work, texts: list[int]) -> None:
         """The texts at these indices in length-sorted batches (``batches``), each padded to its longest."""
+        tokens, lengths, poolings, out, on_batch = work
         torch = self._torch
         want_hidden = "first-last-avg" in poolings
         with torch.inference_mode():
