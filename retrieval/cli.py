@@ -526,6 +526,11 @@ def remove(
         return
     rows = manifest.corpus.removed[-1]["rows"]
     err.print(f"removed {rows:,} rows from {safe(str(index_dir))}: now {manifest.n:,}", markup=False)
+    faiss_info = manifest.index.faiss
+    if faiss_info.get("empty_lists", 0) * 2 > faiss_info.get("nlist", 0):
+        from retrieval.info import lists_line
+
+        err.print(f"IVF lists: {lists_line(faiss_info)}", markup=False)
 
 
 def read_ids(path: Path) -> list[str]:

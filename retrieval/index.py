@@ -282,7 +282,7 @@ def describe(index: faiss.Index) -> dict[str, Any]:
         }
     ivf = _ivf(index)
     if ivf is not None:
-        info |= {"nlist": int(ivf.nlist), "nprobe": int(ivf.nprobe)}
+        info |= {"nlist": int(ivf.nlist), "nprobe": int(ivf.nprobe)} | list_sizes(ivf)
     refine = faiss.downcast_index(index)
     if isinstance(refine, faiss.IndexRefine):
         info["k_factor"] = int(refine.k_factor)
@@ -408,6 +408,14 @@ def load_for_adding(path: Path, rows: int) -> faiss.Index:
                     return load_index(path)
             grown.add(block)
     return grown
+
+
+def list_sizes(ivf: Any) -> dict[str, Any]:
+    """How an IVF index's rows fill its lists: empty lists and the largest (``remove`` empties lists the index
+    keeps; ``refit`` trains lists for the rows left), and FAISS's imbalance factor (1: even)."""
+    sizes = [int(ivf.invlists.list_size(i)) for i in range(ivf.nlist)]
+    imbalance = float(ivf.invlists.imbalance_factor()) if ivf.ntotal else 0.0
+    return {"empty_lists": sizes.count(0), "largest_list": max(sizes), "imbalance": round(imbalance, 3)}
 
 
 def list_count(index: faiss.Index) -> int | None:

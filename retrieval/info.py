@@ -56,6 +56,7 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
         "rows (N)": f"{manifest.n:,}",
         "index": f"{idx.kind} ({idx.factory}) {_params(idx.faiss)}".strip(),
         "search default": _search_default(idx),
+        **({"lists": lists_line(idx.faiss)} if "empty_lists" in idx.faiss else {}),
         "corpus": manifest.corpus.path,
         "stash": "none" if not stash else f"{stash.rows:,} rows, {stash.dtype}, poolings {', '.join(stash.poolings)}",
         "re-scoring": _rescoring(manifest),
@@ -77,6 +78,17 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
             f"half the variance in {spectrum['dims_for_50pct']} dims, 90% in {spectrum['dims_for_90pct']}"
         )
     return lines
+
+
+def lists_line(faiss_info: dict[str, Any]) -> str:
+    """How the rows fill an IVF index's lists, and what to do when most are empty (rows removed since the lists
+    were trained): the knob probes lists, so empty ones cost searches time and recall."""
+    nlist, empty = faiss_info["nlist"], faiss_info["empty_lists"]
+    line = f"{nlist:,}, {empty:,} empty, the largest {faiss_info['largest_list']:,} rows, imbalance"
+    line += f" {faiss_info['imbalance']:.2f} (1: even)"
+    if empty * 2 > nlist:
+        line += "; most lists are empty: `retrieval refit` trains lists for the rows there are now"
+    return line
 
 
 def _rescoring(manifest: Manifest) -> str:

@@ -154,6 +154,36 @@ def test_an_ivf_index_left_with_fewer_rows_than_lists_still_finds_every_row(tmp_
         assert all(sorted(h.id for h in row) == [f"doc{i}" for i in range(295, 300)] for row in hits), nprobe
 
 
+def test_info_and_remove_say_when_most_ivf_lists_are_empty(tmp_path, corpus):
+    """The manifest records how rows fill the lists (counted here from the index itself); once most are empty,
+    `remove` and `info` say so and name `refit`, which trains lists for the rows left."""
+    directory = tmp_path / "idx"
+    build(corpus, directory, IndexSpec("ivf", nlist=8))
+    first = IndexDir(directory).manifest().index.faiss
+    assert first["empty_lists"] == 0 and "most lists" not in describe_index(directory)["summary"]["lists"]
+
+    def sizes() -> list[int]:
+        index = load_index(directory / INDEX)  # held while its lists are read: extract_index_ivf does not own it
+        ivf = faiss.extract_index_ivf(index)
+        return [ivf.invlists.list_size(i) for i in range(ivf.nlist)]
+
+    index = load_index(directory / INDEX)
+    rows = IndexDir(directory).transform().transform(stash_rows(directory))
+    rows_by_list = faiss.extract_index_ivf(index).quantizer.assign(rows, 1).ravel()
+    crowded = int(np.argmax(sizes()))
+    keep = {f"doc{i}" for i in np.flatnonzero(rows_by_list == crowded)}
+    gone = [f"doc{i}" for i in range(300) if f"doc{i}" not in keep]
+    result = runner.invoke(app, ["remove", str(directory), *gone])
+    assert result.exit_code == 0, result.output
+    after = sizes()
+    recorded = IndexDir(directory).manifest().index.faiss
+    assert (recorded["empty_lists"], recorded["largest_list"]) == (after.count(0), max(after)) == (7, len(keep))
+    assert recorded["imbalance"] == pytest.approx(8.0, abs=1e-3)  # every row in one list of 8
+    line = describe_index(directory)["summary"]["lists"]
+    assert line.startswith(f"8, 7 empty, the largest {len(keep)} rows") and "`retrieval refit`" in line
+    assert f"IVF lists: {line}" in result.stderr
+
+
 def test_adding_after_a_part_was_emptied_never_overwrites_a_part(tmp_path, corpus):
     """Four parts left of five: a new part named by the count (part-00004) would overwrite doc256-299's."""
     directory = tmp_path / "idx"
