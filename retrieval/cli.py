@@ -57,6 +57,13 @@ class _OneLineErrors(typer.core.TyperGroup):
             return code
         sys.exit(code if isinstance(code, int) else 0)
 
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:  # while a command's arguments are parsed (inside a command, ``user_errors``)
+            print("error: interrupted", file=sys.stderr)
+            raise typer.Exit(130) from None
+
 
 app = typer.Typer(
     cls=_OneLineErrors,
@@ -84,12 +91,14 @@ def flag(name: str) -> str:
 
 
 def user_errors(func: F) -> F:
-    """Turn a RetrievalError into one line on stderr and exit status 1 (parameters shown as their flags)."""
+    """Turn a RetrievalError into one line on stderr and exit status 1 (parameters shown as their flags), and
+    Ctrl-C or SIGTERM into one line and exit status 130 or 143."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return func(*args, **kwargs)
+            with sigterm_exits():  # every command: SIGTERM is "error: terminated" and 143, as Ctrl-C is 130
+                return func(*args, **kwargs)
         except KeyboardInterrupt as stop:
             exc: RetrievalError = Interrupted.by(stop)
         except RetrievalError as caught:

@@ -911,7 +911,7 @@ def run(
     server = Server(config)
     try:
         server.run()
-    except KeyboardInterrupt:  # Ctrl-C, re-raised by uvicorn once it has shut down (as uvicorn.run does)
-        pass
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (``Terminated``), re-raised by uvicorn once it has shut down
+        pass  # the way a server is meant to stop: exit 0
     if not server.started:  # e.g. the port is taken: uvicorn logged why; its exit status, as uvicorn.run gives
         raise SystemExit(3)

@@ -216,8 +216,10 @@ class Service:
         """Stop watching, let the engine finish what is queued, and end it."""
         self.begin_shutdown()
         self.batcher.stop(timeout)
+        # Not while it loads a version: one that would never serve (a first load takes seconds; the thread is a
+        # daemon, and loading writes nothing). Waiting made a server stopped during start-up take that long.
         if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(timeout)
+            self._watcher.join(0 if self._reload_lock.locked() else timeout)
 
     def _load_and_watch(self) -> None:
         self.reload()
@@ -252,6 +254,9 @@ class Service:
                 else:
                     log.exception("refused to load %s (still serving %s)", self.directory, serving)
                 return ReloadOutcome(False, serving, time.perf_counter() - start, self.last_error)
+            if self.stopping:  # loaded after the shutdown began: it would serve nothing
+                serving = self._searcher.manifest.generation if self._searcher else None
+                return ReloadOutcome(False, serving, time.perf_counter() - start, "the server is shutting down")
             self._searcher = searcher  # the swap: the engine's next batch reads this attribute
             self._identity, self._failed_identity = identity, None
             self.loaded_at = now()

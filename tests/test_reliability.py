@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import typer.core
 from conftest import ROOT, FakeEncoder, write_corpus
 from typer.testing import CliRunner, Result
 
@@ -1123,6 +1124,77 @@ def test_sigint_while_the_cli_starts(tmp_path: Path) -> None:
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert (process.returncode, stderr) == (130, "error: interrupted\n")
+
+
+@case("faults", "Ctrl-C while typer parses a command's arguments", "exit 130 and one line (it exited 130 silently)")
+def test_sigint_while_arguments_are_parsed(fake_index: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(typer.core.TyperCommand, "parse_args", interrupted)
+    result = runner.invoke(app, ["info", str(fake_index)])
+    assert (result.exit_code, result.stderr) == (130, "error: interrupted\n")
+
+
+def signalled_when(process: subprocess.Popen, ready: Callable[[], bool], stop: int) -> tuple[int, str]:
+    """Send ``stop`` once ``ready()``; the exit status and stderr."""
+    deadline = time.monotonic() + 120
+    while not ready():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.005)
+    process.send_signal(stop)
+    _, stderr = process.communicate(timeout=60)
+    return process.returncode, stderr
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+@case(
+    "faults",
+    "Ctrl-C or SIGTERM after a command has finished, while the interpreter tears down (~1.5 s after torch)",
+    "ignored: the command's own exit status (a published `add` had exited 130 / 143, as if it had failed)",
+)
+def test_a_signal_after_the_command_keeps_its_exit_status(fake_index: Path, tmp_path: Path, stop: int) -> None:
+    marker = tmp_path / "tearing-down"
+    # a slow teardown: an exit handler registered before the CLI's, so it runs after everything the CLI does
+    probe = (
+        "import atexit, pathlib, runpy, sys, time\n"
+        "atexit.register(lambda marker=sys.argv[1]: (pathlib.Path(marker).touch(), time.sleep(2)))\n"
+        "sys.argv = ['retrieval', 'info', sys.argv[2], '--json']\n"
+        "runpy.run_module('retrieval', run_name='__main__')\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", probe, str(marker), str(fake_index)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal delivers it (above)
+    )
+    code, stderr = signalled_when(process, marker.exists, stop)
+    assert (code, stderr) == (0, "")
+
+
+@pytest.mark.parametrize(
+    ("stop", "status", "word"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
+@case(
+    "faults",
+    "Ctrl-C or SIGTERM of a command that only reads (`search --queries -` waiting for its queries)",
+    "exit 130 / 143 and one line, as for a writer (SIGTERM had killed it silently: status -15)",
+)
+def test_sigterm_of_a_reading_command(fake_index: Path, stop: int, status: int, word: str) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "retrieval", "search", "--queries", "-", "--index", str(fake_index)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    syscall = Path(f"/proc/{process.pid}/syscall")
+    code, stderr = signalled_when(process, lambda: syscall.read_text().startswith("0 0x0 "), stop)  # read(0, ...)
+    assert (code, stderr) == (status, f"error: {word}\n")
 
 
 @contextmanager

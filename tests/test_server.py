@@ -1158,6 +1158,30 @@ def test_stop_ends_the_watcher_too(index: Path) -> None:
     assert not watcher.is_alive()
 
 
+def test_a_service_stopped_while_it_loads_stops_at_once_and_never_serves(index: Path, monkeypatch) -> None:
+    """SIGTERM during start-up waited for the first load to finish (seconds with a real model), then logged
+    "serving ... loaded and warmed" after the shutdown: now stop() leaves the loading thread (a daemon that
+    writes nothing) and the version it loads is not swapped in."""
+    loading, release = threading.Event(), threading.Event()
+    load = Service._load
+
+    def slow_load(self: Service) -> Any:
+        loading.set()
+        release.wait(10)
+        return load(self)
+
+    monkeypatch.setattr(Service, "_load", slow_load)
+    service = Service(index, ServeOptions(watch_interval=0), encoder=FakeEncoder())
+    service.start()
+    assert loading.wait(5)
+    began = time.monotonic()
+    service.stop(timeout=30)
+    assert time.monotonic() - began < 2
+    release.set()
+    service._watcher.join(5)  # type: ignore[union-attr]
+    assert not service.ready and service.serving is None
+
+
 def test_a_stopped_service_is_not_ready_and_does_not_start_again(index: Path) -> None:
     test_client, service = serve(index)
     with test_client as client:

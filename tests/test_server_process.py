@@ -190,9 +190,9 @@ def test_sigterm_lets_the_request_in_flight_finish(served: tuple[Server, Path]) 
     status, body = result["response"]
     assert status == 200 and len(body["results"][0]["hits"]) == 2
     assert result["seconds"] >= 1.5
-    assert code in (0, -signal.SIGTERM), code  # uvicorn re-raises the signal once it has shut down
+    assert code == 0, code  # uvicorn re-raises the signal once it has shut down: a server's way to stop, exit 0
     log = server.log.read_text()
-    assert "Traceback" not in log and "Waiting for application shutdown" in log
+    assert "Traceback" not in log and "Waiting for application shutdown" in log and "error:" not in log
 
 
 def test_sigterm_past_the_shutdown_timeout_answers_503_json(tiny_index: Path, tmp_path: Path) -> None:
@@ -215,7 +215,7 @@ def test_sigterm_past_the_shutdown_timeout_answers_503_json(tiny_index: Path, tm
         client.join(30)
         status, body = result["response"]
         assert status == 503 and body["error"]["code"] == "shutting_down", body
-        assert server.proc.wait(30) in (0, -signal.SIGTERM)
+        assert server.proc.wait(30) == 0
         assert "Traceback" not in server.log.read_text()
     finally:
         if server.proc.poll() is None:
