@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -683,9 +684,23 @@ def demo(
     TransformSpec(dim=dim).check(model_dim(DefaultEncoder.model))  # before the demo corpus is written
     SearchParams(k=k).check()
     corpus = home.index_root() / "stdlib-docs.parquet"
-    rows = write_demo_corpus(corpus)
+    with files.output_errors(corpus):
+        rows = write_demo_corpus(corpus)
     err.print(f"wrote {rows:,} docstring paragraphs of this Python's standard library to {corpus}", markup=False)
-    index(corpus, dim=dim, title_column="title", overwrite=True)  # type: ignore[call-arg]
+    # An interrupted demo's encoded parts are picked up again: its corpus is the same, whenever it is written.
+    resume = files.work_dir(files.resolved(home.default_out(corpus))).exists()
+    build = index.__wrapped__  # type: ignore[attr-defined]  # its errors are the demo's: said once, by user_errors
+    try:
+        build(corpus, dim=dim, title_column="title", overwrite=True, resume=resume)
+    except ConfigError as refused:  # another Python's stdlib, or another encoder: that build is not this one
+        if not (resume and refused.param == "resume"):
+            raise
+        build(corpus, dim=dim, title_column="title", overwrite=True)
+    except Interrupted as stop:  # its message names `index --resume`, which the demo does by itself
+        word = "terminated" if stop.exit_code == 143 else "interrupted"
+        again = Interrupted(f"{word}: rerun `retrieval demo` to continue")
+        again.exit_code = stop.exit_code
+        raise again from None
     for query in DEMO_QUERIES:
         search(query, index_dir=home.default_out(corpus), k=k)  # type: ignore[call-arg]
 
@@ -724,7 +739,9 @@ def eval_ir(
     params.check()
     result = evaluate_ir(Searcher.load(index_dir), *read_judged(queries, qrels), params)
     if per_query:
-        per_query.write_text("".join(json.dumps({"query_id": q, **m}) + "\n" for q, m in result.per_query.items()))
+        lines = "".join(json.dumps({"query_id": q, **m}) + "\n" for q, m in result.per_query.items())
+        with files.output_errors(per_query):
+            files.write_atomic(per_query, lines.encode())  # whole or not at all
     if as_json:
         print(json.dumps({"queries": result.n_queries, **result.metrics}))
         return
@@ -940,8 +957,6 @@ def tune(
 
 
 def _report_tuning(result: Any, folder: Path | None) -> None:
-    from retrieval.plots import plot_tuning
-
     metric = result.metric
     rule = " (one-SE rule: the gentlest within one standard error of the best)" if result.rule == "one-SE" else ""
     table = Table(title=f"tuning: chosen on dev by {metric}{rule}", title_justify="left")
@@ -963,11 +978,36 @@ def _report_tuning(result: Any, folder: Path | None) -> None:
     if result.scorer is not None and result.scorer.dim > best.dim:
         out.print(f"re-scoring at full dimension by: {result.scorer.candidate.label}", markup=False)
     if folder:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "tune.json").write_text(json.dumps(result.to_dict(), indent=1))
-        split = "test" if best.test else "dev"
-        png = plot_tuning(result, folder / "tune.png", split=split, title=f"{metric} ({split})")
+        png = write_tuning(result, folder)
         err.print(f"wrote {folder / 'tune.json'}" + (f" and {png}" if png else ""), markup=False)
+
+
+def write_tuning(result: Any, folder: Path) -> Path | None:
+    """``tune.json`` and ``tune.png`` (when matplotlib is installed) into ``folder``: both new, or, failed or
+    interrupted, neither touched (each is written under a temporary name, then both renamed) and a folder made
+    for them removed again. Returns the plot's path."""
+    from retrieval.plots import plot_tuning
+
+    split = "test" if result.best.test else "dev"
+    made = not folder.exists()
+    temporary = [folder / f".tune.{os.getpid()}.png", folder / f".tune.{os.getpid()}.json"]
+    with files.output_errors(folder):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            png = plot_tuning(result, temporary[0], split=split, title=f"{result.metric} ({split})")
+            files.write_atomic(temporary[1], json.dumps(result.to_dict(), indent=1).encode())
+            if png is None:
+                (folder / "tune.png").unlink(missing_ok=True)  # an earlier run's plot would belong to other results
+            else:
+                os.replace(png, folder / "tune.png")
+            os.replace(temporary[1], folder / "tune.json")
+        except BaseException:
+            for path in temporary:
+                path.unlink(missing_ok=True)
+            if made and folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+            raise
+    return None if png is None else folder / "tune.png"
 
 
 # ----- serve -----------------------------------------------------------------------------------------------

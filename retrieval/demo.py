@@ -10,6 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from retrieval import files
+
 DEMO_QUERIES = (
     "how do I parse command line arguments",
     "compress data with gzip",
@@ -66,5 +68,7 @@ def write_demo_corpus(path: Path, limit: int | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     columns = list(zip(*rows, strict=True))
     table = pa.table({"id": columns[0], "title": columns[1], "text": columns[2]})
-    pq.write_table(table, path)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    files.write_atomic(path, sink.getvalue().to_pybytes())  # an interrupted demo never leaves half a corpus
     return table.num_rows

@@ -103,13 +103,32 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary name beside ``path``, flush to disk, then rename: readers see old or new, never half.
 
     The temporary name is the writing process's own, so two processes writing the same file (a retried Ray task
-    and a dying attempt of it) never interleave their bytes in one temporary file."""
+    and a dying attempt of it) never interleave their bytes in one temporary file. A failed or interrupted
+    write removes it."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def output_errors(path: Path) -> Iterator[None]:
+    """A result file or folder (``eval --per-query``, ``tune --results``, the demo's corpus) that cannot be
+    written, a full disk or a read-only or forbidden place: one line, not a traceback."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in WRITE_ERRNOS:
+            raise
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise IndexDirError(f"no space left on the device while writing {path}: free some space") from err
+        raise IndexDirError(f"cannot write {path} ({err.strerror}): choose a place you can write to") from err
 
 
 # The work directories of updates (``replacing``): never resumed, so any left when a writer takes the lock is a

@@ -32,6 +32,7 @@ import typer.core
 from conftest import ROOT, FakeEncoder, write_corpus
 from typer.testing import CliRunner, Result
 
+from retrieval import build as build_module
 from retrieval import files, indexdir, update
 from retrieval.build import BuildOptions, build_index
 from retrieval.cli import app, sigterm_exits
@@ -522,6 +523,36 @@ def test_demo_refuses_before_writing(isolated_home: Path) -> None:
         pytest.skip(f"{DEFAULT_MODEL} is not installed here (make install)")
     one_line(run("demo", "--dim", 1000), "--dim must be between 1 and the encoder's dimension 384")
     assert not isolated_home.exists() or not list(isolated_home.iterdir())
+
+
+@case(
+    "faults",
+    "Ctrl-C of `demo` while it builds, then `demo` again",
+    "one line saying to rerun `retrieval demo` (it named `--resume`, which demo has not); the rerun continues from "
+    "the parts encoded",
+)
+def test_an_interrupted_demo_continues_when_run_again(isolated_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if model_dim(DEFAULT_MODEL) is None:
+        pytest.skip(f"{DEFAULT_MODEL} is not installed here (make install)")
+    paragraphs = [
+        (f"mod.f{i}", f"mod.f{i}", f"paragraph {i} of a small demo corpus about topic {i % 9}") for i in range(60)
+    ]
+    monkeypatch.setattr("retrieval.demo.docstring_paragraphs", lambda: iter(paragraphs))
+    fill = build_module.fill_index
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build_module, "fill_index", interrupted)  # the stash is encoded: the parts are kept
+    result = run("demo", "--dim", 8)
+    assert (result.exit_code, result.stderr.splitlines()[-1]) == (
+        130,
+        "error: interrupted: rerun `retrieval demo` to continue",
+    )
+    monkeypatch.setattr(build_module, "fill_index", fill)
+    again = run("-v", "demo", "--dim", 8)
+    assert again.exit_code == 0, again.output
+    assert "resuming: 60 rows" in again.stderr and Manifest.load(isolated_home / "stdlib-docs").n == 60
 
 
 @case("options", "`refit --gamma nan` on a good index", "one line; the index is unchanged")
@@ -1195,6 +1226,54 @@ def test_sigterm_of_a_reading_command(fake_index: Path, stop: int, status: int, 
     syscall = Path(f"/proc/{process.pid}/syscall")
     code, stderr = signalled_when(process, lambda: syscall.read_text().startswith("0 0x0 "), stop)  # read(0, ...)
     assert (code, stderr) == (status, f"error: {word}\n")
+
+
+@pytest.mark.parametrize("fault", ["disk full", "read-only", "interrupted"])
+@case(
+    "faults",
+    "`tune --results` and `eval ir --per-query` writing to a full disk or a read-only place, or interrupted "
+    "while they write",
+    "one line (or exit 130); the results whole or as they were: no half file, no stale plot beside new "
+    "numbers, no empty folder made",
+)
+def test_results_are_whole_or_untouched(
+    cli_index: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    queries = table_file(tmp_path / "q.parquet", **QUERIES)
+    qrels = table_file(tmp_path / "r.parquet", **QRELS)
+    judged = ("--queries", queries, "--qrels", qrels)
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "tune.json").write_text("earlier results")
+    (old / "tune.png").write_bytes(b"earlier plot")
+    (old / "pq.jsonl").write_text("earlier per-query lines")
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    error = {"disk full": OSError(28, "No space left on device"), "read-only": OSError(30, "Read-only file system")}
+    fail = KeyboardInterrupt() if fault == "interrupted" else error[fault]
+    real_fsync = os.fsync
+
+    def failing(fd: int) -> None:  # the file's bytes are written (to its temporary name) when the fault comes
+        raise fail
+
+    monkeypatch.setattr(os, "fsync", failing)
+    fragment = {"disk full": "no space left on the device while writing", "read-only": "cannot write"}
+    code = 130 if fault == "interrupted" else 1
+    for results in (old, tmp_path / "new" / "results"):
+        result = run("tune", cli_index, *judged, "--dims", 4, "--gammas", 0, "--results", results)
+        last = result.stderr.splitlines()[-1]  # after the sweep's own warnings (a 120-row corpus)
+        assert result.exit_code == code and "Traceback" not in result.output, result.output
+        assert last == "error: interrupted" if code == 130 else fragment[fault] in last and str(results) in last
+    result = run("eval", "ir", cli_index, *judged, "--per-query", old / "pq.jsonl")
+    assert result.exit_code == code and "Traceback" not in result.output
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    assert not (tmp_path / "new" / "results").exists()
+
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    ok(run("tune", cli_index, *judged, "--dims", 4, "--gammas", 0, "--results", old))
+    assert json.loads((old / "tune.json").read_text())["metric"] == "nDCG@10"
+    assert (old / "tune.png").read_bytes()[:4] == b"\x89PNG" and sorted(p.name for p in old.iterdir()) == [
+        "pq.jsonl", "tune.json", "tune.png"
+    ]  # fmt: skip
 
 
 @contextmanager
