@@ -113,11 +113,11 @@ def _query_lines(path: Path) -> Queries:
     else:
         raise CorpusError(f"queries file not found: {path}")
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a leading BOM (Windows editors write one) is not part of the first query
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
         raise CorpusError(f"line {line} of {where} is not UTF-8: give one UTF-8 query per line") from None
-    numbered = [(str(n), line.rstrip("\r")) for n, line in enumerate(text.split("\n"), start=1)]
+    numbered = [(str(n), line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), start=1)]
     kept = [(n, line) for n, line in numbered if line.strip()]
     return Queries([n for n, _ in kept], [line for _, line in kept])
 

@@ -122,7 +122,7 @@ def assert_hits_of_each_query(lines: list[str], ids: list[str], built: Path, k: 
 def test_search_every_query_of_a_text_file(built: Path, tmp_path: Path) -> None:
     """One query per line (CRLF too), blank lines skipped, ids the line numbers; hits as each query alone."""
     path = tmp_path / "q.txt"
-    path.write_bytes(f"{QUERIES[0]}\n\n  \n{QUERIES[1]}\r\n{QUERIES[2]}\n{QUERIES[3]}".encode())
+    path.write_bytes(f"\ufeff{QUERIES[0]}\n\n  \n{QUERIES[1]}\r\n{QUERIES[2]}\n{QUERIES[3]}".encode())  # BOM too
     result = run("search", "--queries", path, "--index", built, "-k", 3, "--json")
     assert result.exit_code == 0, result.output
     assert_hits_of_each_query(result.stdout.splitlines(), ["1", "4", "5", "6"], built, 3)

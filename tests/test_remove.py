@@ -9,6 +9,8 @@ from pathlib import Path
 
 import faiss
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import FakeEncoder
 from test_update import files_beside, more_docs, verify_loads
@@ -231,6 +233,21 @@ def test_cli_remove_takes_ids_as_arguments_from_a_file_and_from_stdin(tmp_path, 
     result = runner.invoke(app, ["remove", str(directory), "--ids-from", str(tmp_path / "latin1.txt")])
     assert result.exit_code == 1 and "is not UTF-8 text" in result.output and "Traceback" not in result.output
     assert IndexDir(directory).manifest().n == 295
+
+
+def test_ids_from_a_file_are_split_at_newlines_only(tmp_path):
+    """U+2028, NEL (U+0085, what a cp1252 ellipsis becomes after mojibake) and form feeds are characters of an id,
+    as they are when the ids come as arguments; str.splitlines cut the ids at them. A leading BOM is dropped."""
+    ids = ["a\u2028b", "c\x85d", "e\x0cf", "g\x1ch", "plain"]
+    pq.write_table(
+        pa.table({"id": [*ids, "x1", "x2"], "text": [f"text {i}" for i in range(7)]}), tmp_path / "c.parquet"
+    )
+    directory = tmp_path / "idx"
+    build_index(CorpusSpec(tmp_path / "c.parquet"), FakeEncoder(), directory, TransformSpec(dim=2), options=OPTIONS)
+    (tmp_path / "ids.txt").write_bytes(("\ufeff" + "\r\n".join(ids[:4]) + "\n").encode())
+    result = runner.invoke(app, ["remove", str(directory), "--ids-from", str(tmp_path / "ids.txt")])
+    assert result.exit_code == 0 and "removed 4 rows" in result.output, result.output
+    assert Docs(directory / DOCS).ids == ["plain", "x1", "x2"]
 
 
 def test_a_removed_row_number_id_never_names_an_added_document(tmp_path):
