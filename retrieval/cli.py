@@ -360,8 +360,8 @@ RescoreOption = Annotated[
     int | None,
     typer.Option(
         help="Re-rank this many candidates at full dimension from the stash; 0: off "
-        f"\\[default: the index's: {RESCORE_DEPTH} when it has fewer dims than the encoder and kept its stash, "
-        "else off]."
+        f"\\[default: the index's: {RESCORE_DEPTH} when it kept its stash and has fewer dims than the encoder "
+        "or lossy FAISS codes (PCA, PQ, SQ8), else off]."
     ),
 ]
 

@@ -35,7 +35,8 @@ PREFAULT_SHARE = 0.25  # warm-up makes docs and stash resident only when they ta
 class SearchParams:
     """What one search asks for. ``rescore``: re-rank this many candidates of the (reduced) index (at least
     ``k``) at full dimension, from the raw vectors kept in the stash; 0: off; None: the index's default, which is
-    ``RESCORE_DEPTH`` when the index is reduced (k < d) and kept its stash, else off (``Manifest.rescoring``).
+    ``RESCORE_DEPTH`` when the index kept its stash and is reduced (k < d, or lossy FAISS codes), else off
+    (``Manifest.rescoring``).
     ``ef_search`` / ``nprobe``: HNSW / IVF knobs for this call (None: the index's defaults)."""
 
     k: int = 10

@@ -153,7 +153,8 @@ def _refit(
         fitted = scorer.fit(moments)
         if isinstance(fitted, Whitening):
             save_rescorer(work, fitted)
-        rescore = RescoreRecord(RescoreRecord.default(transform_record, manifest.stash).depth, scorer)
+        default = RescoreRecord.default(transform_record, manifest.stash, index_record_.factory)
+        rescore = RescoreRecord(default.depth, scorer)
         new = manifest.next_version(
             encoder=manifest.encoder.with_pooling(pooling),  # queries are pooled as the documents the kernel saw
             transform=transform_record,
