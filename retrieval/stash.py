@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from retrieval.errors import ConfigError, IndexDirError
+from retrieval.errors import ConfigError, CorpusError, IndexDirError
 from retrieval.files import inside, part_fingerprint, sha256, write_atomic
 from retrieval.moments import RunningMoments
 
@@ -151,6 +151,7 @@ class VectorStash:
         checksums: dict[str, dict[str, Any]] = {}
         names = {}
         for pooling in self.poolings:
+            self._check_range(vectors[pooling], ids)
             array = np.ascontiguousarray(vectors[pooling], dtype=self.dtype)
             if array.shape != (len(ids), self.dim):
                 raise ValueError(f"part {stem}: vectors {array.shape} for {len(ids)} rows of dimension {self.dim}")
@@ -163,6 +164,21 @@ class VectorStash:
         pq.write_table(table, buffer)
         checksums[f"{stem}.parquet"] = self._write(f"{stem}.parquet", buffer.getvalue())
         return Part(len(ids), names, f"{stem}.parquet", source_batches, checksums)
+
+    def _check_range(self, vectors: np.ndarray, ids: Sequence[str]) -> None:
+        """Refuse values a 16-bit stash cannot hold: cast, they became inf, and the build failed later on "NaN or
+        inf values" in vectors that had none."""
+        if self.dtype != "float16":
+            return
+        beyond = np.abs(vectors) > np.finfo(np.float16).max
+        rows = np.flatnonzero(beyond.any(axis=1))
+        if len(rows):
+            first = rows[0]
+            value = float(vectors[first][beyond[first]][0])
+            raise CorpusError(
+                f"{len(rows):,} rows hold values beyond float16's range (+-65,504; first: id {ids[first]!r}, "
+                f"{value:g}): keep the stash in float32 (`stash_dtype` float32)"
+            )
 
     def _write(self, name: str, data: bytes) -> dict[str, Any]:
         write_atomic(self.root / name, data)

@@ -555,6 +555,45 @@ def test_an_interrupted_demo_continues_when_run_again(isolated_home: Path, monke
     assert "resuming: 60 rows" in again.stderr and Manifest.load(isolated_home / "stdlib-docs").n == 60
 
 
+@case(
+    "input",
+    "precomputed vectors beyond float16's range (1e5) into a 16-bit stash (`--stash-dtype float16`), by `index` "
+    "and by `add`",
+    "one line naming the first id and the value, and float32 as the fix (it said NaN or inf, which the input had "
+    "not, after numpy's overflow warnings); nothing written",
+)
+def test_vectors_beyond_float16_into_a_16_bit_stash(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    fine = rng.standard_normal((40, 8)).astype(np.float32)
+    big = fine[:3].copy()
+    big[1, 4] = 1e5
+    table_file(tmp_path / "big.parquet", id=["b0", "b1", "b2"], v=list(big))
+    root = tmp_path / "root"
+    result = run(
+        "index", tmp_path / "big.parquet", "--vectors-column", "v", "--stash-dtype", "float16", "--out", root / "x"
+    )
+    one_line(
+        result, "1 rows hold values beyond float16's range (+-65,504; first: id 'b1', 100000)", "--stash-dtype float32"
+    )
+    assert not root.exists() or list(root.iterdir()) == []
+    table_file(tmp_path / "fine.parquet", id=[f"f{i}" for i in range(40)], v=list(fine))
+    ok(
+        run(
+            "index",
+            tmp_path / "fine.parquet",
+            "--vectors-column",
+            "v",
+            "--stash-dtype",
+            "float16",
+            "--out",
+            root / "idx",
+        )
+    )
+    before = snapshot(root / "idx")
+    one_line(run("add", root / "idx", tmp_path / "big.parquet"), "first: id 'b1', 100000")
+    assert snapshot(root / "idx") == before and leftovers(root / "idx") == []
+
+
 @case("options", "`refit --gamma nan` on a good index", "one line; the index is unchanged")
 def test_refit_with_nan_gamma(copy: Path) -> None:
     before = snapshot(copy)
