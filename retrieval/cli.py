@@ -427,12 +427,9 @@ def show_hits(hits: Sequence[Any], as_json: bool, title: str, query_id: str | No
             print(json.dumps(first | {"rank": hit.rank, "id": hit.id, "score": hit.score, "text": hit.text}))
         return
     table = Table(title=Text(safe(title)), title_justify="left")
-    for name in ("rank", "score", "id", "text"):
-        table.add_column(
-            name,
-            justify="right" if name in ("rank", "score") else "left",
-            overflow="fold" if name == "text" else "ellipsis",
-        )
+    for name in ("rank", "score", "id", "text"):  # a narrow terminal folds ids and texts, never cuts the numbers
+        number = name in ("rank", "score")
+        table.add_column(name, justify="right" if number else "left", overflow="fold", no_wrap=number)
     for hit in hits:
         text = hit.text if len(hit.text) <= 200 else hit.text[:197] + "..."
         table.add_row(str(hit.rank), f"{hit.score:.4f}", Text(safe(hit.id)), Text(safe(text)))

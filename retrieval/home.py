@@ -49,6 +49,8 @@ def default_index(name_it: str = "pass --index DIR") -> Path:
     """The last index built, or a clear error when there is none, ending in how the command names another
     (``name_it``: search takes ``--index DIR``, info and serve the directory as an argument)."""
     pointer = index_root() / LAST_NAME
+    if index_root().exists() and not index_root().is_dir():
+        raise IndexDirError(f"the index root {index_root()} is a file: set RETRIEVAL_INDEX_ROOT to a folder")
     if not pointer.is_file():
         raise IndexDirError(
             f"no index has been built yet (nothing recorded in {pointer}); run `retrieval index CORPUS.parquet` "

@@ -167,7 +167,10 @@ class Searcher:
     def encode(self, queries: Sequence[str]) -> np.ndarray:
         """Raw encoder vectors for the queries, by the index's own encoder."""
         if self.encoder is None:
-            raise ConfigError("this index was built from precomputed vectors; search it with search_vectors()")
+            raise ConfigError(
+                "this index was built from precomputed vectors: it has no encoder for text queries; search it with "
+                "query vectors (Searcher.search_vectors in Python)"
+            )
         return self.encoder.encode(list(queries))
 
     def search(self, query: str, params: SearchParams = SearchParams()) -> list[Hit]:

@@ -93,6 +93,23 @@ def test_search_prints_a_table(built: Path) -> None:
     assert len(rows) == 2 and "doc7 " in rows[0] and float(rows[0].split("│")[2]) >= 0.9999
 
 
+def test_a_narrow_terminal_shows_whole_scores_and_ids(built: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 30 columns the id and score columns were cut to "d…" and "0…": ids that could not be read."""
+    import io
+
+    from rich.console import Console
+
+    import retrieval.cli as cli
+
+    narrow = Console(width=30, file=io.StringIO(), highlight=False)
+    monkeypatch.setattr(cli, "out", narrow)
+    result = run("search", "document number 117 about topic 5", "--index", built, "-k", 1)
+    assert result.exit_code == 0, result.output
+    rows = [line.split("│") for line in narrow.file.getvalue().splitlines() if line.startswith("│")]
+    assert re.fullmatch(r" +1 ", rows[0][1]) and re.fullmatch(r" +[01]\.\d{4} ", rows[0][2])
+    assert "".join(row[3].strip() for row in rows) == "doc117"  # folded over lines, every character shown
+
+
 def test_search_json_is_one_object_per_line(built: Path) -> None:
     result = run("search", "topic 3", "--index", built, "-k", 5, "--json")
     assert result.exit_code == 0, result.output

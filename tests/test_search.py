@@ -270,6 +270,21 @@ def test_no_index_built_yet(isolated_home: Path) -> None:
     isolated_home.mkdir(parents=True)  # an empty root is no better
     with pytest.raises(IndexDirError, match="no index has been built yet"):
         home.default_index()
+    isolated_home.rmdir()
+    isolated_home.write_text("")  # it said "no index has been built yet (nothing recorded in <file>/.last-built)"
+    with pytest.raises(
+        IndexDirError, match=r"the index root .*indexes is a file: set RETRIEVAL_INDEX_ROOT to a folder"
+    ):
+        home.default_index()
+
+
+def test_a_vectors_index_asked_for_text_says_what_it_takes(tmp_path: Path) -> None:
+    """It named a Python call (`search_vectors()`) to a command-line user."""
+    np.save(tmp_path / "v.npy", np.random.default_rng(0).standard_normal((20, 4)).astype(np.float32))
+    build_index(CorpusSpec(tmp_path / "v.npy"), None, tmp_path / "idx", TransformSpec())
+    with pytest.raises(ConfigError, match="no encoder for text queries; search it with query vectors") as info:
+        Searcher.load(tmp_path / "idx").search("text")
+    assert "search_vectors()" not in str(info.value)
 
 
 def test_the_last_built_index_is_remembered(isolated_home: Path, index_dir: Path) -> None:
