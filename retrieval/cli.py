@@ -403,20 +403,17 @@ def search(
         show_hits(searcher.search(query, params), as_json, f"{query!r} in {directory}")
         return
     assert queries is not None
-    from retrieval.evaluate import read_query_file
+    from retrieval.evaluate import QueryFile
 
-    asked = read_query_file(queries, text_column)
+    asked = QueryFile(queries, text_column)  # checked whole before any hit is printed
     searcher = Searcher.load(directory, verify="quick")
     with progress_bars() as update:
-        for start in range(0, len(asked), SEARCH_CHUNK):
-            ids, texts = asked.ids[start : start + SEARCH_CHUNK], asked.texts[start : start + SEARCH_CHUNK]
-            for query_id, text, hits in zip(ids, texts, searcher.search_batch(texts, params), strict=True):
+        for chunk in asked.chunks():  # batches for the encoder and FAISS; printed as each is done
+            for query_id, text, hits in zip(
+                chunk.ids, chunk.texts, searcher.search_batch(chunk.texts, params), strict=True
+            ):
                 show_hits(hits, as_json, f"{query_id}: {text!r}", query_id)
-            update("search", len(ids), len(asked))
-
-
-# Queries of a --queries file searched at once: batches for the encoder and FAISS, output as each chunk is done.
-SEARCH_CHUNK = 256
+            update("search", len(chunk), len(asked))
 
 
 def show_hits(hits: Sequence[Any], as_json: bool, title: str, query_id: str | None = None) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from retrieval.progress import Progress, no_progress
 from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import RawTransform, TransformSpec, Whitening, l2_normalize
 
+QUERY_CHUNK = 256  # queries of a --queries file read, checked and searched at a time
+
 
 @dataclass(frozen=True)
 class Queries:
@@ -33,6 +36,12 @@ class Queries:
 
 
 def _read(path: Path, columns: Sequence[str], what: str, optional: Sequence[str] = ()) -> Any:
+    schema = _read_schema(path, columns, what)
+    return pq.read_table(path, columns=[*columns, *(c for c in optional if c in schema.names)])
+
+
+def _read_schema(path: Path, columns: Sequence[str], what: str) -> Any:
+    """The schema of a parquet file that must exist and hold ``columns``; one line naming what is wrong else."""
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"{what} file not found: {path}")
@@ -43,7 +52,7 @@ def _read(path: Path, columns: Sequence[str], what: str, optional: Sequence[str]
     missing = [c for c in columns if c not in schema.names]
     if missing:
         raise CorpusError(f"{path} has no column {missing[0]!r} (columns: {', '.join(schema.names)})")
-    return pq.read_table(path, columns=[*columns, *(c for c in optional if c in schema.names)])
+    return schema
 
 
 def _is_text(kind: pa.DataType) -> bool:
@@ -82,44 +91,75 @@ def read_queries(path: Path, id_column: str = "query_id", text_column: str = "te
     return Queries(strings, texts)
 
 
-def read_query_file(path: Path, text_column: str = "text", id_column: str = "query_id") -> Queries:
-    """Queries to search (``retrieval search --queries``): a parquet file (texts in ``text_column``, ids from
+class QueryFile:
+    """The queries of ``retrieval search --queries``: a parquet file (texts in ``text_column``, ids from
     ``id_column`` when the file has one, else row numbers from 0), or a UTF-8 text file of one query per line
-    (ids: line numbers from 1; blank lines skipped); ``-`` reads those lines from standard input."""
-    if str(path) != "-" and Path(path).suffix == ".parquet":
-        table = _read(path, [text_column], "queries", optional=[id_column])
-        _require(table, text_column, path, _is_text, ", not text")
-        texts = table.column(text_column).to_pylist()
-        ids = table.column(id_column).to_pylist() if id_column in table.column_names else list(range(len(texts)))
-        for row, (query, text) in enumerate(zip(ids, texts, strict=True)):
-            if query is None:
-                raise CorpusError(f"row {row} of {path} has a null {id_column!r}: give every query an id")
-            if text is None or not text.strip():
-                raise CorpusError(f"query {query} of {path} has no text (null or blank): give every query its text")
-        queries = Queries([str(q) for q in ids], texts)
-    else:
-        queries = _query_lines(path)
-    if not queries.ids:
-        raise CorpusError(f"{'standard input' if str(path) == '-' else path} holds no query")
-    return queries
+    (ids: line numbers from 1; blank lines skipped; ``-``: standard input).
 
+    Checked whole when opened, in one streamed pass (a bad row deep in the file is refused before any hit is
+    printed), then read again chunk by chunk (``chunks``): memory holds one chunk whatever the file's size.
+    Standard input, which cannot be read twice, is held in memory."""
 
-def _query_lines(path: Path) -> Queries:
-    where = "standard input" if str(path) == "-" else str(path)
-    if str(path) == "-":
-        data = sys.stdin.buffer.read()
-    elif Path(path).is_file():
-        data = Path(path).read_bytes()
-    else:
-        raise CorpusError(f"queries file not found: {path}")
-    try:
-        text = data.decode("utf-8-sig")  # a leading BOM (Windows editors write one) is not part of the first query
-    except UnicodeDecodeError as err:
-        line = data[: err.start].count(b"\n") + 1
-        raise CorpusError(f"line {line} of {where} is not UTF-8: give one UTF-8 query per line") from None
-    numbered = [(str(n), line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), start=1)]
-    kept = [(n, line) for n, line in numbered if line.strip()]
-    return Queries([n for n, _ in kept], [line for _, line in kept])
+    def __init__(self, path: Path, text_column: str = "text", id_column: str = "query_id"):
+        self.path, self.text_column, self.id_column = Path(path), text_column, id_column
+        self.where = "standard input" if str(path) == "-" else str(path)
+        self._stdin = sys.stdin.buffer.read() if str(path) == "-" else None
+        self.parquet = self._stdin is None and self.path.suffix == ".parquet"
+        if self.parquet:
+            schema = _read_schema(self.path, [text_column], "queries")
+            if not _is_text(schema.field(text_column).type):
+                raise CorpusError(f"column {text_column!r} of {path} holds {schema.field(text_column).type}, not text")
+            self._with_ids = id_column in schema.names
+        elif self._stdin is None and not self.path.is_file():
+            raise CorpusError(f"queries file not found: {path}")
+        self.count = sum(len(chunk) for chunk in self.chunks(QUERY_CHUNK))
+        if not self.count:
+            raise CorpusError(f"{self.where} holds no query")
+
+    def __len__(self) -> int:
+        return self.count
+
+    def chunks(self, size: int = QUERY_CHUNK) -> Iterator[Queries]:
+        """The queries in file order, at most ``size`` at a time."""
+        return self._parquet_chunks(size) if self.parquet else self._line_chunks(size)
+
+    def _parquet_chunks(self, size: int) -> Iterator[Queries]:
+        columns = [self.text_column] + ([self.id_column] if self._with_ids else [])
+        first = 0
+        for batch in pq.ParquetFile(self.path).iter_batches(batch_size=size, columns=columns):
+            texts = batch.column(self.text_column).to_pylist()
+            ids = batch.column(self.id_column).to_pylist() if self._with_ids else range(first, first + len(texts))
+            for row, (query, text) in enumerate(zip(ids, texts, strict=True), start=first):
+                if query is None:
+                    raise CorpusError(f"row {row} of {self.path} has a null {self.id_column!r}: give every query an id")
+                if text is None or not text.strip():
+                    raise CorpusError(
+                        f"query {query} of {self.path} has no text (null or blank): give every query its text"
+                    )
+            first += len(texts)
+            yield Queries([str(q) for q in ids], texts)
+
+    def _line_chunks(self, size: int) -> Iterator[Queries]:
+        ids: list[str] = []
+        texts: list[str] = []
+        with io.BytesIO(self._stdin) if self._stdin is not None else self.path.open("rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                if number == 1:
+                    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a BOM (Windows editors write one) is not the query's
+                try:
+                    line = raw.decode("utf-8").removesuffix("\n").removesuffix("\r")
+                except UnicodeDecodeError:
+                    raise CorpusError(
+                        f"line {number} of {self.where} is not UTF-8: give one UTF-8 query per line"
+                    ) from None
+                if line.strip():
+                    ids.append(str(number))
+                    texts.append(line)
+                if len(ids) == size:
+                    yield Queries(ids, texts)
+                    ids, texts = [], []
+        if ids:
+            yield Queries(ids, texts)
 
 
 def read_texts(path: Path, text_column: str = "text") -> list[str]:

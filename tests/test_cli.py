@@ -168,6 +168,20 @@ def test_search_every_query_of_a_parquet(built: Path, tmp_path: Path) -> None:
     assert_hits_of_each_query(result.stdout.splitlines(), ["0", "1", "2", "3"], built, 2)
 
 
+def test_a_query_file_is_read_in_chunks_and_checked_whole_first(built: Path, tmp_path: Path) -> None:
+    """600 queries come out in file order across chunks of 256; a bad line past the first chunk is refused
+    before any hit is printed (the file is checked in one streamed pass, then read again chunk by chunk)."""
+    lines = [f"document number {i % 200} about topic {i % 200 % 7}" for i in range(600)]  # the docs texts
+    (tmp_path / "many.txt").write_text("\n".join(lines) + "\n")
+    result = run("search", "--queries", tmp_path / "many.txt", "--index", built, "-k", 1, "--json")
+    assert result.exit_code == 0, result.output
+    hits = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [h["query_id"] for h in hits] == [str(i) for i in range(1, 601)]
+    assert [h["id"] for h in hits[:3]] == ["doc0", "doc1", "doc2"] and hits[599]["id"] == "doc199"
+    (tmp_path / "late.txt").write_bytes(("\n".join(lines[:400]) + "\n\xff\n").encode("latin-1"))
+    assert_one_clear_error(run("search", "--queries", tmp_path / "late.txt", "--index", built), "line 401 of")
+
+
 def test_bad_query_files_are_one_line(built: Path, tmp_path: Path) -> None:
     (tmp_path / "bad.txt").write_bytes(b"fine\n\xff\xfe not utf-8\n")
     (tmp_path / "blank.txt").write_text("\n  \n")
