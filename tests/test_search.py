@@ -198,7 +198,7 @@ def test_an_index_built_with_another_pooling_is_refused(index_dir: Path) -> None
 def test_an_index_from_a_python_encoder_needs_one_to_search_text(index_dir: Path) -> None:
     searcher = Searcher.load(index_dir)  # only transformers encoders can be rebuilt from a manifest
     assert searcher.encoder is None
-    with pytest.raises(ConfigError, match="search it with search_vectors"):
+    with pytest.raises(ConfigError, match="no encoder for text queries; search it with query vectors"):
         searcher.search("text")
     assert searcher.search_vectors(FakeEncoder().encode(["document number 1 about topic 1"]))[0][0].id == "doc1"
 
