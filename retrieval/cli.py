@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -655,8 +656,8 @@ def calibrate(
     reached = "reaches" if result.reached else "is this index's best, short of"
     line = f"{result.knob} {result.value}: recall@10 {result.recall:.4f} {result.measured_as} on {result.queries} "
     line += f"queries {reached} the target {target_recall:g}"
-    changed = manifest.corpus.added or manifest.corpus.removed
-    if not result.reached and changed and any(part in manifest.index.factory for part in ("IVF", "PQ", "SQ")):
+    trained = re.search(r"IVF|PQ|RQ|LSQ|SQ[468]", manifest.index.factory)  # parts trained on the rows
+    if not result.reached and manifest.corpus.changed_since_training and trained:
         # measured (QA): IVF16,SQ8 after adding rows unlike the first, 0.38 at every nprobe; refitted, 0.96
         line += (
             "; rows were added or removed since its lists and codes were trained on the first ones: "

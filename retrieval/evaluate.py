@@ -91,6 +91,15 @@ def read_queries(path: Path, id_column: str = "query_id", text_column: str = "te
     return Queries(strings, texts)
 
 
+def _parquet_magic(path: Path) -> bool:
+    """Whether ``path`` starts as a parquet file does (b"PAR1"), whatever its name."""
+    try:
+        with Path(path).open("rb") as fh:
+            return fh.read(4) == b"PAR1"
+    except OSError:
+        return False
+
+
 class QueryFile:
     """The queries of ``retrieval search --queries``: a parquet file (texts in ``text_column``, ids from
     ``id_column`` when the file has one, else row numbers from 0), or a UTF-8 text file of one query per line
@@ -104,7 +113,9 @@ class QueryFile:
         self.path, self.text_column, self.id_column = Path(path), text_column, id_column
         self.where = "standard input" if str(path) == "-" else str(path)
         self._stdin = sys.stdin.buffer.read() if str(path) == "-" else None
-        self.parquet = self._stdin is None and self.path.suffix == ".parquet"
+        if self._stdin is None and self.path.suffix.lower() == ".npy":
+            raise CorpusError(f"{path} is a .npy: `queries` takes query texts, one per line or in a parquet column")
+        self.parquet = self._stdin is None and (self.path.suffix.lower() == ".parquet" or _parquet_magic(self.path))
         if self.parquet:
             schema = _read_schema(self.path, [text_column], "queries")
             if not _is_text(schema.field(text_column).type):

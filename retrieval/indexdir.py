@@ -155,13 +155,16 @@ class StashRecord:
 # FAISS factory parts that keep less than the vectors they are given: a PCA, product or 4-8-bit scalar quantisers,
 # binary codes. Measured (QA, random 48-d vectors, raw transform): "PCA8,HNSW16" recall@10 0.31 against exact
 # cosine, 0.95 re-scoring 50 candidates from the stash. 16-bit scalar codes (the `ivf` kind) lose next to nothing.
-LOSSY = re.compile(r"PCA|PQ|SQ[468](?![0-9])|LSH|RaBitQ")
+# Product, residual and additive quantisers (PQ, OPQ, RQ, PRQ, LSQ, PLSQ) are all lossy.
+LOSSY = re.compile(r"PCA|PQ|RQ|LSQ|SQ[468](?![0-9])|LSH|RaBitQ")
+EXACT_REFINE = re.compile(r"RFlat|Refine\((Flat|SQfp16|SQbf16)\)")  # RFlat: FAISS's short Refine(Flat)
 
 
 def lossy_codes(factory: str) -> bool:
     """Whether an index built from this factory string ranks by approximate scores the stash could correct:
-    lossy codes with no exact ``Refine`` after them, or a PCA (a refine works in the reduced space)."""
-    return "PCA" in factory or (bool(LOSSY.search(factory)) and "Refine(" not in factory)
+    lossy codes with no exact (or 16-bit) ``Refine`` after them, or a PCA (a refine works in the reduced
+    space)."""
+    return "PCA" in factory or (bool(LOSSY.search(factory)) and not EXACT_REFINE.search(factory))
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,13 @@ class CorpusRecord:
     settings: dict[str, Any] = field(default_factory=dict)  # text_column, id_column, ...
     added: list[dict[str, Any]] = field(default_factory=list)
     removed: list[dict[str, Any]] = field(default_factory=list)
+    # How many adds and removes the index's lists and codes were trained after (a refit trains them again)
+    trained_after: int = 0
+
+    @property
+    def changed_since_training(self) -> bool:
+        """Whether rows were added or removed since the FAISS index was last trained (built or refitted)."""
+        return len(self.added) + len(self.removed) > self.trained_after
 
 
 @dataclass(frozen=True)

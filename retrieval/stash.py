@@ -175,9 +175,10 @@ class VectorStash:
         if len(rows):
             first = rows[0]
             value = float(vectors[first][beyond[first]][0])
+            held = "1 row holds" if len(rows) == 1 else f"{len(rows):,} rows hold"
             raise CorpusError(
-                f"{len(rows):,} rows hold values beyond float16's range (+-65,504; first: id {ids[first]!r}, "
-                f"{value:g}): keep the stash in float32 (`stash_dtype` float32)"
+                f"{held} values beyond the float16 stash's range (+-65,504; first: id {ids[first]!r}, {value:g}): "
+                "scale the vectors, or build the index with a float32 stash (`index --stash-dtype float32`)"
             )
 
     def _write(self, name: str, data: bytes) -> dict[str, Any]:

@@ -155,8 +155,10 @@ def _refit(
             save_rescorer(work, fitted)
         default = RescoreRecord.default(transform_record, manifest.stash, index_record_.factory)
         rescore = RescoreRecord(default.depth, scorer)
+        changes = len(manifest.corpus.added) + len(manifest.corpus.removed)
         new = manifest.next_version(
             encoder=manifest.encoder.with_pooling(pooling),  # queries are pooled as the documents the kernel saw
+            corpus=dataclasses.replace(manifest.corpus, trained_after=changes),  # lists and codes trained again
             transform=transform_record,
             index=index_record_,
             rescore=rescore,

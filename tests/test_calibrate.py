@@ -397,3 +397,6 @@ def test_the_cli_names_refit_when_a_changed_index_falls_short(tmp_path: Path) ->
     assert changed.exit_code == 0, changed.output
     assert "rows were added or removed since its lists and codes were trained" in changed.stderr
     assert "`retrieval refit` trains them on the rows there are now" in changed.stderr
+    refit(out, TransformSpec())  # trained again on the rows there are: the advice would loop
+    refitted = runner.invoke(app, args)
+    assert refitted.exit_code == 0 and "short of the target" in refitted.stderr and "refit" not in refitted.stderr

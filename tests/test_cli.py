@@ -161,7 +161,7 @@ def test_search_every_query_of_a_parquet(built: Path, tmp_path: Path) -> None:
     result = run("search", "--queries", with_ids, "--text-column", "question", "--index", built, "-k", 2, "--json")
     assert result.exit_code == 0, result.output
     assert_hits_of_each_query(result.stdout.splitlines(), ["10", "11", "12", "13"], built, 2)
-    without = tmp_path / "rows.parquet"
+    without = tmp_path / "rows.PQ"  # parquet by its first bytes, whatever the name
     pq.write_table(pa.table({"text": QUERIES}), without)
     result = run("search", "--queries", without, "--index", built, "-k", 2, "--json")
     assert result.exit_code == 0, result.output
@@ -187,6 +187,7 @@ def test_bad_query_files_are_one_line(built: Path, tmp_path: Path) -> None:
     (tmp_path / "blank.txt").write_text("\n  \n")
     pq.write_table(pa.table({"text": ["a", None]}), tmp_path / "null.parquet")
     pq.write_table(pa.table({"query": ["a"]}), tmp_path / "column.parquet")
+    (tmp_path / "q.npy").write_bytes(b"\x93NUMPY")
     cases = [
         (["x", "--queries", tmp_path / "blank.txt"], "give a QUERY or --queries (a file of queries), not both"),
         ([], "give a QUERY to search for, or --queries"),
@@ -195,6 +196,7 @@ def test_bad_query_files_are_one_line(built: Path, tmp_path: Path) -> None:
         (["--queries", tmp_path / "blank.txt"], "holds no query"),
         (["--queries", tmp_path / "null.parquet"], "query 1 of"),
         (["--queries", tmp_path / "column.parquet"], "has no column 'text' (columns: query)"),
+        (["--queries", tmp_path / "q.npy"], "is a .npy: --queries takes query texts"),
     ]
     for args, fragment in cases:
         assert_one_clear_error(run("search", *args, "--index", built), fragment)

@@ -573,7 +573,9 @@ def test_vectors_beyond_float16_into_a_16_bit_stash(tmp_path: Path) -> None:
         "index", tmp_path / "big.parquet", "--vectors-column", "v", "--stash-dtype", "float16", "--out", root / "x"
     )
     one_line(
-        result, "1 rows hold values beyond float16's range (+-65,504; first: id 'b1', 100000)", "--stash-dtype float32"
+        result,
+        "1 row holds values beyond the float16 stash's range (+-65,504; first: id 'b1', 100000)",
+        "`index --stash-dtype float32`",
     )
     assert not root.exists() or list(root.iterdir()) == []
     table_file(tmp_path / "fine.parquet", id=[f"f{i}" for i in range(40)], v=list(fine))
@@ -590,7 +592,7 @@ def test_vectors_beyond_float16_into_a_16_bit_stash(tmp_path: Path) -> None:
         )
     )
     before = snapshot(root / "idx")
-    one_line(run("add", root / "idx", tmp_path / "big.parquet"), "first: id 'b1', 100000")
+    one_line(run("add", root / "idx", tmp_path / "big.parquet"), "first: id 'b1', 100000", "build the index with")
     assert snapshot(root / "idx") == before and leftovers(root / "idx") == []
 
 

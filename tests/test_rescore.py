@@ -189,7 +189,11 @@ def test_a_scorer_that_is_not_full_rank_is_refused(reduced: Path, tmp_path: Path
         ("IVF8,SQ8", RESCORE_DEPTH),
         ("IVF8,PQ4x4", RESCORE_DEPTH),
         ("PCA8,IVF8,PQ4x4,Refine(Flat)", RESCORE_DEPTH),  # the refine works in the PCA's 8 dimensions
+        ("IVF8,RQ2x4", RESCORE_DEPTH),  # residual and additive quantisers are lossy too
+        ("IVF8,LSQ2x4", RESCORE_DEPTH),
+        ("IVF8,PQ4x4,Refine(PQ2x4)", RESCORE_DEPTH),  # a lossy refine
         ("IVF8,PQ4x4,Refine(Flat)", 0),  # exact scores at the end already
+        ("IVF8,PQ4x4,RFlat", 0),  # FAISS's short form of it
         ("IVF8,SQfp16", 0),  # 16-bit codes: next to nothing lost
         ("HNSW16", 0),
         ("flat", 0),
