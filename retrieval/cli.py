@@ -11,7 +11,6 @@ import functools
 import json
 import logging
 import os
-import re
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -32,7 +31,7 @@ from retrieval.corpus import Corpus, CorpusSpec
 from retrieval.encoder import POOLINGS, PRECISIONS, EncoderSpec, model_dim
 from retrieval.errors import ConfigError, Interrupted, RetrievalError, Terminated, render
 from retrieval.index import IndexSpec
-from retrieval.indexdir import RESCORE_DEPTH, Manifest
+from retrieval.indexdir import RESCORE_DEPTH, Manifest, trained_on_rows
 from retrieval.search import SearchParams
 from retrieval.service import ServeOptions
 from retrieval.stash import DTYPES
@@ -656,8 +655,7 @@ def calibrate(
     reached = "reaches" if result.reached else "is this index's best, short of"
     line = f"{result.knob} {result.value}: recall@10 {result.recall:.4f} {result.measured_as} on {result.queries} "
     line += f"queries {reached} the target {target_recall:g}"
-    trained = re.search(r"IVF|PQ|RQ|LSQ|SQ[468]", manifest.index.factory)  # parts trained on the rows
-    if not result.reached and manifest.corpus.changed_since_training and trained:
+    if not result.reached and manifest.corpus.changed_since_training and trained_on_rows(manifest.index.factory):
         # measured (QA): IVF16,SQ8 after adding rows unlike the first, 0.38 at every nprobe; refitted, 0.96
         line += (
             "; rows were added or removed since its lists and codes were trained on the first ones: "

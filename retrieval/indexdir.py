@@ -160,6 +160,12 @@ LOSSY = re.compile(r"PCA|PQ|RQ|LSQ|SQ[468](?![0-9])|LSH|RaBitQ")
 EXACT_REFINE = re.compile(r"RFlat|Refine\((Flat|SQfp16|SQbf16)\)")  # RFlat: FAISS's short Refine(Flat)
 
 
+def trained_on_rows(factory: str) -> bool:
+    """Whether an index from this factory string has parts trained on its rows (IVF lists, quantiser codes),
+    which ``add`` and ``remove`` keep and ``refit`` trains again."""
+    return "IVF" in factory or bool(LOSSY.search(factory))
+
+
 def lossy_codes(factory: str) -> bool:
     """Whether an index built from this factory string ranks by approximate scores the stash could correct:
     lossy codes with no exact (or 16-bit) ``Refine`` after them, or a PCA (a refine works in the reduced
