@@ -385,7 +385,9 @@ def search(
             dir_okay=False,
         ),
     ] = None,
-    text_column: Annotated[str, typer.Option(help="--queries parquet: the column of query texts.")] = "text",
+    text_column: Annotated[
+        str | None, typer.Option(help="--queries parquet: the column of query texts.", show_default="text")
+    ] = None,
 ) -> None:
     """Search an index with a text query, or with every query of a file (--queries)."""
     from retrieval.search import Searcher

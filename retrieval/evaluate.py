@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from retrieval.docs import Docs
 from retrieval.encoder import Encoder
-from retrieval.errors import CorpusError
+from retrieval.errors import ConfigError, CorpusError
 from retrieval.metrics import EvalResult, Qrels, Run, evaluate_run, sts_scores
 from retrieval.moments import RunningMoments
 from retrieval.progress import Progress, no_progress
@@ -56,7 +56,16 @@ def _read_schema(path: Path, columns: Sequence[str], what: str) -> Any:
 
 
 def _is_text(kind: pa.DataType) -> bool:
-    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+    """Strings, in any of arrow's layouts: pandas writes a categorical column as a dictionary of strings."""
+    if pa.types.is_dictionary(kind):
+        return _is_text(kind.value_type)
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"
+
+
+def _strings(values: Any) -> list[Any]:
+    """A column that passed ``_is_text`` as Python strings, whatever its layout; None for nulls, which each
+    caller refuses."""
+    return values.cast(pa.string()).to_pylist()
 
 
 def _is_number(kind: pa.DataType) -> bool:
@@ -76,7 +85,7 @@ def read_queries(path: Path, id_column: str = "query_id", text_column: str = "te
     if not table.num_rows:
         raise CorpusError(f"{path} holds no queries")
     _require(table, text_column, path, _is_text, ", not text")
-    ids, texts = table.column(id_column).to_pylist(), table.column(text_column).to_pylist()
+    ids, texts = table.column(id_column).to_pylist(), _strings(table.column(text_column))
     for row, (query, text) in enumerate(zip(ids, texts, strict=True)):
         if query is None:
             raise CorpusError(f"row {row} of {path} has a null {id_column!r}: every query needs an id")
@@ -101,29 +110,44 @@ def _parquet_magic(path: Path) -> bool:
 
 
 class QueryFile:
-    """The queries of ``retrieval search --queries``: a parquet file (texts in ``text_column``, ids from
-    ``id_column`` when the file has one, else row numbers from 0), or a UTF-8 text file of one query per line
-    (ids: line numbers from 1; blank lines skipped; ``-``: standard input).
+    """The queries of ``retrieval search --queries``: a parquet file (texts in ``text_column``, default "text";
+    ids from ``id_column`` when the file has one, each used once, else row numbers from 0), or a UTF-8 text file of
+    one query per line (ids: line numbers from 1; blank lines skipped; ``-``: standard input), which has no
+    column to name.
 
     Checked whole when opened, in one streamed pass (a bad row deep in the file is refused before any hit is
     printed), then read again chunk by chunk (``chunks``): memory holds one chunk whatever the file's size.
     Standard input, which cannot be read twice, is held in memory."""
 
-    def __init__(self, path: Path, text_column: str = "text", id_column: str = "query_id"):
-        self.path, self.text_column, self.id_column = Path(path), text_column, id_column
+    def __init__(self, path: Path, text_column: str | None = None, id_column: str = "query_id"):
+        self.path, self.text_column, self.id_column = Path(path), text_column or "text", id_column
         self.where = "standard input" if str(path) == "-" else str(path)
         self._stdin = sys.stdin.buffer.read() if str(path) == "-" else None
         if self._stdin is None and self.path.suffix.lower() == ".npy":
             raise CorpusError(f"{path} is a .npy: `queries` takes query texts, one per line or in a parquet column")
         self.parquet = self._stdin is None and (self.path.suffix.lower() == ".parquet" or _parquet_magic(self.path))
+        self._with_ids = False  # line numbers and row numbers are unique by construction
         if self.parquet:
-            schema = _read_schema(self.path, [text_column], "queries")
-            if not _is_text(schema.field(text_column).type):
-                raise CorpusError(f"column {text_column!r} of {path} holds {schema.field(text_column).type}, not text")
+            schema = _read_schema(self.path, [self.text_column], "queries")
+            kind = schema.field(self.text_column).type
+            if not _is_text(kind):
+                raise CorpusError(f"column {self.text_column!r} of {path} holds {kind}, not text")
             self._with_ids = id_column in schema.names
         elif self._stdin is None and not self.path.is_file():
             raise CorpusError(f"queries file not found: {path}")
-        self.count = sum(len(chunk) for chunk in self.chunks(QUERY_CHUNK))
+        elif text_column is not None:  # a column asked of a file that has none would be silently ignored
+            raise ConfigError(
+                f"{self.where} is read as text, one query per line: `text_column` applies to a parquet file of queries",
+                "text_column",
+            )
+        self.count = 0
+        seen: set[str] = set()
+        for chunk in self.chunks(QUERY_CHUNK):
+            self.count += len(chunk)
+            for query in chunk.ids if self._with_ids else ():
+                if query in seen:  # hits are printed under their query id: two queries under one id are one
+                    raise CorpusError(f"query id {query!r} appears more than once in {path}: query ids must be unique")
+                seen.add(query)
         if not self.count:
             raise CorpusError(f"{self.where} holds no query")
 
@@ -138,7 +162,7 @@ class QueryFile:
         columns = [self.text_column] + ([self.id_column] if self._with_ids else [])
         first = 0
         for batch in pq.ParquetFile(self.path).iter_batches(batch_size=size, columns=columns):
-            texts = batch.column(self.text_column).to_pylist()
+            texts = _strings(batch.column(self.text_column))
             ids = batch.column(self.id_column).to_pylist() if self._with_ids else range(first, first + len(texts))
             for row, (query, text) in enumerate(zip(ids, texts, strict=True), start=first):
                 if query is None:
@@ -177,7 +201,7 @@ def read_texts(path: Path, text_column: str = "text") -> list[str]:
     """The non-blank texts of one column: queries that need no ids (``calibrate``)."""
     table = _read(path, [text_column], "queries")
     _require(table, text_column, path, _is_text, ", not text")
-    texts = [text for text in table.column(text_column).to_pylist() if text is not None and text.strip()]
+    texts = [text for text in _strings(table.column(text_column)) if text is not None and text.strip()]
     if not texts:
         raise CorpusError(f"{path} holds no query text in column {text_column!r}")
     return texts
@@ -294,7 +318,7 @@ def read_pairs(path: Path) -> Pairs:
         raise CorpusError(f"column 'score' of {path} has nulls or non-finite values: every pair needs a gold score")
     if table.num_rows < 2:
         raise CorpusError(f"{path} holds {table.num_rows} pairs: a rank correlation needs at least two")
-    subset = table.column("subset").to_pylist() if has_subset else [path.stem] * table.num_rows
+    subset = _strings(table.column("subset")) if has_subset else [path.stem] * table.num_rows
     reserved = sorted({"all", "wmean"} & set(subset))
     if reserved:
         raise CorpusError(f"{path} names a subset {reserved[0]!r}, which is reserved for the summary: rename it")
@@ -309,8 +333,8 @@ def read_pairs(path: Path) -> Pairs:
             )
     return Pairs(
         name=path.stem,
-        sentence1=table.column("sentence1").to_pylist(),
-        sentence2=table.column("sentence2").to_pylist(),
+        sentence1=_strings(table.column("sentence1")),
+        sentence2=_strings(table.column("sentence2")),
         gold=gold,
         subset=subset,
     )

@@ -166,6 +166,15 @@ def test_search_every_query_of_a_parquet(built: Path, tmp_path: Path) -> None:
     result = run("search", "--queries", without, "--index", built, "-k", 2, "--json")
     assert result.exit_code == 0, result.output
     assert_hits_of_each_query(result.stdout.splitlines(), ["0", "1", "2", "3"], built, 2)
+    # pandas writes a categorical column as a dictionary of strings; arrow also has a string_view layout
+    for layout, column in [
+        ("dictionary", pa.array(QUERIES).dictionary_encode()),
+        ("view", pa.array(QUERIES, pa.string_view())),
+    ]:
+        pq.write_table(pa.table({"query_id": ["a", "b", "c", "d"], "text": column}), tmp_path / f"{layout}.parquet")
+        result = run("search", "--queries", tmp_path / f"{layout}.parquet", "--index", built, "-k", 2, "--json")
+        assert result.exit_code == 0, (layout, result.output)
+        assert_hits_of_each_query(result.stdout.splitlines(), ["a", "b", "c", "d"], built, 2)
 
 
 def test_a_query_file_is_read_in_chunks_and_checked_whole_first(built: Path, tmp_path: Path) -> None:
@@ -188,6 +197,11 @@ def test_bad_query_files_are_one_line(built: Path, tmp_path: Path) -> None:
     pq.write_table(pa.table({"text": ["a", None]}), tmp_path / "null.parquet")
     pq.write_table(pa.table({"query": ["a"]}), tmp_path / "column.parquet")
     (tmp_path / "q.npy").write_bytes(b"\x93NUMPY")
+    # hits are printed under their query id, so two queries under one id could not be told apart
+    pq.write_table(
+        pa.table({"query_id": [f"q{i}" for i in range(300)] + ["q7"], "text": ["a"] * 301}), tmp_path / "twice.parquet"
+    )
+    (tmp_path / "lines.txt").write_text("one query\n")
     cases = [
         (["x", "--queries", tmp_path / "blank.txt"], "give a QUERY or --queries (a file of queries), not both"),
         ([], "give a QUERY to search for, or --queries"),
@@ -197,6 +211,11 @@ def test_bad_query_files_are_one_line(built: Path, tmp_path: Path) -> None:
         (["--queries", tmp_path / "null.parquet"], "query 1 of"),
         (["--queries", tmp_path / "column.parquet"], "has no column 'text' (columns: query)"),
         (["--queries", tmp_path / "q.npy"], "is a .npy: --queries takes query texts"),
+        (["--queries", tmp_path / "twice.parquet"], "query id 'q7' appears more than once in"),
+        (
+            ["--queries", tmp_path / "lines.txt", "--text-column", "q"],
+            "one query per line: --text-column applies to a parquet",
+        ),
     ]
     for args, fragment in cases:
         assert_one_clear_error(run("search", *args, "--index", built), fragment)

@@ -121,6 +121,21 @@ def test_read_pairs_with_and_without_subsets(tmp_path: Path) -> None:
     assert grouped.subset == ["A", "A", "B", "B"]
 
 
+def test_text_columns_in_any_arrow_layout(tmp_path: Path) -> None:
+    """pandas writes a categorical column as a dictionary of strings; arrow also has string_view. Both are text."""
+    for layout in (lambda v: pa.array(v).dictionary_encode(), lambda v: pa.array(v, pa.string_view())):
+        queries = tmp_path / "q.parquet"
+        pq.write_table(pa.table({"query_id": [1, 2, 3], "text": layout(["c", "a", "c"])}), queries)
+        assert read_queries(queries).texts == ["c", "a", "c"]
+        columns = {
+            c: layout(v) for c, v in [("sentence1", ["x", "y"]), ("sentence2", ["y", "z"]), ("subset", ["A", "A"])]
+        }
+        pairs = tmp_path / "pairs.parquet"
+        pq.write_table(pa.table({**columns, "score": [0.0, 5.0]}), pairs)
+        read = read_pairs(pairs)
+        assert (read.sentence1, read.sentence2, read.subset) == (["x", "y"], ["y", "z"], ["A", "A"])
+
+
 # ----- FAISS output as a run -------------------------------------------------------------------------------
 def test_to_run_maps_rows_to_ids_and_drops_missing() -> None:
     scores = np.array([[0.9, 0.5, -np.inf], [0.7, 0.6, 0.1]], dtype=np.float32)
