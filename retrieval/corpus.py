@@ -13,7 +13,7 @@ import glob
 import hashlib
 import logging
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -341,10 +341,11 @@ class Corpus:
         assert isinstance(array, np.memmap)
         count, dim = min(rows, len(array) - first), array.shape[1]
         if not array.flags.c_contiguous:  # saved in Fortran order: a row is not contiguous in the file
-            return np.asarray(array[first : first + count], dtype=np.float32)
-        offset = array.offset + first * dim * array.dtype.itemsize
-        window = np.fromfile(self.path, dtype=array.dtype, count=count * dim, offset=offset)
-        return window.reshape(count, dim).astype(np.float32, copy=False)
+            window = np.asarray(array[first : first + count])
+        else:
+            offset = array.offset + first * dim * array.dtype.itemsize
+            window = np.fromfile(self.path, dtype=array.dtype, count=count * dim, offset=offset).reshape(count, dim)
+        return _float32(window, lambda row: f"row {first + row} of {self.path}")
 
     def _usable(self, texts: list[str | None], rb: pa.RecordBatch) -> np.ndarray:
         if self._array is not None:
@@ -579,5 +580,19 @@ def _vectors(column: pa.Array, name: str) -> np.ndarray:
         raise CorpusError(f"column {name!r} holds empty vectors (lists of length 0); store one vector per row")
     if lengths.min() != lengths.max():
         raise CorpusError(f"column {name!r} holds vectors of different lengths ({lengths.min()}..{lengths.max()})")
-    flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
-    return flat.reshape(len(column), int(lengths[0]))
+    flat = column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), int(lengths[0]))
+    return _float32(flat, lambda row: f"column {name!r}")
+
+
+def _float32(vectors: np.ndarray, where: Callable[[int], str]) -> np.ndarray:
+    """``vectors`` as float32, refused in one line when a finite value is beyond float32's range (the cast would
+    make it inf, reported as if the input held one). ``where(row)`` names the first such row for the message."""
+    if vectors.dtype.itemsize > 4 and vectors.dtype.kind == "f":
+        big = np.isfinite(vectors) & (np.abs(vectors) > np.finfo(np.float32).max)
+        if big.any():
+            row, col = np.argwhere(big)[0]
+            raise CorpusError(
+                f"{where(int(row))} holds {vectors[row, col]:.3g}, beyond float32's range (±3.4e38): vectors are "
+                "indexed as float32; rescale them (e.g. to unit length)"
+            )
+    return vectors.astype(np.float32, copy=False)

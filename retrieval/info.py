@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from retrieval.errors import ConfigError, render
 from retrieval.indexdir import IndexDir, IndexRecord, Manifest, Verify
 from retrieval.moments import RunningMoments
 from retrieval.whitening import RawTransform, Whitening, kernel_drift
@@ -35,9 +36,15 @@ def describe(
         report["spectrum"] = spectrum_summary(transform.eigenvalues, transform.dim_out)
         now = moments()
         if now is not None:
-            drift = kernel_drift(transform, now)
-            report["drift"] = drift.to_dict()
-            report["summary"]["kernel drift"] = drift.describe()
+            try:
+                drift = kernel_drift(transform, now)
+            except ConfigError as undefined:  # the index still searches; info says why there is no figure
+                report["summary"]["kernel drift"] = "not measured: " + render(
+                    undefined, lambda p: "--" + p.replace("_", "-")
+                )
+            else:
+                report["drift"] = drift.to_dict()
+                report["summary"]["kernel drift"] = drift.describe()
     return report
 
 

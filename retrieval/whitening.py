@@ -40,10 +40,13 @@ DRIFT_REFIT = 0.1
 OVERLAP_REFIT = 0.9
 
 
-def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
-    """Scale each row to unit length, as float32; all-zero rows stay zero."""
+def l2_normalize(x: np.ndarray) -> np.ndarray:
+    """Scale each row to unit length, as float32; all-zero rows stay zero. The norms are taken in float64: in
+    float32 the squares of entries above ~1e19 overflow (every row came out 0), and a floor on the norm left rows
+    of a tiny scale (1e-14) short of unit length."""
     x = np.asarray(x, dtype=np.float32)
-    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), np.float32(eps))
+    norms = np.linalg.norm(x.astype(np.float64), axis=-1, keepdims=True)
+    return (x * np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)).astype(np.float32)
 
 
 def _rows(x: np.ndarray, dim: int) -> np.ndarray:
@@ -136,14 +139,6 @@ class Whitening:
         TransformSpec(dim=k, gamma=gamma, epsilon=epsilon).check(d)
         if n < 2:
             raise ConfigError(f"need at least 2 vectors to fit a whitening (got {n}); use a larger corpus")
-        if n < 5 * d:
-            logger.warning(
-                "fitting a %d x %d covariance on only %d rows: the whitening is noisy; "
-                "use a larger corpus, a smaller gamma, or no whitening",
-                d,
-                d,
-                n,
-            )
         mean = np.array(mean, dtype=np.float64)  # a copy: the fit must not share the caller's array
         moment = np.asarray(cov, dtype=np.float64)
         if not center:
@@ -155,10 +150,12 @@ class Whitening:
         lam_reg = lam[:k] + epsilon * scale
         # Below d ulps of the largest, an eigenvalue is round-off of a zero one: raised to -gamma/2 it would
         # amplify noise by ~1e7 (only an `epsilon` of about 0 lets one through)
-        if gamma > 0 and (lam_reg <= d * np.finfo(np.float64).eps * scale).any():
+        floor = d * np.finfo(np.float64).eps
+        if gamma > 0 and (lam_reg <= floor * scale).any():
+            given = "is 0" if epsilon == 0 else f"({epsilon:g}) is within round-off of 0 (at most {floor:.1e})"
             raise ConfigError(
-                f"the covariance is singular within the top {k} directions and `epsilon` is 0; "
-                "use `epsilon` > 0 or a smaller `dim`",
+                f"the covariance is singular within the top {k} directions and `epsilon` {given}; "
+                f"use a larger `epsilon` (the default is {DEFAULT_EPSILON:g}) or a smaller `dim`",
                 "epsilon",
             )
         kernel = u[:, :k] * lam_reg ** (-gamma / 2)
@@ -173,6 +170,14 @@ class Whitening:
                     "rescale the vectors (e.g. to unit norm) or use a smaller gamma",
                     "gamma",
                 )
+        if n < 5 * d:  # after the refusals above: a fit that is refused needs no warning first
+            logger.warning(
+                "fitting a %d x %d covariance on only %d rows: the whitening is noisy; "
+                "use a larger corpus, a smaller gamma, or no whitening",
+                d,
+                d,
+                n,
+            )
         return cls(mean, kernel, lam, float(gamma), float(epsilon), int(n), bool(center))
 
     @cached_property
@@ -453,16 +458,27 @@ class Drift:
 
 
 def kernel_drift(transform: Whitening, moments: RunningMoments) -> Drift:
-    """The ``Drift`` of ``transform`` against ``moments`` (see ``Drift``)."""
+    """The ``Drift`` of ``transform`` against ``moments`` (see ``Drift``). ConfigError when it is undefined: the
+    kernel was fitted on rows with no spread (every ratio would divide by 0), or a fresh fit of the current rows
+    with the kernel's settings is refused (it says why: what a `refit` with them would say)."""
     k, w, lam = transform.dim_out, transform.kernel, transform.eigenvalues
     scale = lam[0] if lam[0] > 0 else 1.0
     at_fit = lam[:k] * (lam[:k] + transform.epsilon * scale) ** (-transform.gamma)  # diag of W^T Sigma_fit W
+    if not at_fit.sum() > 0:
+        raise ConfigError("the kernel was fitted on identical rows (no spread): drift against it is undefined")
     shift = moments.mean - transform.mean
     offset = shift if transform.center else moments.mean  # the current mean about the kernel's origin
     now = w.T @ (moments.covariance() + np.outer(offset, offset)) @ w
-    covariance_drift = float(np.linalg.norm(now - np.diag(at_fit))) / max(float(np.linalg.norm(at_fit)), 1e-300)
-    with _quiet():  # the build already warned about a small N; info must not repeat it on every call
-        fresh = Whitening.fit(moments, dim=k, gamma=transform.gamma, epsilon=transform.epsilon, center=transform.center)
+    covariance_drift = float(np.linalg.norm(now - np.diag(at_fit)) / np.linalg.norm(at_fit))
+    try:
+        with _quiet():  # the build already warned about a small N; info must not repeat it on every call
+            fresh = Whitening.fit(
+                moments, dim=k, gamma=transform.gamma, epsilon=transform.epsilon, center=transform.center
+            )
+    except ConfigError as refused:
+        raise ConfigError(
+            f"a refit of the current rows with the kernel's settings would be refused: {refused}"
+        ) from None
     old_basis = w / np.linalg.norm(w, axis=0)
     new_basis = fresh.kernel / np.linalg.norm(fresh.kernel, axis=0)
     cosines = np.clip(np.linalg.svd(old_basis.T @ new_basis, compute_uv=False), 0.0, 1.0)
@@ -470,7 +486,7 @@ def kernel_drift(transform: Whitening, moments: RunningMoments) -> Drift:
         rows_at_fit=transform.n,
         rows_now=moments.n,
         covariance_drift=covariance_drift,
-        mean_shift=float(np.linalg.norm(shift @ w) / max(np.sqrt(at_fit.sum()), 1e-300)),
+        mean_shift=float(np.linalg.norm(shift @ w) / np.sqrt(at_fit.sum())),
         subspace_overlap=float(np.mean(cosines**2)),
         max_principal_angle_deg=float(np.degrees(np.arccos(cosines.min()))),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tracemalloc
+import warnings
 from pathlib import Path
 
 import faiss
@@ -461,6 +462,32 @@ def test_drift_is_zero_after_a_build_and_grows_with_shifted_rows(tmp_path):
     assert drift(directory).rows_added == 0
 
 
+def test_drift_that_cannot_be_measured_is_said_so_and_info_still_works(tmp_path):
+    """Two indexes whose drift is undefined: one fitted on identical rows (every ratio divided by a zero spread:
+    1e306 was shown), one with epsilon 0 that a remove left rank-deficient (info failed with a refit's error).
+    Each still searches; info shows why drift is not measured, and no drift numbers."""
+    same = np.tile(anisotropic(1), (50, 1))
+    np.save(tmp_path / "same.npy", same)
+    np.save(tmp_path / "other.npy", anisotropic(50, seed=2))
+    flat = tmp_path / "flat"
+    build_index(CorpusSpec(tmp_path / "same.npy"), None, flat, TransformSpec(gamma=1.0, center=True), options=OPTIONS)
+    update.add(flat, CorpusSpec(tmp_path / "other.npy"))
+    np.save(tmp_path / "full.npy", anisotropic(100, seed=9))
+    thin = tmp_path / "thin"
+    spec = TransformSpec(gamma=1.0, epsilon=0.0, center=True)
+    build_index(CorpusSpec(tmp_path / "full.npy"), None, thin, spec, options=OPTIONS)
+    update.remove(thin, [str(i) for i in range(2, 100)])  # 2 rows left of 16 dims
+    for directory, reason in [
+        (flat, "the kernel was fitted on identical rows"),
+        (thin, "a refit of the current rows with the kernel's settings would be refused: the covariance is singular"),
+    ]:
+        report = describe_index(directory)
+        assert report["summary"]["kernel drift"].startswith(f"not measured: {reason}") and report["drift"] == {}
+        result = runner.invoke(app, ["info", str(directory)])
+        assert result.exit_code == 0 and "not measured" in result.output, result.output
+        assert Searcher.load(directory).search_vectors(anisotropic(1, seed=2), SearchParams(k=2))[0]
+
+
 def drift(directory: Path) -> Drift:
     transform = IndexDir(directory).transform()
     assert isinstance(transform, Whitening)
@@ -478,6 +505,24 @@ def test_npy_input_builds_like_a_vectors_column(tmp_path):
     assert a.n == 150 and a.encoder == EncoderInfo(kind="vectors", dim=16)
     assert ids_of(tmp_path / "a") == [str(i) for i in range(150)] == ids_of(tmp_path / "b")
     np.testing.assert_allclose(index_vectors(tmp_path / "a"), index_vectors(tmp_path / "b"), atol=1e-6)
+
+
+def test_float64_values_beyond_float32_are_refused_by_row_not_as_inf(tmp_path):
+    """1e39 is finite in float64 and inf in float32: the cast warned (numpy RuntimeWarning) and the build then
+    said the input held NaN or inf. One line naming the row (the .npy) or the column, and nothing written."""
+    vectors = anisotropic(50).astype(np.float64)
+    vectors[7, 3] = -2e39
+    np.save(tmp_path / "v.npy", vectors)
+    pq.write_table(pa.table({"emb": list(vectors)}), tmp_path / "v.parquet")
+    for corpus, where in [(["v.npy"], "row 7 of"), (["v.parquet", "--vectors-column", "emb"], "column 'emb'")]:
+        args = ["index", str(tmp_path / corpus[0]), *corpus[1:], "--out", str(tmp_path / "idx")]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a numpy overflow warning would fail the command
+            result = runner.invoke(app, args)
+        assert result.exit_code == 1, result.output
+        assert f"{where}" in result.output and "holds -2e+39, beyond float32's range" in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1
+        assert not (tmp_path / "idx").exists()
 
 
 @pytest.mark.parametrize(

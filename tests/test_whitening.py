@@ -141,11 +141,15 @@ def test_identical_rows_stay_finite() -> None:
     np.testing.assert_array_equal(whitening.transform(x), np.zeros((10, 4), np.float32))
 
 
-def test_singular_covariance_without_epsilon_is_refused() -> None:
+def test_singular_covariance_without_epsilon_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     x = np.array([[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]], dtype=np.float32)  # rank 1
-    with pytest.raises(ConfigError, match="singular"):
+    with caplog.at_level(logging.WARNING), pytest.raises(ConfigError, match="singular.* `epsilon` is 0;"):
         fit(x, epsilon=0.0)
+    assert not caplog.records  # refused in one line: the few-rows warning comes only with a kernel
     assert fit(x, dim=1, epsilon=0.0).dim_out == 1  # the kept direction alone is fine
+    # a positive epsilon within round-off of 0 is not "0": the message names it and the floor (d ulps)
+    with pytest.raises(ConfigError, match=r"`epsilon` \(1e-17\) is within round-off of 0 \(at most 4.4e-16\)"):
+        fit(x, epsilon=1e-17)
 
 
 @pytest.mark.parametrize("scale", [1e-20, 1e19])
@@ -245,6 +249,15 @@ def test_l2_normalize_keeps_zero_rows_zero() -> None:
     y = l2_normalize(x)
     assert y.dtype == np.float32
     np.testing.assert_array_equal(y, np.array([[0.6, 0.8], [0.0, 0.0]], dtype=np.float32))
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-14, 1.0, 1e20, 1e37])
+def test_l2_normalize_gives_unit_rows_at_any_float32_scale(scale: float) -> None:
+    """Norms in float32 overflowed above ~1e19 per entry (every row came out 0) and a 1e-12 floor left rows of
+    1e-14 short of unit length: the result must be the float64 reference at every scale float32 holds."""
+    x = (np.random.default_rng(5).normal(size=(20, 32)) * scale).astype(np.float32)
+    reference = x.astype(np.float64) / np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True)
+    np.testing.assert_allclose(l2_normalize(x), reference, atol=1e-7)  # float32 rounding of the result only
 
 
 def test_raw_transform_only_normalises(data: np.ndarray) -> None:
