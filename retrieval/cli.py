@@ -1077,6 +1077,8 @@ def serve(
         raise RetrievalError(f"the server needs its extra ({exc.name} is missing): pip install -e '.[server]'") from exc
     if not 0 <= port <= 65535:
         raise ConfigError(f"`port` must be between 0 and 65535 (got {port})", "port")
+    if shutdown_timeout < 0:
+        raise ConfigError(f"`shutdown_timeout` must be 0 or more seconds (got {shutdown_timeout})", "shutdown_timeout")
     options = ServeOptions(
         max_batch=max_batch,
         max_wait_ms=max_wait_ms,

@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -35,6 +36,7 @@ from fastapi.security import HTTPBearer
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -53,6 +55,7 @@ STATIC = Path(__file__).parent / "static"
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT"})
 DOCS_ASSETS = "/docs/assets"  # Swagger UI and ReDoc, served from fastapi-offline's copies: no CDN is reachable
 DOC_ROUTES = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})  # FastAPI's own pages
+INT_PARAMS = frozenset({"k", "rescore", "ef", "nprobe"})  # GET /search's whole-number parameters
 FIELDS = {"ef_search": "ef"}  # library parameter -> JSON field, where they differ
 STATUS_CODES = {
     401: "unauthorized",
@@ -61,6 +64,7 @@ STATUS_CODES = {
     413: "payload_too_large",
     415: "unsupported_media_type",
     422: "invalid_request",
+    499: "client_closed",  # nginx's status for a client that closed its connection first: counted, never sent
 }
 
 
@@ -452,6 +456,10 @@ def check_query_string(request: Request) -> None:
             where = f"`{param}`" if param else "a parameter name"
             message = f"{where} is not UTF-8 once percent-decoded: percent-encode UTF-8 text"
             raise ApiError(422, "invalid_text", message, param)
+        if name in INT_PARAMS and not re.fullmatch(r"-?[0-9]+", value):  # strict, as POST is: Python's int()
+            # (which FastAPI uses) also takes " 5", "+5", "1_0"; "5.0" and "5.000" came in through pydantic
+            message = f"`{name}` must be a whole number in digits (got {value[:40]!r})"
+            raise ApiError(422, "invalid_request", message, name)
     unknown = sorted(set(request.query_params) - {"q", "k", "rescore", "ef", "nprobe"})
     if unknown:
         raise ApiError(422, "invalid_request", f"unknown parameter `{unknown[0]}`", unknown[0])
@@ -500,27 +508,39 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     api = APIRouter(route_class=KeyedRoute, dependencies=bearer)
 
     # ----- search ------------------------------------------------------------------------------------------
-    async def answer(future: Future[Answer]) -> Answer:
-        """The engine's answer. On SIGTERM uvicorn lets requests finish for ``--shutdown-timeout`` seconds, then
-        cancels them: one still waiting gets the JSON 503 ``shutting_down`` rather than uvicorn's plain-text 500
-        and a logged traceback (other cancellations pass on)."""
+    async def answer(request: Request, future: Future[Answer]) -> Answer:
+        """The engine's answer, unless the client closes its connection first: then its queued texts are
+        withdrawn (the engine skips a cancelled request), not encoded for nobody. Under overload clients time out
+        and retry, and each abandoned request used to cost a full encoding: the queue filled with them and every
+        live request after timed out too. On SIGTERM uvicorn lets requests finish for ``--shutdown-timeout``
+        seconds, then cancels them: one still waiting gets the JSON 503 ``shutting_down`` rather than uvicorn's
+        plain-text 500 and a logged traceback (other cancellations pass on)."""
+        waiting = asyncio.wrap_future(future)
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            return await asyncio.wrap_future(future)
+            either: set[asyncio.Future[Any]] = {waiting, gone}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
+            waiting.cancel()
             if not service.stopping:
                 raise
-            message = "the server stopped before this request was answered (its shutdown timeout ran out); retry"
-            raise ApiError(503, "shutting_down", message) from None
+            raise _shutting_down() from None
+        finally:
+            gone.cancel()
+        if not waiting.done():
+            waiting.cancel()  # cancels ``future`` too: wrap_future passes a cancellation on to what it wraps
+            raise _client_closed()
+        return waiting.result()
 
     def encodes() -> None:
         """Refuse texts for an index built from vectors (and 503 before queueing when nothing is loaded yet)."""
         if service.searcher().encoder is None:
             raise ApiError(422, "no_encoder", "this index was built from precomputed vectors: it has no encoder")
 
-    async def run_search(texts: list[str], params: SearchParams) -> JSONResponse:
+    async def run_search(request: Request, texts: list[str], params: SearchParams) -> JSONResponse:
         start = time.perf_counter()
         encodes()
-        result = await answer(service.batcher.submit_search(texts, params))
+        result = await answer(request, service.batcher.submit_search(texts, params))
         results = [
             {"hits": [{"rank": h.rank, "id": h.id, "score": h.score, "text": h.text} for h in hits]}
             for hits in result.hits
@@ -546,7 +566,8 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
         nprobe: Annotated[int | None, Query(description="IVF lists probed.")] = None,
     ) -> JSONResponse:
         check_query_string(request)
-        return await run_search(query_texts([q], "q", options), search_params(service, k, rescore, ef, nprobe))
+        texts = query_texts([q], "q", options)
+        return await run_search(request, texts, search_params(service, k, rescore, ef, nprobe))
 
     @api.post(
         "/search",
@@ -555,14 +576,14 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
         summary="Search with one query or a batch",
         description=search_doc,
     )
-    async def search_post(body: SearchRequest) -> JSONResponse:
+    async def search_post(request: Request, body: SearchRequest) -> JSONResponse:
         if (body.query is None) == (body.queries is None):
             raise ApiError(422, "invalid_request", "give either `query` (one text) or `queries` (a list)", "query")
         if body.query is not None:
             texts = query_texts([body.query], "query", options)
         else:
             texts = query_texts(body.queries or [], "queries", options)
-        return await run_search(texts, search_params(service, body.k, body.rescore, body.ef, body.nprobe))
+        return await run_search(request, texts, search_params(service, body.k, body.rescore, body.ef, body.nprobe))
 
     @api.post(
         "/embed",
@@ -570,10 +591,10 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
         responses=ERRORS,
         summary="Vectors of texts, by the index's own encoder",
     )
-    async def embed(body: EmbedRequest) -> JSONResponse:
+    async def embed(request: Request, body: EmbedRequest) -> JSONResponse:
         texts = query_texts([body.inputs] if isinstance(body.inputs, str) else body.inputs, "inputs", options)
         encodes()
-        result = await answer(service.batcher.submit_embed(texts, body.transformed))
+        result = await answer(request, service.batcher.submit_embed(texts, body.transformed))
         vectors = result.vectors
         return JSONResponse(
             {
@@ -658,12 +679,58 @@ class KeyedRoute(APIRoute):
                     headers={"WWW-Authenticate": "Bearer"},
                 )
             if request.method == "POST":
-                parsed = _parse_refusing_repeated_keys(await request.body())
+                parsed = _parse_refusing_repeated_keys(await _body(request))
                 if parsed is not NOT_JSON:  # parsed once: Starlette's Request.json() returns what it cached here,
                     request._json = parsed  # which is what FastAPI reads the body with
+                    _check_batch_size(parsed, request.app.state.service.options)
             return await handler(request)
 
         return checked
+
+
+async def _body(request: Request) -> bytes:
+    """The request's body as sent: refused when it is compressed (it would be read as bytes that are not UTF-8),
+    the client closing mid-body is a 499 (not a logged internal error), and the shutdown timeout running out
+    while it is read is the JSON 503 ``shutting_down`` (not uvicorn's plain-text 500)."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise ApiError(415, "unsupported_media_type", f"send the body uncompressed (Content-Encoding {encoding!r})")
+    try:
+        return await request.body()
+    except ClientDisconnect:
+        raise _client_closed() from None
+    except asyncio.CancelledError:
+        if not request.app.state.service.stopping:
+            raise
+        raise _shutting_down() from None
+
+
+def _check_batch_size(parsed: Any, options: ServeOptions) -> None:
+    """Refuse too many texts before the body is validated: validating a million wrong-typed items took seconds
+    of the event loop (pydantic reports each), during which no request was answered, /health included."""
+    if isinstance(parsed, dict):
+        for name in ("queries", "inputs"):
+            if isinstance(parsed.get(name), list) and len(parsed[name]) > options.max_queries:
+                query_texts(parsed[name], name, options)  # raises 413 too_many_queries, as after validation
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed its connection: an ASGI server answers a receive after the whole body
+    (a GET's empty one included) once the client goes. One that answers with more body messages instead cannot
+    tell: then never (not a busy loop)."""
+    for _ in range(2):  # a GET's body has not been read: its first message is that empty body
+        if (await request.receive())["type"] == "http.disconnect":
+            return
+    await asyncio.Event().wait()
+
+
+def _client_closed() -> ApiError:
+    return ApiError(499, "client_closed", "the client closed its connection before the answer")
+
+
+def _shutting_down() -> ApiError:
+    message = "the server stopped before this request was answered (its shutdown timeout ran out); retry"
+    return ApiError(503, "shutting_down", message)
 
 
 class _Repeated(Exception):
@@ -820,10 +887,18 @@ def _allowed(request: Request) -> str:
     """The methods some route takes at the request's path (asked of the routes: included routers are nested;
     HEAD wherever GET is, as ``HeadAsGet`` answers it)."""
 
+    # Under a mount (the docs' assets) the scope's root_path has grown by the mount's path: the app's routes
+    # must see the path as the app does, or none matches and Allow comes out empty
+    top = {**request.scope, "root_path": request.scope.get("app_root_path", request.scope.get("root_path", ""))}
+
     def takes(method: str) -> bool:
         if method == "HEAD":
             method = "GET"
-        return any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in request.app.routes)
+        for route in request.app.routes:
+            if route.matches({**top, "method": method})[0] is Match.FULL:
+                # the docs' static files, a mount, match any method but answer GET only
+                return method == "GET" or getattr(route, "path", None) != DOCS_ASSETS
+        return False
 
     return ", ".join(method for method in sorted(HTTP_METHODS) if takes(method))
 
@@ -907,6 +982,7 @@ def run(
         timeout_graceful_shutdown=shutdown_timeout,
         access_log=False,
         server_header=False,
+        ws="none",  # no WebSocket route: an upgrade request is answered as plain HTTP (JSON errors), not 403
     )
     server = Server(config)
     try:

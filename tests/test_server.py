@@ -3,6 +3,7 @@ a refused corrupt version, and micro-batching that batches concurrent requests w
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -270,6 +271,23 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
     ("post", "/search", {"json": {"queries": ["a", None]}}, 422, "invalid_request", "queries"),
     ("post", "/search", {"json": {"queries": "a"}}, 422, "invalid_request", "queries"),
     ("post", "/search", {"json": {"queries": ["a"] * 65}}, 413, "too_many_queries", "queries"),
+    # counted before validation: pydantic reporting each of a million wrong-typed items held the event loop seconds
+    ("post", "/search", {"json": {"queries": [1] * 5000}}, 413, "too_many_queries", "queries"),
+    ("post", "/embed", {"json": {"inputs": [None] * 3000}}, 413, "too_many_queries", "inputs"),
+    # strict as POST is: int() (which FastAPI used) took "+5", " 5", "1_0"; pydantic took "5.0"
+    ("get", "/search", {"params": {"q": "a", "k": "5.0"}}, 422, "invalid_request", "k"),
+    ("get", "/search", {"params": {"q": "a", "k": "+5"}}, 422, "invalid_request", "k"),
+    ("get", "/search", {"params": {"q": "a", "k": " 5"}}, 422, "invalid_request", "k"),
+    ("get", "/search", {"params": {"q": "a", "rescore": "1_0"}}, 422, "invalid_request", "rescore"),
+    # a compressed body was read as bytes that are not UTF-8 ("invalid_json")
+    (
+        "post",
+        "/search",
+        {"content": b"\x1f\x8b\x08\x00", "headers": {"content-type": "application/json", "content-encoding": "gzip"}},
+        415,
+        "unsupported_media_type",
+        None,
+    ),
     ("post", "/search", {"json": [1, 2]}, 422, "invalid_request", None),
     (
         "post",
@@ -412,9 +430,83 @@ def test_a_request_cancelled_at_the_shutdown_timeout_gets_503_json(index: Path) 
 
 
 def test_method_not_allowed_names_every_method_of_the_path(client: TestClient) -> None:
-    for path, allowed in (("/search", "GET, HEAD, POST"), ("/embed", "POST"), ("/health", "GET, HEAD")):
+    paths = [("/search", "GET, HEAD, POST"), ("/embed", "POST"), ("/health", "GET, HEAD")]
+    paths.append(("/docs/assets/swagger-ui.css", "GET, HEAD"))  # under the docs' mount: was empty
+    for path, allowed in paths:
         response = client.request("PUT", path)
         assert response.status_code == 405 and response.headers["allow"] == allowed, path
+
+
+def call_app(app: Any, method: str, path: str, query: bytes, messages: list[Any]) -> int | None:
+    """Drive the ASGI app directly, as a client TestClient cannot be: one that leaves. ``messages`` are what
+    ``receive`` returns in turn (a float: sleep that long first); the response's status, None if none was sent."""
+    import asyncio
+
+    statuses: list[int] = []
+
+    async def receive() -> Any:
+        while messages and isinstance(messages[0], float):
+            await asyncio.sleep(messages.pop(0))
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)  # a client with nothing more to say
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    headers = [(b"host", b"testserver"), (b"content-type", b"application/json")]
+    if method == "POST":
+        headers.append((b"content-length", b"100"))
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "", "headers": headers,
+        "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
+    }  # fmt: skip
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
+    return statuses[0] if statuses else None
+
+
+class RecordingEncoder(FakeEncoder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.texts: list[str] = []
+
+    def encode(self, texts: Any) -> np.ndarray:
+        self.texts.extend(texts)
+        return super().encode(texts)
+
+
+def test_a_client_that_leaves_while_queued_is_withdrawn_not_encoded(index: Path) -> None:
+    """A client that closes its connection while its request waits for a busy engine: its text is withdrawn
+    (it was encoded for nobody, and under overload such requests filled the queue), counted as 499."""
+    encoder = RecordingEncoder()
+    service = Service(index, ServeOptions(watch_interval=0), encoder=encoder)
+    app = create_app(service)
+    with TestClient(app) as client:
+        wait_ready(client)
+        running, release = threading.Event(), threading.Event()
+        service.batcher.call(lambda: (running.set(), release.wait(10)))  # the engine is busy
+        assert running.wait(10)
+        left = [{"type": "http.request", "body": b"", "more_body": False}, 0.3, {"type": "http.disconnect"}]
+        status = call_app(app, "GET", "/search", b"q=abandoned%20text", left)
+        release.set()
+        assert client.get("/search", params={"q": QUERY}).status_code == 200
+        assert status == 499 and "abandoned text" not in encoder.texts and QUERY in encoder.texts
+        assert metric(client, 'retrieval_errors_total{code="client_closed"}') == 1
+        assert metric(client, 'retrieval_requests_total{method="GET",route="/search",status="499"}') == 1
+
+
+def test_a_client_that_leaves_mid_body_is_not_an_internal_error(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It was logged as a bug (two tracebacks) and counted as a 500 `internal`: anyone could flood the log."""
+    cut = [{"type": "http.request", "body": b'{"query"', "more_body": True}, {"type": "http.disconnect"}]
+    with caplog.at_level(logging.WARNING):
+        assert call_app(client.app, "POST", "/search", b"", cut) == 499
+    assert not caplog.records
+    assert metric(client, 'retrieval_errors_total{code="client_closed"}') == 1
+    assert "internal" not in client.get("/metrics").text
 
 
 def test_a_body_streamed_without_a_length_is_cut_off_at_the_limit(client: TestClient) -> None:
@@ -857,6 +949,7 @@ def test_concurrent_http_requests_are_batched(index: Path) -> None:
         (["serve", "{index}", "--api-key", "clé"], "--api-key must be printable ASCII"),  # never matchable
         (["serve", "{index}", "--api-key", " key"], "--api-key must be printable ASCII"),
         (["serve", "{index}", "--max-k", "20000"], "--max-k must be at most 10,000"),
+        (["serve", "{index}", "--shutdown-timeout", "-5"], "--shutdown-timeout must be 0 or more seconds"),
     ],
 )
 def test_serve_refuses_bad_options_in_one_line_before_starting(

@@ -171,6 +171,47 @@ def test_the_server_answers_then_follows_an_add_under_load(
     assert "retrieval_index_generation 2" in metrics and "retrieval_index_loads_ok 2" in metrics
 
 
+def raw_request(server: Server, request: bytes, hold: float = 0.0) -> bytes:
+    """Send ``request`` on a socket of its own; what came back before ``hold`` seconds (then it closes)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(request)
+        if not hold:
+            return sock.recv(65536)
+        time.sleep(hold)
+    return b""
+
+
+def metric_value(server: Server, line_start: str) -> float:
+    text = urllib.request.urlopen(server.url("/metrics"), timeout=10).read().decode()
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start + " ")), 0.0)
+
+
+def test_requests_of_clients_that_left_are_withdrawn(served: tuple[Server, Path]) -> None:
+    """uvicorn tells the app when a client closes its connection: five requests queued behind a slow one, whose
+    clients left, are never encoded (under overload such requests filled the queue with work for nobody), and
+    are counted as 499."""
+    server, _ = served
+    encoded = metric_value(server, "retrieval_queries_total")
+    slow = threading.Thread(target=lambda: server.get(f"/search?q={SLOW.replace(' ', '%20')}", timeout=30))
+    slow.start()
+    time.sleep(0.5)  # the engine is inside the slow query's 2 s encoding
+    for i in range(5):
+        raw_request(server, f"GET /search?q=gone%20{i} HTTP/1.1\r\nHost: t\r\n\r\n".encode(), hold=0.1)
+    slow.join(30)
+    assert server.get("/search?q=topic%204%20document")[0] == 200
+    assert metric_value(server, "retrieval_queries_total") - encoded == 2  # the slow query and the last one
+    assert metric_value(server, 'retrieval_requests_total{method="GET",route="/search",status="499"}') == 5
+
+
+def test_a_websocket_upgrade_is_answered_as_http(served: tuple[Server, Path]) -> None:
+    """There is no WebSocket route: uvicorn refused an upgrade with a bare 403; now the request is plain HTTP."""
+    server, _ = served
+    upgrade = b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    key = b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    answer = raw_request(server, upgrade + key)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status":"ok"}'), answer
+
+
 def test_sigterm_lets_the_request_in_flight_finish(served: tuple[Server, Path]) -> None:
     """Last in this module: it stops the shared server."""
     server, _ = served
