@@ -219,6 +219,18 @@ class CorpusRecord:
         return len(self.added) + len(self.removed) > self.trained_after
 
 
+def _corpus_record(data: dict[str, Any]) -> CorpusRecord:
+    """The manifest's corpus record. One written before it kept ``trained_after`` is inferred from the kernel: a
+    build and a refit fit the kernel and train the lists on the same rows, all of them, and an add or remove
+    changes the row count but not the fit's. So a fit on as many rows as the index holds was made after the
+    last change (the advice to refit would be wrong); otherwise the lists predate the changes."""
+    corpus = dict(data["corpus"])
+    if "trained_after" not in corpus:
+        fitted_now = data["transform"].get("n_fit") == data["index"].get("ntotal")
+        corpus["trained_after"] = len(corpus.get("added", [])) + len(corpus.get("removed", [])) if fitted_now else 0
+    return CorpusRecord(**corpus)
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Self-description of an index directory (``manifest.json``)."""
@@ -271,7 +283,7 @@ class Manifest:
             encoder=EncoderInfo.from_dict(data["encoder"]),
             transform=TransformRecord.from_dict(data["transform"]),
             index=IndexRecord.from_dict(data["index"]),
-            corpus=CorpusRecord(**data["corpus"]),
+            corpus=_corpus_record(data),
             stash=StashRecord(**stash) if stash else None,
             rescore=RescoreRecord.from_dict(rescore) if rescore else None,
             timings=dict(data.get("timings", {})),
@@ -342,6 +354,11 @@ class IndexDir:
             raise IndexDirError(
                 f"{self.path} has index schema version {version}; this retrieval reads version {SCHEMA_VERSION}: "
                 "rebuild the index with this version"
+            )
+        if "checksum" not in data:
+            raise IndexDirError(
+                f"{self.path} was written by an older retrieval, before manifests carried a checksum: rebuild the "
+                "index with this version"
             )
         if data.get("checksum") != checksum(data):
             raise IndexDirError(

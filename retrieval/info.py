@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from retrieval.errors import ConfigError, render
-from retrieval.indexdir import IndexDir, IndexRecord, Manifest, Verify
+from retrieval.indexdir import IndexDir, IndexRecord, Manifest, RescoreRecord, Verify
 from retrieval.moments import RunningMoments
 from retrieval.whitening import RawTransform, Whitening, kernel_drift
 
@@ -101,7 +101,12 @@ def lists_line(faiss_info: dict[str, Any]) -> str:
 def _rescoring(manifest: Manifest) -> str:
     rescore = manifest.rescoring
     if not rescore.depth:
-        return "off by default (" + ("no stash" if manifest.stash is None else "the index keeps every dimension") + ")"
+        if manifest.stash is None:
+            return "off by default (no stash)"
+        if not RescoreRecord.default(manifest.transform, manifest.stash, manifest.index.factory).depth:
+            return "off by default (the index keeps every dimension)"
+        # a depth of 0 recorded for an index that loses information: chosen, or written by an older version
+        return "off by default, as this index records (`search --rescore N` re-scores)"
     scorer = "raw cosine" if not rescore.scorer.whiten else f"a full-rank transform, gamma {rescore.scorer.gamma}"
     return f"top {rescore.depth} by {scorer} of the stashed vectors, by default"
 

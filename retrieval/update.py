@@ -486,8 +486,13 @@ def _past_row_numbers(ids: Sequence[str]) -> int:
 
 
 def _past_removed(corpus: CorpusRecord | None) -> int:
-    """Where row numbers stood at each removal (recorded since removals kept it; 0 for older records)."""
-    return max((int(r.get("next_row_number", 0)) for r in corpus.removed), default=0) if corpus else 0
+    """Where row numbers stood at each removal. A removal written before removals recorded it has no mark: then
+    past every row number the index can ever have given (the build's source rows plus every add's rows), a
+    bound that may leave a gap in the numbering but never gives a removed id to a new row."""
+    if corpus is None:
+        return 0
+    ever = corpus.rows + sum(int(added.get("rows", 0)) for added in corpus.added)
+    return max((int(r.get("next_row_number", ever)) for r in corpus.removed), default=0)
 
 
 def _check_new_ids(stash: VectorStash, source: Corpus, window_rows: int) -> None:

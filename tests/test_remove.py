@@ -269,3 +269,79 @@ def test_a_removed_row_number_id_never_names_an_added_document(tmp_path):
     result = runner.invoke(app, ["add", str(directory), str(tmp_path / "b.npy")])
     assert result.exit_code == 0, result.output
     assert Docs(directory / DOCS).ids[-4:] == ["40", "43", "44", "45"]
+
+
+def _without_new_records(directory: Path, *corpus_keys: str, removal_key: str | None = None) -> None:
+    """The manifest as an older retrieval wrote it: without ``corpus_keys`` in the corpus record and without
+    ``removal_key`` in its removals (checksum recomputed, as that version had one)."""
+    import json
+
+    from retrieval.indexdir import MANIFEST, checksum
+
+    data = json.loads((directory / MANIFEST).read_text())
+    for key in corpus_keys:
+        data["corpus"].pop(key)
+    for removal in data["corpus"]["removed"]:
+        removal.pop(removal_key, None)
+    data["checksum"] = checksum(data)
+    (directory / MANIFEST).write_text(json.dumps(data))
+
+
+def test_removals_recorded_by_an_older_version_never_give_their_ids_to_added_rows(tmp_path):
+    """Removals written before they kept where row numbers stood: ``add`` gave the removed ids to new rows. It now
+    starts past every row number the index can have given (source rows plus added rows): a gap, never a reuse."""
+    from test_update import anisotropic
+
+    np.save(tmp_path / "a.npy", anisotropic(40))
+    np.save(tmp_path / "b.npy", anisotropic(3, seed=5))
+    directory = tmp_path / "idx"
+    build_index(CorpusSpec(tmp_path / "a.npy"), None, directory, TransformSpec(dim=4), options=OPTIONS)
+    update.add(directory, CorpusSpec(tmp_path / "b.npy"))  # ids 40-42
+    update.remove(directory, ["42", "41", "40", "39"])
+    _without_new_records(directory, removal_key="next_row_number")
+    update.add(directory, CorpusSpec(tmp_path / "b.npy"))
+    assert Docs(directory / DOCS).ids[-4:] == ["38", "43", "44", "45"]
+
+
+def test_an_older_manifest_refitted_after_its_changes_gets_no_refit_advice(tmp_path):
+    """Manifests written before ``trained_after`` existed: the lists of an index refitted after its adds and
+    removes were taken as trained before them, and calibrate advised a refit the index had had. A build and a
+    refit fit the kernel on every row the index holds; an add or remove changes the row count, not the fit's."""
+    from test_update import anisotropic
+
+    from retrieval.indexdir import Manifest
+
+    np.save(tmp_path / "a.npy", anisotropic(300))
+    np.save(tmp_path / "b.npy", anisotropic(40, seed=5))
+    directory = tmp_path / "idx"
+    ivf = IndexSpec(kind="ivf", nlist=8)
+    build_index(CorpusSpec(tmp_path / "a.npy"), None, directory, TransformSpec(dim=4), index=ivf, options=OPTIONS)
+    update.add(directory, CorpusSpec(tmp_path / "b.npy"))
+    update.remove(directory, ["3", "4"])
+    _without_new_records(directory, "trained_after")
+    assert Manifest.load(directory).corpus.changed_since_training  # added and removed since the build
+    update.refit(directory, TransformSpec(dim=4))
+    _without_new_records(directory, "trained_after")
+    assert not Manifest.load(directory).corpus.changed_since_training
+    update.add(directory, CorpusSpec(tmp_path / "b.npy"))
+    _without_new_records(directory, "trained_after")
+    assert Manifest.load(directory).corpus.changed_since_training
+
+
+def test_a_manifest_without_a_checksum_is_named_as_an_older_version_not_as_corrupt(tmp_path):
+    import json
+
+    from test_update import anisotropic
+
+    from retrieval.indexdir import MANIFEST
+
+    np.save(tmp_path / "a.npy", anisotropic(40))
+    directory = tmp_path / "idx"
+    build_index(CorpusSpec(tmp_path / "a.npy"), None, directory, TransformSpec(dim=4), options=OPTIONS)
+    data = json.loads((directory / MANIFEST).read_text())
+    del data["checksum"]
+    (directory / MANIFEST).write_text(json.dumps(data))
+    result = runner.invoke(app, ["info", str(directory)])
+    assert result.exit_code == 1
+    assert "was written by an older retrieval, before manifests carried a checksum: rebuild" in result.output
+    assert "corrupt" not in result.output

@@ -114,6 +114,24 @@ def test_a_manifest_without_the_record_gets_the_default_rule(reduced: Path, tmp_
     assert Searcher.load(old, encoder=FakeEncoder()).rescore_depth(SearchParams()) == RESCORE_DEPTH
 
 
+def test_info_gives_the_true_reason_for_a_depth_of_0_recorded_on_a_reduced_index(
+    corpus: Path, reduced: Path, tmp_path: Path
+) -> None:
+    """An older version recorded depth 0 for indexes it did not re-score by default (lossy FAISS codes): info
+    said "the index keeps every dimension" of an index that does not."""
+    from retrieval.info import describe_index
+
+    old = Path(shutil.copytree(reduced, tmp_path / "old"))
+    data = json.loads((old / MANIFEST).read_text())
+    data["rescore"]["depth"] = 0
+    data["checksum"] = checksum(data)
+    (old / MANIFEST).write_text(json.dumps(data))
+    line = describe_index(old)["summary"]["re-scoring"]
+    assert line == "off by default, as this index records (`search --rescore N` re-scores)", line
+    build(corpus, tmp_path / "full", TransformSpec(whiten=True))  # depth 0 by the rule: the reason stays
+    assert "every dimension" in describe_index(tmp_path / "full")["summary"]["re-scoring"]
+
+
 def test_a_full_rank_scorer_is_saved_used_and_kept(reduced: Path, tmp_path: Path) -> None:
     index = Path(shutil.copytree(reduced, tmp_path / "idx"))
     manifest = update.refit(index, TransformSpec(dim=4, gamma=0.5), scorer=TransformSpec(gamma=1.0, whiten=True))
