@@ -33,6 +33,7 @@ STASH_FORMAT = 2
 STATE_NAME = "stash.json"
 DTYPES = ("float32", "float16")
 BLOCK_ROWS = 65536  # rows per block when streaming the stash
+PRECISION_LOST = 1e-3  # float16 rounding error, as a share of a part's spread, refused (embeddings: ~1e-7)
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ class VectorStash:
         for pooling in self.poolings:
             self._check_range(vectors[pooling], ids)
             array = np.ascontiguousarray(vectors[pooling], dtype=self.dtype)
+            self._check_precision(vectors[pooling], array)
             if array.shape != (len(ids), self.dim):
                 raise ValueError(f"part {stem}: vectors {array.shape} for {len(ids)} rows of dimension {self.dim}")
             buffer = io.BytesIO()
@@ -179,6 +181,24 @@ class VectorStash:
             raise CorpusError(
                 f"{held} values beyond the float16 stash's range (+-65,504; first: id {ids[first]!r}, {value:g}): "
                 "scale the vectors, or build the index with a float32 stash (`index --stash-dtype float32`)"
+            )
+
+    def _check_precision(self, vectors: np.ndarray, stored: np.ndarray) -> None:
+        """Refuse rows a 16-bit stash would blur into each other: float16 keeps ~3 significant digits, so vectors
+        that differ by less than that from their common value (a spread of 1e-2 about 1e4), or that are below its
+        smallest step (~6e-8), came back identical or zero, and the index built from them was all zeros. Judged
+        on the part's rows (two or more): the rounding error's energy against their spread about their mean,
+        ~1e-7 for sentence embeddings; refused above 1e-3."""
+        if self.dtype != "float16" or len(vectors) < 2:
+            return
+        exact = np.asarray(vectors, dtype=np.float64)
+        spread = float(((exact - exact.mean(axis=0)) ** 2).sum())
+        error = float(((exact - stored.astype(np.float64)) ** 2).sum())
+        if spread > 0 and error > PRECISION_LOST * spread:  # identical rows stay identical: nothing is lost
+            raise CorpusError(
+                f"a float16 stash would round these vectors' differences away (rounding error {error / spread:.1e} of "
+                f"their spread; values up to {np.abs(exact).max():.3g}): build the index with a float32 stash "
+                "(`index --stash-dtype float32`)"
             )
 
     def _write(self, name: str, data: bytes) -> dict[str, Any]:

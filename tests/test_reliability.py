@@ -596,6 +596,27 @@ def test_vectors_beyond_float16_into_a_16_bit_stash(tmp_path: Path) -> None:
     assert snapshot(root / "idx") == before and leftovers(root / "idx") == []
 
 
+@case(
+    "input",
+    "vectors whose differences float16 cannot hold into a 16-bit stash: a spread of 1e-2 about 1e4, or values of "
+    "1e-8 (below float16's smallest step)",
+    "one line naming float32 as the fix (they were stored identical or zero and the index held only zero "
+    "vectors); nothing written; vectors at embeddings' scale are stored",
+)
+def test_vectors_float16_would_blur_into_a_16_bit_stash(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    for name, vectors in [
+        ("offset", 1e4 + 1e-2 * rng.normal(size=(300, 32))),
+        ("tiny", 1e-8 * rng.normal(size=(300, 32))),
+    ]:
+        np.save(tmp_path / f"{name}.npy", vectors.astype(np.float32))
+        result = run("index", tmp_path / f"{name}.npy", "--stash-dtype", "float16", "--out", tmp_path / name)
+        one_line(result, "a float16 stash would round these vectors' differences away", "`index --stash-dtype float32`")
+        assert not (tmp_path / name).exists()
+    np.save(tmp_path / "embeddings.npy", (0.05 * rng.normal(size=(300, 32)) + 0.01).astype(np.float32))
+    ok(run("index", tmp_path / "embeddings.npy", "--stash-dtype", "float16", "--out", tmp_path / "fine"))
+
+
 @case("options", "`refit --gamma nan` on a good index", "one line; the index is unchanged")
 def test_refit_with_nan_gamma(copy: Path) -> None:
     before = snapshot(copy)
