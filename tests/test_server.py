@@ -429,6 +429,50 @@ def test_a_request_cancelled_at_the_shutdown_timeout_gets_503_json(index: Path) 
             release.set()
 
 
+def test_a_body_still_arriving_at_the_shutdown_timeout_gets_503_json(index: Path) -> None:
+    """uvicorn cancels a request whose body is still being read when the shutdown timeout runs out: that got its
+    plain-text 500 and a logged traceback (only requests waiting for the engine got the JSON 503)."""
+    import asyncio
+    import json
+
+    test_client, service = serve(index)
+
+    async def cut_short() -> tuple[str, list[dict[str, Any]]]:
+        sent: list[dict[str, Any]] = []
+        parts = [{"type": "http.request", "body": b'{"query"', "more_body": True}]
+
+        async def receive() -> dict[str, Any]:
+            if parts:
+                return parts.pop()
+            await asyncio.sleep(3600)  # the rest of the body never comes
+            raise AssertionError("unreachable")
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": "/search", "raw_path": b"/search", "query_string": b"", "root_path": "",
+            "headers": [(b"host", b"t"), (b"content-type", b"application/json"), (b"content-length", b"100")],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+        }  # fmt: skip
+        task = asyncio.ensure_future(test_client.app(scope, receive, send))
+        await asyncio.sleep(0.3)  # reading the body
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "cancelled", sent
+        return "answered", sent
+
+    with test_client:
+        wait_ready(test_client)
+        service.begin_shutdown()
+        outcome, sent = asyncio.run(cut_short())
+    assert outcome == "answered" and sent[0]["status"] == 503, sent
+    assert json.loads(sent[1]["body"])["error"]["code"] == "shutting_down"
+
+
 def test_method_not_allowed_names_every_method_of_the_path(client: TestClient) -> None:
     paths = [("/search", "GET, HEAD, POST"), ("/embed", "POST"), ("/health", "GET, HEAD")]
     paths.append(("/docs/assets/swagger-ui.css", "GET, HEAD"))  # under the docs' mount: was empty
