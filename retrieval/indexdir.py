@@ -222,11 +222,13 @@ class CorpusRecord:
 def _corpus_record(data: dict[str, Any]) -> CorpusRecord:
     """The manifest's corpus record. One written before it kept ``trained_after`` is inferred from the kernel: a
     build and a refit fit the kernel and train the lists on the same rows, all of them, and an add or remove
-    changes the row count but not the fit's. So a fit on as many rows as the index holds was made after the
-    last change (the advice to refit would be wrong); otherwise the lists predate the changes."""
+    changes the row count but not the fit's. A fit on as many rows as the index holds, a count other than the
+    build's, was a refit after the changes (advising another would be wrong). Anything else is taken as lists
+    older than the changes: an add and a remove of as many rows leave the build's count, refitted or not."""
     corpus = dict(data["corpus"])
     if "trained_after" not in corpus:
-        fitted_now = data["transform"].get("n_fit") == data["index"].get("ntotal")
+        fitted, now = data["transform"].get("n_fit"), data["index"].get("ntotal")
+        fitted_now = fitted == now != corpus.get("indexed")
         corpus["trained_after"] = len(corpus.get("added", [])) + len(corpus.get("removed", [])) if fitted_now else 0
     return CorpusRecord(**corpus)
 

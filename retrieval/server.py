@@ -716,11 +716,14 @@ def _check_batch_size(parsed: Any, options: ServeOptions) -> None:
 
 async def _disconnected(request: Request) -> None:
     """Returns once the client has closed its connection: an ASGI server answers a receive after the whole body
-    (a GET's empty one included) once the client goes. One that answers with more body messages instead cannot
-    tell: then never (not a busy loop)."""
-    for _ in range(2):  # a GET's body has not been read: its first message is that empty body
-        if (await request.receive())["type"] == "http.disconnect":
-            return
+    (a GET's empty one included) once the client goes. One that answers with more body messages instead, or a
+    receive that raises, cannot tell: then never (not a busy loop, and never a false 499)."""
+    try:
+        for _ in range(2):  # a GET's body has not been read: its first message is that empty body
+            if (await request.receive())["type"] == "http.disconnect":
+                return
+    except Exception:  # noqa: BLE001 - e.g. LimitBody's 413 for a GET declaring a large body it never reads: no
+        pass  # news of the client, which is still there
     await asyncio.Event().wait()
 
 

@@ -34,6 +34,7 @@ STATE_NAME = "stash.json"
 DTYPES = ("float32", "float16")
 BLOCK_ROWS = 65536  # rows per block when streaming the stash
 PRECISION_LOST = 1e-3  # float16 rounding error, as a share of a part's spread, refused (embeddings: ~1e-7)
+PRECISION_ROWS = (64, 1024)  # parts of fewer rows are not judged; of more, the first 1,024
 
 
 @dataclass(frozen=True)
@@ -187,17 +188,20 @@ class VectorStash:
         """Refuse rows a 16-bit stash would blur into each other: float16 keeps ~3 significant digits, so vectors
         that differ by less than that from their common value (a spread of 1e-2 about 1e4), or that are below its
         smallest step (~6e-8), came back identical or zero, and the index built from them was all zeros. Judged
-        on the part's rows (two or more): the rounding error's energy against their spread about their mean,
-        ~1e-7 for sentence embeddings; refused above 1e-3."""
-        if self.dtype != "float16" or len(vectors) < 2:
+        on the first rows of a part of many (a few near-duplicate rows, such as a small add, say nothing of the
+        corpus): the rounding error's energy against their spread about their mean, ~1e-7 for sentence
+        embeddings; refused above 1e-3."""
+        if self.dtype != "float16" or len(vectors) < PRECISION_ROWS[0]:
             return
-        exact = np.asarray(vectors, dtype=np.float64)
-        spread = float(((exact - exact.mean(axis=0)) ** 2).sum())
-        error = float(((exact - stored.astype(np.float64)) ** 2).sum())
+        sample = np.asarray(vectors[: PRECISION_ROWS[1]], dtype=np.float32)
+        centred = sample - sample.mean(axis=0)
+        spread = float(np.vdot(centred, centred))
+        rounded = sample - stored[: PRECISION_ROWS[1]].astype(np.float32)
+        error = float(np.vdot(rounded, rounded))
         if spread > 0 and error > PRECISION_LOST * spread:  # identical rows stay identical: nothing is lost
             raise CorpusError(
                 f"a float16 stash would round these vectors' differences away (rounding error {error / spread:.1e} of "
-                f"their spread; values up to {np.abs(exact).max():.3g}): build the index with a float32 stash "
+                f"their spread; values up to {np.abs(sample).max():.3g}): build the index with a float32 stash "
                 "(`index --stash-dtype float32`)"
             )
 

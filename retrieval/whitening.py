@@ -34,6 +34,7 @@ READS_VERSIONS = (1, 2)
 DEFAULT_GAMMA = 0.3
 DEFAULT_CENTER_REDUCED = False
 DEFAULT_EPSILON = 1e-6
+NORM_FLOOR = 1e-18  # float32 norms below this lost precision to underflowing squares: taken in float64
 # Kernel drift above which `retrieval info` advises a refit: 10% relative change of the whitened covariance, or a
 # top-k subspace whose mean squared principal cosine fell below 0.9.
 DRIFT_REFIT = 0.1
@@ -41,12 +42,22 @@ OVERLAP_REFIT = 0.9
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:
-    """Scale each row to unit length, as float32; all-zero rows stay zero. The norms are taken in float64: in
-    float32 the squares of entries above ~1e19 overflow (every row came out 0), and a floor on the norm left rows
-    of a tiny scale (1e-14) short of unit length."""
+    """Scale each row to unit length, as float32; all-zero rows stay zero. Rows whose float32 norm is not exact
+    (squares of entries above ~1e19 overflow: every such row came out 0; below ~1e-19 they underflow) are
+    normalised again in float64; the others, every embedding, stay on the float32 path."""
     x = np.asarray(x, dtype=np.float32)
-    norms = np.linalg.norm(x.astype(np.float64), axis=-1, keepdims=True)
-    return (x * np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)).astype(np.float32)
+    with np.errstate(over="ignore", under="ignore"):
+        norms = np.linalg.norm(x, axis=-1, keepdims=True)
+    odd = ~((norms > NORM_FLOOR) & (norms < np.inf))  # zero, underflowed, overflowed (or NaN)
+    if not odd.any():
+        return x / norms
+    rows = x.reshape(-1, x.shape[-1])
+    out = rows / np.where(odd, np.float32(1), norms).reshape(-1, 1)
+    odd = odd.reshape(-1)
+    wide = rows[odd].astype(np.float64)
+    wide_norms = np.linalg.norm(wide, axis=1, keepdims=True)
+    out[odd] = np.divide(wide, wide_norms, out=np.zeros_like(wide), where=wide_norms > 0)
+    return out.reshape(x.shape)
 
 
 def _rows(x: np.ndarray, dim: int) -> np.ndarray:

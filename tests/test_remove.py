@@ -306,26 +306,29 @@ def test_removals_recorded_by_an_older_version_never_give_their_ids_to_added_row
 def test_an_older_manifest_refitted_after_its_changes_gets_no_refit_advice(tmp_path):
     """Manifests written before ``trained_after`` existed: the lists of an index refitted after its adds and
     removes were taken as trained before them, and calibrate advised a refit the index had had. A build and a
-    refit fit the kernel on every row the index holds; an add or remove changes the row count, not the fit's."""
+    refit fit the kernel on every row the index holds; an add or remove changes the row count, not the fit's.
+    Where that cannot tell (as many rows removed as added: the build's count again), the lists count as older."""
     from test_update import anisotropic
 
     from retrieval.indexdir import Manifest
 
     np.save(tmp_path / "a.npy", anisotropic(300))
     np.save(tmp_path / "b.npy", anisotropic(40, seed=5))
-    directory = tmp_path / "idx"
     ivf = IndexSpec(kind="ivf", nlist=8)
-    build_index(CorpusSpec(tmp_path / "a.npy"), None, directory, TransformSpec(dim=4), index=ivf, options=OPTIONS)
-    update.add(directory, CorpusSpec(tmp_path / "b.npy"))
-    update.remove(directory, ["3", "4"])
-    _without_new_records(directory, "trained_after")
-    assert Manifest.load(directory).corpus.changed_since_training  # added and removed since the build
-    update.refit(directory, TransformSpec(dim=4))
-    _without_new_records(directory, "trained_after")
-    assert not Manifest.load(directory).corpus.changed_since_training
-    update.add(directory, CorpusSpec(tmp_path / "b.npy"))
-    _without_new_records(directory, "trained_after")
-    assert Manifest.load(directory).corpus.changed_since_training
+    for name, removed, refitted in [("unbalanced", 2, True), ("balanced", 40, False)]:
+        directory = tmp_path / name
+        spec = CorpusSpec(tmp_path / "a.npy")
+        build_index(spec, None, directory, TransformSpec(dim=4), index=ivf, options=OPTIONS)
+        update.add(directory, CorpusSpec(tmp_path / "b.npy"))
+        update.remove(directory, [str(i) for i in range(removed)])
+        _without_new_records(directory, "trained_after")
+        assert Manifest.load(directory).corpus.changed_since_training, name  # changed since the build
+        update.refit(directory, TransformSpec(dim=4))
+        _without_new_records(directory, "trained_after")
+        assert Manifest.load(directory).corpus.changed_since_training is not refitted, name
+    update.add(tmp_path / "unbalanced", CorpusSpec(tmp_path / "b.npy"))
+    _without_new_records(tmp_path / "unbalanced", "trained_after")
+    assert Manifest.load(tmp_path / "unbalanced").corpus.changed_since_training  # an add after the refit
 
 
 def test_a_manifest_without_a_checksum_is_named_as_an_older_version_not_as_corrupt(tmp_path):

@@ -541,6 +541,14 @@ def test_a_client_that_leaves_while_queued_is_withdrawn_not_encoded(index: Path)
         assert metric(client, 'retrieval_requests_total{method="GET",route="/search",status="499"}') == 1
 
 
+def test_a_get_declaring_a_body_over_the_limit_is_answered(client: TestClient) -> None:
+    """The body of a GET is never read; the disconnect watcher's receive met LimitBody's 413 for its declared
+    length, and took that for the client leaving: a live client got 499 `client_closed`."""
+    response = client.request("GET", "/search", params={"q": QUERY}, content=b"a" * 30_000)
+    assert response.status_code == 200, response.text
+    assert response.json()["results"][0]["hits"][0]["id"] == "doc5"
+
+
 def test_a_client_that_leaves_mid_body_is_not_an_internal_error(
     client: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
