@@ -378,39 +378,65 @@ def test_an_index_of_precomputed_vectors_refuses_texts_with_no_encoder(tmp_path:
             assert error["code"] == "no_encoder" and "search_vectors" not in error["message"], error
 
 
+def drive(
+    app: Any, method: str, path: str, query: bytes = b"", messages: Any = (), cancel_after: float | None = None
+) -> tuple[str, list[dict[str, Any]]]:
+    """One request straight to the ASGI app, as TestClient cannot send it: from a client that leaves, or one that
+    uvicorn cancels (its shutdown timeout). ``messages`` are what ``receive`` returns in turn (a float: sleep that
+    long first; then nothing more ever comes). ("answered" or "cancelled", the messages the app sent)."""
+    import asyncio
+
+    sent: list[dict[str, Any]] = []
+    pending = list(messages)
+
+    async def receive() -> Any:
+        while pending and isinstance(pending[0], float):
+            await asyncio.sleep(pending.pop(0))
+        if pending:
+            return pending.pop(0)
+        await asyncio.sleep(3600)  # a client with nothing more to say
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    headers = [(b"host", b"testserver"), (b"content-type", b"application/json")]
+    if method == "POST":
+        headers.append((b"content-length", b"100"))
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "", "headers": headers,
+        "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
+    }  # fmt: skip
+
+    async def run() -> str:
+        task = asyncio.ensure_future(app(scope, receive, send))
+        if cancel_after is not None:
+            await asyncio.sleep(cancel_after)
+            task.cancel()
+        try:
+            await asyncio.wait_for(task, 30)
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "answered"
+
+    return asyncio.run(run()), sent
+
+
+GET_BODY = {"type": "http.request", "body": b"", "more_body": False}
+
+
 def test_a_request_cancelled_at_the_shutdown_timeout_gets_503_json(index: Path) -> None:
     """On SIGTERM uvicorn waits --shutdown-timeout, then cancels the requests still running: those got uvicorn's
     plain-text 500 and a logged traceback. Once the service is shutting down (`begin_shutdown`, which `run` calls
     from the signal), a cancelled request gets 503 `shutting_down`, JSON; any other cancellation passes on."""
-    import asyncio
     import json
 
     release = threading.Event()
     test_client, service = serve(index)
 
-    async def cancelled_request() -> tuple[str, list[dict[str, Any]]]:
-        """A raw ASGI GET /search, cancelled while the engine holds it, as uvicorn cancels it."""
-        sent: list[dict[str, Any]] = []
-
-        async def receive() -> dict[str, Any]:
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        scope = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-            "path": "/search", "raw_path": b"/search", "query_string": b"q=held", "root_path": "",
-            "headers": [(b"host", b"testserver")], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-        }  # fmt: skip
-        task = asyncio.ensure_future(test_client.app(scope, receive, send))
-        await asyncio.sleep(0.3)  # queued behind, or inside, the held encode
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            return "cancelled", sent
-        return "answered", sent
+    def cancelled_request() -> tuple[str, list[dict[str, Any]]]:
+        """A GET /search cancelled while the engine holds it (queued behind, or inside, the held encode)."""
+        return drive(test_client.app, "GET", "/search", b"q=held", [GET_BODY], cancel_after=0.3)
 
     with test_client:
         wait_ready(test_client)
@@ -418,10 +444,10 @@ def test_a_request_cancelled_at_the_shutdown_timeout_gets_503_json(index: Path) 
         encode = searcher.encode
         searcher.encode = lambda texts: (release.wait(10), encode(texts))[1]  # type: ignore[method-assign]
         try:
-            outcome, sent = asyncio.run(cancelled_request())
+            outcome, sent = cancelled_request()
             assert outcome == "cancelled" and not sent  # not shutting down: as before
             service.begin_shutdown()
-            outcome, sent = asyncio.run(cancelled_request())
+            outcome, sent = cancelled_request()
             assert outcome == "answered" and sent[0]["status"] == 503, sent
             error = json.loads(sent[1]["body"])["error"]
             assert error["code"] == "shutting_down" and "shutdown timeout" in error["message"], error
@@ -432,43 +458,15 @@ def test_a_request_cancelled_at_the_shutdown_timeout_gets_503_json(index: Path) 
 def test_a_body_still_arriving_at_the_shutdown_timeout_gets_503_json(index: Path) -> None:
     """uvicorn cancels a request whose body is still being read when the shutdown timeout runs out: that got its
     plain-text 500 and a logged traceback (only requests waiting for the engine got the JSON 503)."""
-    import asyncio
     import json
 
     test_client, service = serve(index)
 
-    async def cut_short() -> tuple[str, list[dict[str, Any]]]:
-        sent: list[dict[str, Any]] = []
-        parts = [{"type": "http.request", "body": b'{"query"', "more_body": True}]
-
-        async def receive() -> dict[str, Any]:
-            if parts:
-                return parts.pop()
-            await asyncio.sleep(3600)  # the rest of the body never comes
-            raise AssertionError("unreachable")
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        scope = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-            "path": "/search", "raw_path": b"/search", "query_string": b"", "root_path": "",
-            "headers": [(b"host", b"t"), (b"content-type", b"application/json"), (b"content-length", b"100")],
-            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-        }  # fmt: skip
-        task = asyncio.ensure_future(test_client.app(scope, receive, send))
-        await asyncio.sleep(0.3)  # reading the body
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            return "cancelled", sent
-        return "answered", sent
-
     with test_client:
         wait_ready(test_client)
         service.begin_shutdown()
-        outcome, sent = asyncio.run(cut_short())
+        partial = [{"type": "http.request", "body": b'{"query"', "more_body": True}]  # the rest never comes
+        outcome, sent = drive(test_client.app, "POST", "/search", b"", partial, cancel_after=0.3)
     assert outcome == "answered" and sent[0]["status"] == 503, sent
     assert json.loads(sent[1]["body"])["error"]["code"] == "shutting_down"
 
@@ -479,36 +477,6 @@ def test_method_not_allowed_names_every_method_of_the_path(client: TestClient) -
     for path, allowed in paths:
         response = client.request("PUT", path)
         assert response.status_code == 405 and response.headers["allow"] == allowed, path
-
-
-def call_app(app: Any, method: str, path: str, query: bytes, messages: list[Any]) -> int | None:
-    """Drive the ASGI app directly, as a client TestClient cannot be: one that leaves. ``messages`` are what
-    ``receive`` returns in turn (a float: sleep that long first); the response's status, None if none was sent."""
-    import asyncio
-
-    statuses: list[int] = []
-
-    async def receive() -> Any:
-        while messages and isinstance(messages[0], float):
-            await asyncio.sleep(messages.pop(0))
-        if messages:
-            return messages.pop(0)
-        await asyncio.sleep(3600)  # a client with nothing more to say
-
-    async def send(message: Any) -> None:
-        if message["type"] == "http.response.start":
-            statuses.append(message["status"])
-
-    headers = [(b"host", b"testserver"), (b"content-type", b"application/json")]
-    if method == "POST":
-        headers.append((b"content-length", b"100"))
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-        "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "", "headers": headers,
-        "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
-    }  # fmt: skip
-    asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
-    return statuses[0] if statuses else None
 
 
 class RecordingEncoder(FakeEncoder):
@@ -532,8 +500,8 @@ def test_a_client_that_leaves_while_queued_is_withdrawn_not_encoded(index: Path)
         running, release = threading.Event(), threading.Event()
         service.batcher.call(lambda: (running.set(), release.wait(10)))  # the engine is busy
         assert running.wait(10)
-        left = [{"type": "http.request", "body": b"", "more_body": False}, 0.3, {"type": "http.disconnect"}]
-        status = call_app(app, "GET", "/search", b"q=abandoned%20text", left)
+        _, sent = drive(app, "GET", "/search", b"q=abandoned%20text", [GET_BODY, 0.3, {"type": "http.disconnect"}])
+        status = sent[0]["status"]
         release.set()
         assert client.get("/search", params={"q": QUERY}).status_code == 200
         assert status == 499 and "abandoned text" not in encoder.texts and QUERY in encoder.texts
@@ -555,7 +523,7 @@ def test_a_client_that_leaves_mid_body_is_not_an_internal_error(
     """It was logged as a bug (two tracebacks) and counted as a 500 `internal`: anyone could flood the log."""
     cut = [{"type": "http.request", "body": b'{"query"', "more_body": True}, {"type": "http.disconnect"}]
     with caplog.at_level(logging.WARNING):
-        assert call_app(client.app, "POST", "/search", b"", cut) == 499
+        assert drive(client.app, "POST", "/search", b"", cut)[1][0]["status"] == 499
     assert not caplog.records
     assert metric(client, 'retrieval_errors_total{code="client_closed"}') == 1
     assert "internal" not in client.get("/metrics").text
