@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -172,13 +173,23 @@ def test_the_server_answers_then_follows_an_add_under_load(
 
 
 def raw_request(server: Server, request: bytes, hold: float = 0.0) -> bytes:
-    """Send ``request`` on a socket of its own; what came back before ``hold`` seconds (then it closes)."""
+    """Send ``request`` on a socket of its own: the whole response (headers, then Content-Length bytes, which may
+    come in several reads); or, with ``hold``, nothing: the client closes after ``hold`` seconds."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(request)
-        if not hold:
-            return sock.recv(65536)
-        time.sleep(hold)
-    return b""
+        if hold:
+            time.sleep(hold)
+            return b""
+        data = b""
+        while True:
+            head, sep, body = data.partition(b"\r\n\r\n")
+            length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE) if sep else None
+            if length and len(body) >= int(length.group(1)):
+                return data
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
 
 
 def metric_value(server: Server, line_start: str) -> float:
