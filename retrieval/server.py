@@ -460,7 +460,7 @@ def check_query_string(request: Request) -> None:
             # (which FastAPI uses) also takes " 5", "+5", "1_0"; "5.0" and "5.000" came in through pydantic
             message = f"`{name}` must be a whole number in digits (got {value[:40]!r})"
             raise ApiError(422, "invalid_request", message, name)
-    unknown = sorted(set(request.query_params) - {"q", "k", "rescore", "ef", "nprobe"})
+    unknown = sorted(set(request.query_params) - {"q", *INT_PARAMS})
     if unknown:
         raise ApiError(422, "invalid_request", f"unknown parameter `{unknown[0]}`", unknown[0])
     twice = next((name for name in request.query_params if len(request.query_params.getlist(name)) > 1), None)
