@@ -752,6 +752,8 @@ def _parse_refusing_repeated_keys(body: bytes) -> Any:
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: dict[str, Any] = {}
         for key, value in items:
+            if not valid_unicode(key):  # never echoed; pydantic took it for a body that is not an object
+                raise ApiError(422, "invalid_text", "a key holds a lone surrogate: send valid UTF-8 text")
             if key in seen:
                 raise _Repeated(key)
             seen[key] = value

@@ -328,6 +328,15 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
         "inputs",
     ),
     ("post", "/search", {"headers": {"content-type": "application/json"}}, 422, "invalid_request", None),
+    # a key that is no text (a lone surrogate) was told "the body must be a JSON object"
+    (
+        "post",
+        "/search",
+        {"content": b'{"query": "a", "\\ud800": 1}', "headers": {"content-type": "application/json"}},
+        422,
+        "invalid_text",
+        None,
+    ),
     # JSON that json.loads cannot read (FastAPI's own 400, undocumented): not UTF-8, too deep, a 5,000-digit number
     *[
         ("post", "/search", {"content": body, "headers": JSON_TYPE}, 422, "invalid_json", None)
