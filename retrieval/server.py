@@ -507,7 +507,17 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     bearer = [Depends(HTTPBearer(auto_error=False, description="The server's API key"))] if api_key else []
     api = APIRouter(route_class=KeyedRoute, dependencies=bearer)
 
-    # ----- search ------------------------------------------------------------------------------------------
+    _search_routes(api, service)
+    _state_routes(app, api, service, metrics)
+    _page_route(app, options)
+    app.include_router(api)
+    return app
+
+
+def _search_routes(api: APIRouter, service: Service) -> None:
+    """POST/GET /search and POST /embed: texts checked here, queued for the engine's micro-batches."""
+    options = service.options
+
     async def answer(request: Request, future: Future[Answer]) -> Answer:
         """The engine's answer, unless the client closes its connection first: then its queued texts are
         withdrawn (the engine skips a cancelled request), not encoded for nobody. Under overload clients time out
@@ -605,7 +615,10 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
             }
         )
 
-    # ----- state -------------------------------------------------------------------------------------------
+
+def _state_routes(app: FastAPI, api: APIRouter, service: Service, metrics: Metrics) -> None:
+    """/health (on ``app``: it never needs the key), /ready, /info, /metrics and POST /reload."""
+
     @app.get("/health", summary="Liveness: the process answers (never needs the API key)")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -649,6 +662,8 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
             raise ApiError(409, "reload_refused", message, generation=outcome.generation)
         return JSONResponse({"reloaded": True, "generation": outcome.generation, "seconds": round(outcome.seconds, 3)})
 
+
+def _page_route(app: FastAPI, options: ServeOptions) -> None:
     # The page is one static file; the server writes its own k limit into the k box, so it never offers a k
     # the server refuses (and needs no request, which the API key would refuse, to learn it).
     page_html = (STATIC / "index.html").read_text(encoding="utf-8")
@@ -657,9 +672,6 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     @app.get("/", include_in_schema=False)
     async def page() -> HTMLResponse:
         return HTMLResponse(page_html)
-
-    app.include_router(api)
-    return app
 
 
 class KeyedRoute(APIRoute):
