@@ -171,6 +171,7 @@ ERROR_TEXTS = {
     401: "Missing or wrong API key",
     409: "The new version was refused; the old one serves on",
     413: "Body or batch too large",
+    415: "Body not sent as JSON (Content-Type), or compressed (Content-Encoding)",
     422: "Invalid request",
     429: "Too many queries waiting",
     503: "Index not loaded yet, or shutting down",
@@ -183,6 +184,7 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 ERRORS = errors(401, 413, 422, 429, 503)
+BODY_ERRORS = errors(401, 413, 415, 422, 429, 503)  # a route that reads a JSON body
 # A route whose own responses are not JSON (/metrics): FastAPI would give a `model` its media type, so the error is
 # given by reference (the search and embed routes put ErrorResponse among the spec's schemas).
 JSON_401: dict[int | str, dict[str, Any]] = {
@@ -354,7 +356,8 @@ def param_bounds(options: ServeOptions) -> dict[str, tuple[int, int]]:
 def document_limits(app: FastAPI, options: ServeOptions) -> None:
     """Write the limits the handlers enforce into the OpenAPI spec (they are this server's options, not fixed in
     the models): k, rescore, ef and nprobe bounds, text lengths, batch sizes."""
-    text = {"minLength": 1, "maxLength": options.max_query_chars}
+    # Refused as empty too: a text of whitespace alone (a pattern is searched for anywhere in the string)
+    text = {"minLength": 1, "maxLength": options.max_query_chars, "pattern": r"\S"}
     bounds: dict[str, dict[str, Any]] = {
         **{name: {"minimum": low, "maximum": high} for name, (low, high) in param_bounds(options).items()},
         "q": text,
@@ -380,7 +383,12 @@ def document_limits(app: FastAPI, options: ServeOptions) -> None:
             for model in ("SearchRequest", "EmbedRequest"):
                 for name, prop in schema["components"]["schemas"][model]["properties"].items():
                     constrain(prop, bounds.get(name, {}))
-            schema["components"]["schemas"]["SearchRequest"]["properties"]["k"]["default"] = default_k(options)
+            search = schema["components"]["schemas"]["SearchRequest"]
+            search["properties"]["k"]["default"] = default_k(options)
+            search["oneOf"] = [  # exactly one of the two given, as a text and as a list (null is "not given")
+                {"required": ["query"], "properties": {"query": {"type": "string"}}},
+                {"required": ["queries"], "properties": {"queries": {"type": "array"}}},
+            ]
             for parameter in schema["paths"]["/search"]["get"]["parameters"]:
                 constrain(parameter["schema"], bounds.get(parameter["name"], {}))
                 if parameter["name"] == "k":
@@ -582,7 +590,7 @@ def _search_routes(api: APIRouter, service: Service) -> None:
     @api.post(
         "/search",
         response_model=SearchResponse,
-        responses=ERRORS,
+        responses=BODY_ERRORS,
         summary="Search with one query or a batch",
         description=search_doc,
     )
@@ -598,7 +606,7 @@ def _search_routes(api: APIRouter, service: Service) -> None:
     @api.post(
         "/embed",
         response_model=EmbedResponse,
-        responses=ERRORS,
+        responses=BODY_ERRORS,
         summary="Vectors of texts, by the index's own encoder",
     )
     async def embed(request: Request, body: EmbedRequest) -> JSONResponse:
@@ -684,14 +692,18 @@ class KeyedRoute(APIRoute):
         async def checked(request: Request) -> Response:
             key: bytes | None = request.app.state.api_key
             if key is not None and not _has_key(request, key):
+                # RFC 6750 3.1: a key that was sent and is wrong is an invalid token; none sent, just the scheme
+                wrong = ' error="invalid_token"' if "authorization" in request.headers else ""
                 raise ApiError(
                     401,
                     "unauthorized",
                     "missing or wrong API key: send `Authorization: Bearer <key>`",
-                    headers={"WWW-Authenticate": "Bearer"},
+                    headers={"WWW-Authenticate": "Bearer" + wrong},
                 )
-            if request.method == "POST":
-                parsed = _parse_refusing_repeated_keys(await _body(request))
+            if self.body_field is not None:  # a route that reads a body (POST /reload takes none: not read)
+                body = await _body(request)
+                _check_content_type(request, body)
+                parsed = _parse_refusing_repeated_keys(body)
                 if parsed is not NOT_JSON:  # parsed once: Starlette's Request.json() returns what it cached here,
                     request._json = parsed  # which is what FastAPI reads the body with
                     _check_batch_size(parsed, request.app.state.service.options)
@@ -700,13 +712,31 @@ class KeyedRoute(APIRoute):
         return checked
 
 
+def _check_content_type(request: Request, body: bytes) -> None:
+    """Refuse a body sent as something other than JSON (415, RFC 9110 15.5.16), or compressed: it would be read
+    as bytes that are not UTF-8. FastAPI reads no body without a Content-Type (its strict default). Content-Encoding
+    is a list, possibly over several header lines (RFC 9110 5.3): only ``identity`` entries mean none."""
+    given = request.headers.get("content-type")
+    if given is None and body:
+        raise ApiError(415, "unsupported_media_type", "send the body as JSON with `Content-Type: application/json`")
+    if given is not None:
+        media = given.split(";", 1)[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            shown = media[:60] if valid_unicode(media) and media.isprintable() else "?"
+            message = f"send the body as JSON with `Content-Type: application/json` (got {shown!r})"
+            raise ApiError(415, "unsupported_media_type", message)
+    codings = [c.strip().lower() for line in request.headers.getlist("content-encoding") for c in line.split(",")]
+    compressed = [c for c in codings if c not in ("", "identity")]
+    if compressed:
+        shown = compressed[0][:40] if compressed[0].isprintable() else "?"
+        message = f"send the body uncompressed (Content-Encoding {shown!r})"
+        raise ApiError(415, "unsupported_media_type", message, headers={"Accept-Encoding": "identity"})
+
+
 async def _body(request: Request) -> bytes:
-    """The request's body as sent: refused when it is compressed (it would be read as bytes that are not UTF-8),
-    the client closing mid-body is a 499 (not a logged internal error), and the shutdown timeout running out
-    while it is read is the JSON 503 ``shutting_down`` (not uvicorn's plain-text 500)."""
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding != "identity":
-        raise ApiError(415, "unsupported_media_type", f"send the body uncompressed (Content-Encoding {encoding!r})")
+    """The request's body as sent: the client closing mid-body is a 499 (not a logged internal error), and the
+    shutdown timeout running out while it is read is the JSON 503 ``shutting_down`` (not uvicorn's plain-text
+    500)."""
     try:
         return await request.body()
     except ClientDisconnect:

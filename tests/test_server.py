@@ -3,6 +3,7 @@ a refused corrupt version, and micro-batching that batches concurrent requests w
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -183,7 +184,7 @@ def test_the_spec_states_the_servers_own_limits(index: Path) -> None:
     search = models["SearchRequest"]["properties"]
     assert {"type": "integer", "minimum": 1, "maximum": 50} in search["k"]["anyOf"] and search["k"]["default"] == 10
     assert {"type": "integer", "minimum": 0, "maximum": 400} in search["rescore"]["anyOf"]
-    assert {"type": "string", "minLength": 1, "maxLength": 300} in search["query"]["anyOf"]
+    assert {"type": "string", "minLength": 1, "maxLength": 300, "pattern": r"\S"} in search["query"]["anyOf"]
     queries = next(b for b in search["queries"]["anyOf"] if b["type"] == "array")
     assert (queries["maxItems"], queries["items"]["maxLength"]) == (7, 300)
     inputs = {b["type"]: b for b in models["EmbedRequest"]["properties"]["inputs"]["anyOf"]}
@@ -194,6 +195,26 @@ def test_the_spec_states_the_servers_own_limits(index: Path) -> None:
     assert get["k"]["default"] == 10
     for path, method in (("/ready", "get"), ("/info", "get"), ("/reload", "post")):
         assert spec["paths"][path][method]["responses"]["200"]["content"]["application/json"]["schema"] != {}, path
+
+
+def test_the_request_schemas_refuse_what_the_server_refuses(client: TestClient) -> None:
+    """A client validating against the spec must not send what the server answers with 422: neither or both of
+    `query` and `queries`, a text of whitespace alone (the schemas took all of these)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    spec = client.get("/openapi.json").json()
+
+    def valid(model: str, body: dict[str, Any]) -> bool:
+        schema = {**spec["components"]["schemas"][model], "components": spec["components"]}
+        return jsonschema.Draft202012Validator(schema).is_valid(body)
+
+    for body in ({"query": "a"}, {"queries": ["a", "b"], "k": 3}, {"query": "a", "queries": None}):
+        assert valid("SearchRequest", body), body
+        assert client.post("/search", json=body).status_code == 200, body
+    for body in ({}, {"query": "a", "queries": ["b"]}, {"query": "  "}, {"queries": ["a", "\t"]}):
+        assert not valid("SearchRequest", body), body
+        assert client.post("/search", json=body).status_code == 422, body
+    assert valid("EmbedRequest", {"inputs": "a"}) and not valid("EmbedRequest", {"inputs": " "})
+    assert client.post("/embed", json={"inputs": " "}).status_code == 422
 
 
 def test_metrics_count_requests_errors_and_batches(client: TestClient) -> None:
@@ -297,12 +318,29 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
         "invalid_json",
         None,
     ),
+    # a body that is not sent as JSON is 415 (RFC 9110 15.5.16), as a compressed one is; it was 422
+    *[
+        ("post", path, {"content": b'{"query": "a"}', "headers": {"content-type": kind}}, 415, code, None)
+        for path, kind, code in (
+            ("/search", "text/plain", "unsupported_media_type"),
+            ("/search", "application/x-www-form-urlencoded", "unsupported_media_type"),
+            ("/embed", "multipart/form-data; boundary=x", "unsupported_media_type"),
+        )
+    ],
+    # Content-Encoding is a list, possibly over several lines: a gzip on the second line was missed (422)
     (
         "post",
         "/search",
-        {"content": b"query=a", "headers": {"content-type": "text/plain"}},
-        422,
-        "invalid_request",
+        {
+            "content": b"\x1f\x8b\x08\x00",
+            "headers": [
+                ("content-type", "application/json"),
+                ("content-encoding", "identity"),
+                ("content-encoding", "gzip"),
+            ],
+        },
+        415,
+        "unsupported_media_type",
         None,
     ),
     ("post", "/search", {"json": {"query": "a" * 1500, "queries": ["b" * 1500] * 20}}, 413, "payload_too_large", None),
@@ -367,6 +405,34 @@ def test_bad_input_gets_a_clear_json_error(
     assert error["message"] and "\n" not in error["message"] and "Traceback" not in response.text
     if param:
         assert f"`{param}`" in error["message"]
+
+
+def test_json_bodies_are_taken_by_media_type_and_only_routes_with_a_body_read_one(client: TestClient) -> None:
+    body = b'{"query": "' + QUERY.encode() + b'", "k": 1}'
+    for headers in (
+        {"content-type": "application/json; charset=utf-8"},
+        {"content-type": "Application/JSON"},
+        {"content-type": "application/vnd.retrieval+json"},
+        {"content-type": "application/json", "content-encoding": "identity, identity"},
+        {"content-type": "application/json", "content-encoding": ""},
+    ):
+        response = client.post("/search", content=body, headers=headers)
+        assert response.status_code == 200 and response.json()["results"][0]["hits"], (headers, response.text)
+    bare = client.post("/search", content=body)  # no Content-Type: FastAPI reads no body (its strict default)
+    assert (bare.status_code, bare.json()["error"]["code"]) == (415, "unsupported_media_type")
+    compressed = client.post(
+        "/embed", content=b"x", headers={"content-type": "application/json", "content-encoding": "br"}
+    )
+    assert (compressed.status_code, compressed.headers["accept-encoding"]) == (415, "identity")
+    # POST /reload takes no body: what is sent is not read, so not refused (it got 415, 413 too_many_queries, or
+    # a repeated-key 422 for a body it ignores)
+    for content, headers in (
+        (b'{"a": 1, "a": 2}', {"content-type": "application/json"}),
+        (json.dumps({"queries": ["q"] * 500}).encode(), {"content-type": "application/json"}),
+        (b"\x1f\x8b", {"content-encoding": "gzip"}),
+    ):
+        response = client.post("/reload", content=content, headers=headers)
+        assert response.status_code == 200 and response.json()["reloaded"] is True, response.text
 
 
 def test_an_index_of_precomputed_vectors_refuses_texts_with_no_encoder(tmp_path: Path) -> None:
@@ -573,7 +639,9 @@ def test_an_api_key_protects_everything_but_health_the_page_and_the_docs(index: 
             assert response.headers["www-authenticate"] == "Bearer"
         assert client.get("/search", params={"q": QUERY}).status_code == 401
         wrong = {"Authorization": "Bearer s3cre"}
-        assert client.post("/search", json={"query": QUERY}, headers=wrong).status_code == 401
+        response = client.post("/search", json={"query": QUERY}, headers=wrong)
+        assert response.status_code == 401  # a key sent and wrong: RFC 6750 3.1's invalid_token
+        assert response.headers["www-authenticate"] == 'Bearer error="invalid_token"'
         assert client.post("/embed", json={"inputs": "a"}, headers={"Authorization": "s3cret"}).status_code == 401
         good = {"Authorization": "Bearer s3cret"}
         broken, json_type = b'{"query": ', {"Content-Type": "application/json"}
@@ -609,6 +677,8 @@ def test_the_spec_lists_every_status_a_route_answers_with(client: TestClient) ->
     assert all("401" in codes for route, codes in statuses.items() if route != "GET /health"), statuses  # the key
     assert {"503"} <= statuses["GET /ready"] and {"409"} <= statuses["POST /reload"]
     assert {"413", "422", "429", "503"} <= statuses["POST /search"] & statuses["GET /search"] & statuses["POST /embed"]
+    assert "415" in statuses["POST /search"] & statuses["POST /embed"] and "415" not in statuses["GET /search"]
+    assert statuses["POST /reload"] == {"200", "401", "409"}  # it reads no body: none of the body's errors
     error = {"$ref": "#/components/schemas/ErrorResponse"}  # JSON, even where the route's own answer is text
     assert paths["/metrics"]["get"]["responses"]["401"]["content"] == {"application/json": {"schema": error}}
     assert paths["/ready"]["get"]["responses"]["503"]["content"] == {"application/json": {"schema": error}}
