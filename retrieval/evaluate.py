@@ -68,6 +68,22 @@ def _strings(values: Any) -> list[Any]:
     return values.cast(pa.string()).to_pylist()
 
 
+def _ids(values: Any, column: str, path: Path) -> list[Any]:
+    """An id column as the corpus reads one: strings, UTF-8 bytes decoded (``str()`` gave "b'q1'", which matched
+    nothing), integers as digits; None for nulls, which each caller refuses. Floats are refused, as the corpus
+    refuses them: 1.0 and "1" would be two ids."""
+    kind = values.type
+    if pa.types.is_integer(kind):
+        return [None if v is None else str(v) for v in values.to_pylist()]
+    binary = pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or str(kind) == "binary_view"
+    if not (_is_text(kind) or binary):
+        raise CorpusError(f"column {column!r} of {path} holds {kind}: ids must be strings or integers")
+    try:
+        return values.cast(pa.string()).to_pylist()
+    except (pa.ArrowInvalid, UnicodeDecodeError):
+        raise CorpusError(f"column {column!r} of {path} holds bytes that are not UTF-8: store ids as text") from None
+
+
 def _is_number(kind: pa.DataType) -> bool:
     return pa.types.is_integer(kind) or pa.types.is_floating(kind)
 
@@ -85,19 +101,18 @@ def read_queries(path: Path, id_column: str = "query_id", text_column: str = "te
     if not table.num_rows:
         raise CorpusError(f"{path} holds no queries")
     _require(table, text_column, path, _is_text, ", not text")
-    ids, texts = table.column(id_column).to_pylist(), _strings(table.column(text_column))
+    ids, texts = _ids(table.column(id_column), id_column, path), _strings(table.column(text_column))
     for row, (query, text) in enumerate(zip(ids, texts, strict=True)):
         if query is None:
             raise CorpusError(f"row {row} of {path} has a null {id_column!r}: every query needs an id")
         if text is None or not text.strip():
             raise CorpusError(f"query {query} of {path} has no text (null or blank): give every query its text")
-    strings = [str(q) for q in ids]
     seen: set[str] = set()
-    for query in strings:
+    for query in ids:
         if query in seen:
             raise CorpusError(f"query id {query!r} appears more than once in {path}: query ids must be unique")
         seen.add(query)
-    return Queries(strings, texts)
+    return Queries(ids, texts)
 
 
 def _parquet_magic(path: Path) -> bool:
@@ -163,7 +178,10 @@ class QueryFile:
         first = 0
         for batch in pq.ParquetFile(self.path).iter_batches(batch_size=size, columns=columns):
             texts = _strings(batch.column(self.text_column))
-            ids = batch.column(self.id_column).to_pylist() if self._with_ids else range(first, first + len(texts))
+            if self._with_ids:
+                ids = _ids(batch.column(self.id_column), self.id_column, self.path)
+            else:
+                ids = [str(row) for row in range(first, first + len(texts))]
             for row, (query, text) in enumerate(zip(ids, texts, strict=True), start=first):
                 if query is None:
                     raise CorpusError(f"row {row} of {self.path} has a null {self.id_column!r}: give every query an id")
@@ -172,7 +190,7 @@ class QueryFile:
                         f"query {query} of {self.path} has no text (null or blank): give every query its text"
                     )
             first += len(texts)
-            yield Queries([str(q) for q in ids], texts)
+            yield Queries(ids, texts)
 
     def _line_chunks(self, size: int) -> Iterator[Queries]:
         ids: list[str] = []
@@ -213,7 +231,8 @@ def read_qrels(
     """query id -> doc id -> grade (an integer: 0 or less not relevant, higher more relevant); ids as text."""
     table = _read(path, [query_column, doc_column, score_column], "qrels")
     _require(table, score_column, path, _is_number, ": relevance grades must be integers")
-    columns = [table.column(c).to_pylist() for c in (query_column, doc_column, score_column)]
+    columns = [_ids(table.column(c), c, path) for c in (query_column, doc_column)]
+    columns.append(table.column(score_column).to_pylist())
     qrels: Qrels = {}
     for row, (q, d, s) in enumerate(zip(*columns, strict=True)):
         if q is None or d is None or s is None:
@@ -222,7 +241,7 @@ def read_qrels(
             )
         if not math.isfinite(s) or s != int(s):
             raise CorpusError(f"row {row} of {path} has the grade {s}: relevance grades must be whole numbers")
-        judged, doc, grade = qrels.setdefault(str(q), {}), str(d), int(s)
+        judged, doc, grade = qrels.setdefault(q, {}), d, int(s)
         if judged.setdefault(doc, grade) != grade:
             raise CorpusError(
                 f"row {row} of {path} grades doc {d!r} for query {q!r} {grade}, an earlier row {judged[doc]}: "

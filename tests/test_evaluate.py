@@ -17,6 +17,7 @@ from retrieval.corpus import CorpusSpec
 from retrieval.errors import CorpusError
 from retrieval.evaluate import (
     Pairs,
+    QueryFile,
     evaluate_ir,
     evaluate_sts,
     pair_cosines,
@@ -134,6 +135,30 @@ def test_text_columns_in_any_arrow_layout(tmp_path: Path) -> None:
         pq.write_table(pa.table({**columns, "score": [0.0, 5.0]}), pairs)
         read = read_pairs(pairs)
         assert (read.sentence1, read.sentence2, read.subset) == (["x", "y"], ["y", "z"], ["A", "A"])
+
+
+def test_ids_are_read_as_the_corpus_reads_them(tmp_path: Path) -> None:
+    """Binary ids were turned into "b'q1'" (str of bytes), which matched no document id of the index (the corpus
+    decodes them); float ids were taken as "1.0", which the corpus refuses as ambiguous."""
+    queries, qrels = tmp_path / "q.parquet", tmp_path / "qrels.parquet"
+    binary = pa.array([b"q1", b"q2"], pa.binary())
+    pq.write_table(pa.table({"query_id": binary, "text": ["a", "b"]}), queries)
+    assert read_queries(queries).ids == ["q1", "q2"]
+    assert [q.ids for q in QueryFile(queries).chunks()] == [["q1", "q2"]]
+    pq.write_table(pa.table({"query_id": binary, "doc_id": pa.array([b"d1", b"d2"]), "score": [1, 2]}), qrels)
+    assert read_qrels(qrels) == {"q1": {"d1": 1}, "q2": {"d2": 2}}
+    pq.write_table(pa.table({"query_id": pa.array([7, 8], pa.int16()), "text": ["a", "b"]}), queries)
+    assert read_queries(queries).ids == ["7", "8"] and next(QueryFile(queries).chunks()).ids == ["7", "8"]
+    pq.write_table(pa.table({"query_id": [1.0, 2.0], "text": ["a", "b"]}), queries)
+    for read in (read_queries, QueryFile):
+        with pytest.raises(CorpusError, match="'query_id' of .* holds double: ids must be strings or integers"):
+            read(queries)
+    pq.write_table(pa.table({"query_id": ["q1"], "doc_id": [3.0], "score": [1]}), qrels)
+    with pytest.raises(CorpusError, match="'doc_id' of .* holds double"):
+        read_qrels(qrels)
+    pq.write_table(pa.table({"query_id": pa.array([b"\xff"]), "text": ["a"]}), queries)
+    with pytest.raises(CorpusError, match="bytes that are not UTF-8: store ids as text"):
+        read_queries(queries)
 
 
 # ----- FAISS output as a run -------------------------------------------------------------------------------
