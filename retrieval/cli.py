@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -30,6 +31,7 @@ from retrieval.build import BuildOptions, build_index, check_target
 from retrieval.corpus import Corpus, CorpusSpec
 from retrieval.encoder import POOLINGS, PRECISIONS, EncoderSpec, model_dim
 from retrieval.errors import ConfigError, Interrupted, RetrievalError, Terminated, render
+from retrieval.files import not_utf8
 from retrieval.index import IndexSpec
 from retrieval.indexdir import RESCORE_DEPTH, Manifest, trained_on_rows
 from retrieval.search import SearchParams
@@ -98,6 +100,7 @@ def user_errors(func: F) -> F:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            _check_paths(kwargs)
             with sigterm_exits():  # every command: SIGTERM is "error: terminated" and 143, as Ctrl-C is 130
                 return func(*args, **kwargs)
         except KeyboardInterrupt as stop:
@@ -110,9 +113,29 @@ def user_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _check_paths(options: dict[str, Any]) -> None:
+    """Refuse a path argument whose name is not UTF-8 in one line: deep in pyarrow or FAISS it was a traceback
+    (and FAISS's half-written output was left behind)."""
+    for name, value in options.items():
+        for path in value if isinstance(value, list) else [value]:
+            shown = not_utf8(path) if isinstance(path, Path) else None
+            if shown is not None:
+                raise ConfigError(f"the path {shown} is not UTF-8: rename it, or give another", name)
+
+
+# Embedding, override and isolate controls: they reorder the rest of the terminal line ("Trojan Source")
+BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+ESCAPED = frozenset(("Cc", "Cs", "Zl", "Zp"))  # controls, lone surrogates, line and paragraph separators
+
+
 def safe(text: str) -> str:
-    """Text for a terminal: control characters (ANSI escapes, BEL, NUL...) shown as escapes, not obeyed."""
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+    """Text for a terminal: control characters (ANSI escapes, BEL, NUL, CR...), separators and bidi overrides
+    shown as escapes, not obeyed; newlines and tabs kept. Spaces of every kind (no-break, ideographic) and the
+    joiners of emoji sequences and Persian words are text, and stay (``str.isprintable`` escaped them all)."""
+    return "".join(
+        repr(c)[1:-1] if (unicodedata.category(c) in ESCAPED and c not in "\n\t") or c in BIDI_CONTROLS else c
+        for c in text
+    )
 
 
 @app.callback()
@@ -1102,6 +1125,9 @@ def serve(
 
 
 def run() -> None:
+    for stream in (sys.stdout, sys.stderr):  # a terminal or pipe that is not UTF-8 (PYTHONIOENCODING=ascii, a
+        if hasattr(stream, "reconfigure"):  # latin-1 locale): a hit in Chinese crashed the table; now escaped
+            stream.reconfigure(errors="backslashreplace")
     app(prog_name="retrieval")
 
 

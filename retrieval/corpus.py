@@ -23,7 +23,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from retrieval.errors import CorpusError
-from retrieval.files import sha256
+from retrieval.files import not_utf8, sha256
+from retrieval.text import blank
 
 log = logging.getLogger(__name__)
 
@@ -352,7 +353,7 @@ class Corpus:
             return np.ones(len(texts), dtype=bool)
         if self.spec.vectors_column:
             return np.asarray(rb.column(self.spec.vectors_column).is_valid())
-        return np.array([t is not None and t.strip() != "" for t in texts], dtype=bool)
+        return np.array([t is not None and not blank(t) for t in texts], dtype=bool)
 
     def check(self, ids: list[str], texts: list[str | None], rb: pa.RecordBatch) -> Tally:
         """The value checks of one window (null or empty texts, null or non-finite vectors); no duplicates."""
@@ -490,7 +491,17 @@ def repeated_values(hashes: np.ndarray) -> np.ndarray:
 
 
 def _find_files(path: Path) -> tuple[list[Path], Path | None]:
-    """The files ``path`` names, sorted, and the root their names are relative to (None for a single file)."""
+    """The files ``path`` names, sorted, and the root their names are relative to (None for a single file); a
+    name that is not UTF-8 is refused (ids, the manifest and pyarrow hold names as text)."""
+    files, root = _matching_files(path)
+    for found in files:
+        shown = not_utf8(found)
+        if shown is not None:
+            raise CorpusError(f"the corpus file name {shown} is not UTF-8: rename the file")
+    return files, root
+
+
+def _matching_files(path: Path) -> tuple[list[Path], Path | None]:
     if path.is_dir():
         found = sorted(
             p

@@ -21,6 +21,7 @@ from retrieval.metrics import EvalResult, Qrels, Run, evaluate_run, sts_scores
 from retrieval.moments import RunningMoments
 from retrieval.progress import Progress, no_progress
 from retrieval.search import Searcher, SearchParams
+from retrieval.text import blank
 from retrieval.whitening import RawTransform, TransformSpec, Whitening, l2_normalize
 
 QUERY_CHUNK = 256  # queries of a --queries file read, checked and searched at a time
@@ -105,7 +106,7 @@ def read_queries(path: Path, id_column: str = "query_id", text_column: str = "te
     for row, (query, text) in enumerate(zip(ids, texts, strict=True)):
         if query is None:
             raise CorpusError(f"row {row} of {path} has a null {id_column!r}: every query needs an id")
-        if text is None or not text.strip():
+        if text is None or blank(text):
             raise CorpusError(f"query {query} of {path} has no text (null or blank): give every query its text")
     seen: set[str] = set()
     for query in ids:
@@ -185,7 +186,7 @@ class QueryFile:
             for row, (query, text) in enumerate(zip(ids, texts, strict=True), start=first):
                 if query is None:
                     raise CorpusError(f"row {row} of {self.path} has a null {self.id_column!r}: give every query an id")
-                if text is None or not text.strip():
+                if text is None or blank(text):
                     raise CorpusError(
                         f"query {query} of {self.path} has no text (null or blank): give every query its text"
                     )
@@ -205,7 +206,7 @@ class QueryFile:
                     raise CorpusError(
                         f"line {number} of {self.where} is not UTF-8: give one UTF-8 query per line"
                     ) from None
-                if line.strip():
+                if not blank(line):
                     ids.append(str(number))
                     texts.append(line)
                 if len(ids) == size:
@@ -219,7 +220,7 @@ def read_texts(path: Path, text_column: str = "text") -> list[str]:
     """The non-blank texts of one column: queries that need no ids (``calibrate``)."""
     table = _read(path, [text_column], "queries")
     _require(table, text_column, path, _is_text, ", not text")
-    texts = [text for text in _strings(table.column(text_column)) if text is not None and text.strip()]
+    texts = [text for text in _strings(table.column(text_column)) if text is not None and not blank(text)]
     if not texts:
         raise CorpusError(f"{path} holds no query text in column {text_column!r}")
     return texts

@@ -20,6 +20,16 @@ QUICK_BLOCKS, QUICK_BLOCK_BYTES = 64, 1 << 16  # larger ones: 64 blocks of 64 Ki
 PART_SAMPLE_BLOCKS, PART_SAMPLE_BYTES = 4, 1 << 12  # a stash part's sampled hash: 4 pages (``part_fingerprint``)
 
 
+def not_utf8(path: Path) -> str | None:
+    """None for a path whose name is UTF-8 text; else the path to show (its undecodable bytes as ``\\xNN``).
+    pyarrow, FAISS and the manifest take paths as UTF-8 text: such a name failed deep inside them."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(path).decode("utf-8", "backslashreplace")
+    return None
+
+
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:

@@ -23,6 +23,7 @@ from retrieval.index import FaissProduct, flat_vectors, list_count, one_query_tw
 from retrieval.indexdir import Loaded, Verify, load
 from retrieval.scan import FlatScan
 from retrieval.stash import VectorStash
+from retrieval.text import blank, valid_unicode
 from retrieval.whitening import RawTransform, Whitening, l2_normalize
 
 log = logging.getLogger(__name__)
@@ -60,20 +61,12 @@ def check_queries(queries: Sequence[str]) -> None:
     for i, query in enumerate(queries):
         if not isinstance(query, str):
             raise ConfigError(f"`query` {i} is {type(query).__name__}, not text", "query")
-        if not query.strip():
-            raise ConfigError("`query` is empty (or only whitespace): give some text to search for", "query")
         if not valid_unicode(query):
             raise ConfigError(f"`query` {i} holds a lone surrogate (an undecodable byte?): give UTF-8 text", "query")
-
-
-def valid_unicode(text: str) -> bool:
-    """False for a string with a lone surrogate (JSON's "\\ud800", or a byte Python could not decode): it has no
-    UTF-8 form, and the tokenizer would fail on it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+        if blank(query):
+            raise ConfigError(
+                "`query` is empty (only whitespace or invisible characters): give some text to search for", "query"
+            )
 
 
 def _faiss_product(transform: Whitening | RawTransform | None) -> FaissProduct | None:

@@ -43,9 +43,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import retrieval
 from retrieval.batching import BatchStats, Overloaded, Stopped
 from retrieval.errors import ConfigError, RetrievalError, render
-from retrieval.search import SearchParams, valid_unicode
+from retrieval.search import SearchParams
 from retrieval.service import NotReady, ServeOptions, Service
 from retrieval.telemetry import Counter, Gauge, Histogram, Registry
+from retrieval.text import blank, valid_unicode
 
 log = logging.getLogger(__name__)
 
@@ -439,10 +440,10 @@ def query_texts(values: list[str], name: str, options: ServeOptions) -> list[str
         )
     for i, text in enumerate(values):
         where = f"`{name}`" if len(values) == 1 and name in ("query", "q") else f"`{name}` item {i}"
-        if not text.strip():
-            raise ApiError(422, "empty_query", f"{where} is empty or only whitespace", name)
         if not valid_unicode(text):
             raise ApiError(422, "invalid_text", f"{where} holds a lone surrogate: send valid UTF-8 text", name)
+        if blank(text):
+            raise ApiError(422, "empty_query", f"{where} is empty (only whitespace or invisible characters)", name)
         if len(text) > options.max_query_chars:
             raise ApiError(
                 422,

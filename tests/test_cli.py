@@ -17,7 +17,7 @@ import typer
 from conftest import write_corpus
 from typer.testing import CliRunner, Result
 
-from retrieval.cli import app
+from retrieval.cli import app, safe
 
 runner = CliRunner()
 
@@ -423,3 +423,12 @@ def test_search_k_below_one(built: Path) -> None:
     assert_one_clear_error(
         run("search", "anything", "--index", built, "-k", "0"), "-k must be an integer between 1 and 10,000 (got 0)"
     )
+
+
+def test_terminal_text_escapes_controls_and_keeps_text() -> None:
+    """Controls, separators and bidi overrides are escaped; every kind of space and the joiners inside emoji
+    sequences and Persian words are text (str.isprintable escaped them: "Prix\\xa0: 10\\u202f€")."""
+    kept = "Prix\u00a0: 10\u202f€ 日本\u3000語 👨\u200d👩\u200d👧 می\u200cخواهم soft\u00adhyphen \u200fRLM\nline\ttab"
+    assert safe(kept) == kept
+    assert safe("a\r\x1b[31mred\x00\x07") == "a\\r\\x1b[31mred\\x00\\x07"
+    assert safe("x\u202eevil\u2066y\u2028z\x85\ud800") == "x\\u202eevil\\u2066y\\u2028z\\x85\\ud800"

@@ -156,6 +156,10 @@ def test_ids_are_read_as_the_corpus_reads_them(tmp_path: Path) -> None:
     pq.write_table(pa.table({"query_id": ["q1"], "doc_id": [3.0], "score": [1]}), qrels)
     with pytest.raises(CorpusError, match="'doc_id' of .* holds double"):
         read_qrels(qrels)
+    pq.write_table(pa.table({"query_id": ["q1", "q2"], "text": ["a", "\u200b\x00"]}), queries)
+    for read in (read_queries, QueryFile):  # nothing the tokenizer keeps: as blank as "  "
+        with pytest.raises(CorpusError, match="query q2 of .* has no text"):
+            read(queries)
     pq.write_table(pa.table({"query_id": pa.array([b"\xff"]), "text": ["a"]}), queries)
     with pytest.raises(CorpusError, match="bytes that are not UTF-8: store ids as text"):
         read_queries(queries)

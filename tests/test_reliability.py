@@ -247,6 +247,46 @@ def test_control_characters_and_emoji(tiny_bert: Path, tmp_path: Path) -> None:
     assert "\\x1b[31mred" in shown and "😀" in shown
 
 
+@case(
+    "input",
+    "hits in Chinese printed where the output is not UTF-8 (`PYTHONIOENCODING=ascii`, a latin-1 locale)",
+    "characters it cannot show escaped (`\\u4e2d`), not a crash",
+)
+def test_output_that_is_not_utf8(tiny_bert: Path, tmp_path: Path) -> None:
+    path = table_file(tmp_path / "c.parquet", id=["中", *[f"d{i}" for i in range(20)]], text=["中文 text", *texts(20)])
+    ok(build_from(tiny_bert, path, tmp_path / "out"))
+    for encoding in ("ascii", "latin-1"):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONIOENCODING": encoding}
+        command = [sys.executable, "-m", "retrieval", "search", "中文 text", "--index", str(tmp_path / "out")]
+        for extra in ([], ["--json"], ["--index", str(tmp_path / "absent中")]):
+            done = subprocess.run(command + extra, capture_output=True, env=env, timeout=120)
+            assert b"Traceback" not in done.stderr, done.stderr.decode(encoding)
+            shown = (done.stdout + done.stderr).decode(encoding)
+            assert "\\u4e2d" in shown and done.returncode == (1 if "absent" in " ".join(extra) else 0), shown
+
+
+@case(
+    "input",
+    "a corpus, a file in its folder, or an output whose name is not UTF-8",
+    "one line showing the name (its bytes as `\\xNN`); nothing written",
+)
+def test_names_that_are_not_utf8(tiny_bert: Path, tmp_path: Path) -> None:
+    """pyarrow (the corpus) and FAISS (the output) took them as text: tracebacks, and FAISS's partial output left."""
+    good = write_corpus(tmp_path / "good.parquet", n=30)
+    odd = tmp_path / os.fsdecode(b"c\xff.parquet")
+    shutil.copy(good, odd)
+    (tmp_path / "folder").mkdir()
+    shutil.copy(good, tmp_path / "folder" / os.fsdecode(b"part\xfe.parquet"))
+    for corpus, out, shown in (
+        (odd, tmp_path / "out", "c\\xff.parquet"),
+        (tmp_path / "folder", tmp_path / "out", "part\\xfe.parquet"),
+        (good, tmp_path / os.fsdecode(b"out\xfd"), "out\\xfd"),
+    ):
+        one_line(build_from(tiny_bert, corpus, out), shown, "is not UTF-8: rename")
+        assert not out.exists() and leftovers(out) == []
+    one_line(run("search", "a query", "--index", tmp_path / os.fsdecode(b"idx\xfc")), "idx\\xfc", "is not UTF-8")
+
+
 @case("input", "a 100,000-character id", "stored and returned intact")
 def test_a_very_long_id(tmp_path: Path) -> None:
     long_id = "x" * 100_000
@@ -256,14 +296,19 @@ def test_a_very_long_id(tmp_path: Path) -> None:
     assert searcher.search(texts(21)[0], SearchParams(k=1))[0].id == long_id
 
 
-@case("input", "whitespace-only texts", "counted as empty: one line naming them, or left out with --skip-empty")
+@case(
+    "input",
+    "texts of whitespace, or of characters the tokenizer drops (NUL, zero-width space, BOM, joiner)",
+    "counted as empty: one line naming them, or left out with --skip-empty",
+)
 def test_whitespace_only_texts(tiny_bert: Path, tmp_path: Path) -> None:
+    """The invisible ones encode exactly as "" does: they were indexed, and all matched each other at 1.0."""
     rows = texts(10)
-    rows[3], rows[7] = "   ", "\t\n"
+    rows[3], rows[5], rows[7], rows[8] = "   ", "\x00", "\t\n", "\ufeff\u200b \u200d"
     path = table_file(tmp_path / "c.parquet", id=[f"d{i}" for i in range(10)], text=rows)
-    one_line(build_from(tiny_bert, path, tmp_path / "out"), "2 of 10 rows have null or empty text", "d3, d7")
+    one_line(build_from(tiny_bert, path, tmp_path / "out"), "4 of 10 rows have null or empty text", "d3, d5, d7, d8")
     ok(build_from(tiny_bert, path, tmp_path / "out", "--skip-empty"))
-    assert IndexDir(tmp_path / "out").manifest().n == 8
+    assert IndexDir(tmp_path / "out").manifest().n == 6
 
 
 @case(
@@ -402,8 +447,8 @@ def test_k_larger_than_n(cli_index: Path, tmp_path: Path) -> None:
         assert fewer.shape == (2, 449)  # below N: the index's own knob, as configured
 
 
-@pytest.mark.parametrize("query", ["", "   ", "\t\n"])
-@case("options", "empty or whitespace-only query", "one line: the query is empty")
+@pytest.mark.parametrize("query", ["", "   ", "\t\n", "\u200b", "\x00\ufeff"])
+@case("options", "empty, whitespace-only or invisible query (zero-width space, NUL)", "one line: the query is empty")
 def test_empty_query(cli_index: Path, query: str) -> None:
     one_line(run("search", query, "--index", cli_index), "the query is empty")
 

@@ -156,8 +156,9 @@ def test_query_vectors_with_nan_or_inf_are_refused(searcher: Searcher, bad: floa
 @pytest.mark.parametrize(
     ("texts", "message"),
     [
-        (["topic 3", "   \t\n"], "`query` is empty (or only whitespace)"),
-        (["topic 3", ""], "`query` is empty (or only whitespace)"),
+        (["topic 3", "   \t\n"], "`query` is empty (only whitespace or invisible characters)"),
+        (["topic 3", ""], "`query` is empty (only whitespace or invisible characters)"),
+        (["topic 3", "\u200b\ufeff\x00"], "`query` is empty (only whitespace or invisible characters)"),
         (["topic 3", "bad \ud800 byte"], "`query` 1 holds a lone surrogate"),
         (["topic 3", 42], "`query` 1 is int, not text"),
     ],

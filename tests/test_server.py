@@ -289,6 +289,9 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
     ("post", "/search", {"json": {"query": "a", "limit": 3}}, 422, "invalid_request", "limit"),
     ("post", "/search", {"json": {"queries": []}}, 422, "empty_query", "queries"),
     ("post", "/search", {"json": {"queries": ["a", " "]}}, 422, "empty_query", "queries"),
+    # what the tokenizer drops encodes as "" does: every such query matched every such text at 1.0
+    ("get", "/search", {"params": {"q": "\u200b"}}, 422, "empty_query", "q"),
+    ("post", "/search", {"json": {"queries": ["a", "\x00\ufeff"]}}, 422, "empty_query", "queries"),
     ("post", "/search", {"json": {"queries": ["a", None]}}, 422, "invalid_request", "queries"),
     ("post", "/search", {"json": {"queries": "a"}}, 422, "invalid_request", "queries"),
     ("post", "/search", {"json": {"queries": ["a"] * 65}}, 413, "too_many_queries", "queries"),
