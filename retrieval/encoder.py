@@ -41,6 +41,11 @@ BF16_MIN_COSINE = 0.999
 # Single texts (queries) are run through a traced copy of the model from this call on: a one-shot CLI search
 # never pays the tracing (~0.3 s), a long-lived searcher does once and then saves ~2 ms of Python per query.
 TRACE_AFTER = 3
+# The single-text traces made in this process, by model weights and the choices a trace depends on: TorchScript
+# keeps every trace's graph and folded weights (a model's size: ~95 MB for MiniLM) until the process exits, so
+# each Searcher.load of an index (a new version, in an app that reopens it) traced again and grew by that much.
+_TRACES: dict[tuple[Any, ...], Any] = {}
+_TRACES_LOCK = threading.Lock()
 # Two texts of different lengths: a padded batch, what settling precision "auto" and packing needs to time
 WARM_UP_TEXTS = ["a short warm-up text", "a somewhat longer warm-up text, to time a padded batch"]
 # Padded lengths per doubling of the length (``padded_length``): more buckets, less padding, more shapes.
@@ -394,7 +399,7 @@ class TransformerEncoder:
             if self.bf16 is None or self.packing is None:
                 self.encode(WARM_UP_TEXTS)
             if self._traced is None:
-                self._traced = self._trace()
+                self._traced = self._shared_trace()
 
     def settle_precision(self, used: str | None = None) -> None:
         """Decide precision "auto" now: as ``used`` says (the choice a build being resumed recorded: one stash
@@ -455,7 +460,7 @@ class TransformerEncoder:
         if self._traced is None:
             self._single_calls += 1
             if self._single_calls >= TRACE_AFTER:
-                self._traced = self._trace()
+                self._traced = self._shared_trace()
         return bool(self._traced)
 
     def _to_pack(self, tokens: Any, lengths: Sequence[int]) -> list[int]:
@@ -654,6 +659,17 @@ class TransformerEncoder:
             cos,
         )
         return chosen
+
+    def _shared_trace(self) -> Any:
+        """``_trace``'s answer, made once per process for these weights (see ``_TRACES``); a model whose weights
+        file cannot be fingerprinted is traced each time."""
+        if self._sha is None:
+            return self._trace()
+        key = (self._sha, type(self.model).__name__, self.max_length, self.bf16 is not False)
+        with _TRACES_LOCK:
+            if key not in _TRACES:
+                _TRACES[key] = self._trace()
+            return _TRACES[key]
 
     def _trace(self, bf16_options: Sequence[bool] | None = None) -> Any:
         """The single-text model as ``(module, bf16)``, or False to keep the eager model.

@@ -41,6 +41,12 @@ LONG = " ".join(["the document about whitening and retrieval of vectors"] * 5)
 ATOL = 1e-5
 
 
+@pytest.fixture(autouse=True)
+def fresh_traces() -> None:
+    """Each test traces for itself (several patch how tracing behaves): none reuses another test's trace."""
+    encoder_module._TRACES.clear()
+
+
 @pytest.fixture(scope="module")
 def models(tiny_bert: Path) -> dict[str, TransformerEncoder]:
     """One fp32 encoder per pooling (loading the tiny model takes ~0.1 s)."""
@@ -222,6 +228,21 @@ def test_a_bf16_trace_that_strays_from_fp32_is_not_taken(tiny_bert: Path, monkey
     enc = TransformerEncoder(str(tiny_bert), max_length=48, precision="bf16")
     assert single_trace(enc)[1] is False
     np.testing.assert_allclose(enc.encode([LONG])[0], reference(enc, LONG)["mean"], atol=ATOL)
+
+
+def test_a_model_is_traced_once_per_process(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TorchScript keeps every trace (graph and folded weights) until exit: each Searcher.load of an index traced
+    again and the process grew by a model's size (+95 MB a load with MiniLM, measured)."""
+    real, calls = torch.jit.trace, []
+    monkeypatch.setattr(torch.jit, "trace", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = TransformerEncoder(str(tiny_bert), max_length=48, precision="fp32")
+    first.warm_up()
+    again = TransformerEncoder(str(tiny_bert), max_length=48, precision="fp32")
+    again.warm_up()
+    assert len(calls) == 1 and again._traced is first._traced
+    np.testing.assert_allclose(again.encode([LONG])[0], reference(again, LONG)["mean"], atol=ATOL)
+    other = TransformerEncoder(str(tiny_bert), max_length=32, precision="fp32")  # checked at other lengths
+    assert single_trace(other) is not first._traced and len(calls) == 2
 
 
 def test_precision_fp32_traces_fp32_only(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
