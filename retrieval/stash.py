@@ -11,6 +11,7 @@ never in RAM; ``verify`` checks the parts against their checksums before a write
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -26,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from retrieval.errors import ConfigError, CorpusError, IndexDirError
-from retrieval.files import inside, part_fingerprint, sha256, write_atomic
+from retrieval.files import inside, more_open_files, part_fingerprint, sha256, write_atomic
 from retrieval.moments import RunningMoments
 
 STASH_FORMAT = 2
@@ -275,9 +276,20 @@ class VectorStash:
                 return self._maps[key]
         part = self._parts[number]
         try:
-            array = np.load(self.root / part.vectors[pooling], mmap_mode="r", allow_pickle=False)
+            try:
+                array = np.load(self.root / part.vectors[pooling], mmap_mode="r", allow_pickle=False)
+            except OSError as err:  # each kept map holds a descriptor: past the soft limit, raise it once
+                if err.errno != errno.EMFILE or not more_open_files():
+                    raise
+                array = np.load(self.root / part.vectors[pooling], mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError, EOFError) as err:  # EOFError: an empty file
-            raise IndexDirError(f"cannot read stash part {part.vectors[pooling]}: {err}") from err
+            advice = ""
+            if isinstance(err, OSError) and err.errno == errno.EMFILE:
+                advice = (
+                    f"; the stash has {len(self._parts):,} parts and re-scoring keeps each open: raise the open-file "
+                    "limit (`ulimit -n`)"
+                )
+            raise IndexDirError(f"cannot read stash part {part.vectors[pooling]}: {err}{advice}") from err
         if array.shape != (part.rows, self.dim):
             raise IndexDirError(f"stash part {part.vectors[pooling]} has shape {array.shape}; rebuild")
         if not keep:

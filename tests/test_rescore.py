@@ -5,14 +5,17 @@ used by search and kept by add; manifests written before the record get the same
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import FakeEncoder, write_corpus
+from conftest import ROOT, FakeEncoder, write_corpus
 
 from retrieval import indexdir, update
 from retrieval.build import BuildOptions, build_index
@@ -240,3 +243,57 @@ def test_an_index_of_lossy_faiss_codes_rescores_by_default(tmp_path: Path, facto
         assert recall(None) > 0.95 > 0.8 > recall(0)
     refitted = update.refit(tmp_path / "idx", TransformSpec())  # a refit applies the same rule
     assert refitted.rescoring.depth == depth
+
+
+def _fragmented(tmp_path: Path) -> Path:
+    """An index whose stash is 60 parts of 5 rows (what many small adds, or a build of millions, comes to)."""
+    out = tmp_path / "frag"
+    spec = TransformSpec(dim=4)
+    build_index(
+        CorpusSpec(write_corpus(tmp_path / "c.parquet", n=300)),
+        FakeEncoder(),
+        out,
+        spec,
+        IndexSpec(),
+        BuildOptions(window_rows=5),
+    )
+    return out
+
+
+def test_rescoring_a_stash_of_more_parts_than_the_open_file_limit(tmp_path: Path) -> None:
+    """Re-scoring keeps each part mapped, a descriptor each: past the soft limit (often 1,024) every search failed
+    with "Too many open files". The soft limit is raised to the hard one, as Ray and most servers do."""
+    import resource
+
+    out = _fragmented(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert hard == resource.RLIM_INFINITY or hard > 200, "this test needs a hard limit above 200"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 30, hard))
+    try:
+        searcher = Searcher.load(out, encoder=FakeEncoder())
+        hits = searcher.search_vectors(queries(3), SearchParams(k=5, rescore=300))
+        assert all(len(h) == 5 for h in hits)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 200
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_hard_open_file_limit_below_the_stash_is_one_clear_error(tmp_path: Path) -> None:
+    out = _fragmented(tmp_path)
+    code = (
+        "import resource, os, sys\n"
+        "from conftest import FakeEncoder\n"
+        "from retrieval.search import Searcher, SearchParams\n"
+        "from retrieval.errors import IndexDirError\n"
+        "limit = len(os.listdir('/proc/self/fd')) + 30\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))\n"
+        "try:\n"
+        f"    s = Searcher.load({str(out)!r}, encoder=FakeEncoder())\n"
+        "    s.search_vectors(FakeEncoder().encode(['a question']), SearchParams(k=5, rescore=300))\n"
+        "except IndexDirError as err:\n"
+        "    print(err)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{Path(__file__).parent}"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Too many open files; the stash has 60 parts" in done.stdout and "`ulimit -n`" in done.stdout, done.stdout
