@@ -227,6 +227,37 @@ class VectorStash:
         self.register([part])
         return part
 
+    def merge_tail(self, rows: int) -> None:
+        """Merge the trailing parts that are short (fewer rows than ``rows`` and than the largest part) into one
+        part, and delete their files. Every ``add`` writes a part, so a stash grown by small adds had a part per
+        add, and a reader holds a descriptor per part (``_map``): 150 one-row adds were 155 parts and 155 open
+        files. With this after each add, parts grow with the rows, not with the adds; an add copies at most one
+        short part's rows again, and never the build's full parts (however small its windows were)."""
+        if not self._parts:
+            return
+        short = min(rows, max(p.rows for p in self._parts))
+        tail = 0
+        while tail < len(self._parts) and self._parts[-1 - tail].rows < short:
+            tail += 1
+        if tail < 2:
+            return
+        first = len(self._parts) - tail
+        merged = self._parts[first:]
+        vectors = {
+            pooling: np.concatenate([self._map(pooling, n, keep=False) for n in range(first, len(self._parts))])
+            for pooling in self.poolings
+        }
+        docs = pa.concat_tables(self.iter_docs(first))
+        ids, texts = docs["id"].to_pylist(), docs["text"].to_pylist()
+        part = self.write_part(self._next_stem(), vectors, ids, texts, sum(p.source_batches for p in merged))
+        with self._maps_lock:
+            self._maps = {key: array for key, array in self._maps.items() if key[1] < first}
+        self._parts[first:] = [part]
+        self._save_state()
+        for old in merged:
+            for name in old.names:
+                (self.root / name).unlink()
+
     def _next_stem(self) -> str:
         """``part-NNNNN`` numbered past every registered part: the part count in a stash only ever appended to,
         but a ``remove`` that emptied a part leaves fewer parts than numbers, and a reused name would overwrite one.
@@ -343,9 +374,9 @@ class VectorStash:
             moments.update(block)
         return moments
 
-    def iter_docs(self) -> Iterator[pa.Table]:
-        """Each part's (id, text) table, in row order."""
-        for part in self._parts:
+    def iter_docs(self, first: int = 0) -> Iterator[pa.Table]:
+        """Each part's (id, text) table, in row order, from part ``first`` on."""
+        for part in self._parts[first:]:
             yield pq.read_table(self.root / part.docs)
 
     def iter_ids(self) -> Iterator[list[str]]:

@@ -240,6 +240,7 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
             for batch in source.batches(window_rows):
                 ids = [str(int(i) + offset) for i in batch.ids] if offset else batch.ids
                 faiss_index.add(transform.transform(ingest(batch, ids)))
+            grown.merge_tail(window_rows)  # small adds do not pile up parts (each an open file in a reader)
         with timer.stage("write"):
             save_moments(work, old.moments().merge(ingest.moments))  # fresh files: the old index stays intact
             added = {"path": str(Path(corpus.path).resolve()), "rows": ingest.moments.n}

@@ -236,6 +236,33 @@ def titled(path: Path, ids: list[str], vectors: np.ndarray | None = None) -> Pat
     return path
 
 
+def test_small_adds_do_not_pile_up_stash_parts(tmp_path, corpus):
+    """Each add wrote a part, and a reader keeps every part open (re-scoring): 150 one-row adds were 155 parts,
+    155 open files. The short parts at the end are merged; the build's full parts are linked, never copied."""
+    directory = tmp_path / "idx"
+    build(corpus, directory)  # 300 rows in windows of 64: four full parts and one of 44
+    stash = IndexDir(directory).stash()
+    full = [p for p in stash.parts if p.rows == 64]
+    inodes = {name: os.stat(stash.root / name).st_ino for p in full for name in p.names}
+    ids, texts = stash.ids(), [t for table in stash.iter_docs() for t in table["text"].to_pylist()]
+    for i in range(12):
+        update.add(directory, CorpusSpec(more_docs(tmp_path / f"m{i}.parquet", [f"new{i}"])), FakeEncoder())
+        ids.append(f"new{i}")
+        texts.append(f"a brand new passage new{i} on whitening")
+    stash = IndexDir(directory).stash()
+    assert [p.rows for p in stash.parts] == [64] * len(full) + [44 + 12]
+    assert {name: os.stat(stash.root / name).st_ino for p in full for name in p.names} == inodes
+    assert sorted(p.name for p in stash.root.iterdir()) == sorted(p.name for p in stash.files())  # none left over
+    stash.verify(full=True)
+    assert stash.ids() == ids
+    np.testing.assert_array_equal(np.concatenate(list(stash.iter_blocks())), FakeEncoder().encode(texts))
+    searcher = Searcher.load(directory, encoder=FakeEncoder())
+    assert searcher.search(texts[-1], SearchParams(k=1))[0].id == "new11"
+    big = more_docs(tmp_path / "big.parquet", [f"big{i}" for i in range(150)])
+    update.add(directory, CorpusSpec(big), FakeEncoder(), window_rows=64)  # two windows of 64 and one of 22
+    assert [p.rows for p in IndexDir(directory).stash().parts] == [64] * len(full) + [56, 64, 64, 22]
+
+
 def test_add_reads_new_rows_as_the_index_was_built(tmp_path):
     """Before: `retrieval add` read a new file of the same shape with the CLI's own defaults, not the build's:
     row-number ids (`300`), untitled texts from `text` (a missing column). Now what was not given is as built."""
