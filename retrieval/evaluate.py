@@ -74,6 +74,8 @@ def _ids(values: Any, column: str, path: Path) -> list[Any]:
     nothing), integers as digits; None for nulls, which each caller refuses. Floats are refused, as the corpus
     refuses them: 1.0 and "1" would be two ids."""
     kind = values.type
+    if pa.types.is_dictionary(kind):  # pandas' categorical: read as its values are
+        values, kind = values.cast(kind.value_type), kind.value_type
     if pa.types.is_integer(kind):
         return [None if v is None else str(v) for v in values.to_pylist()]
     binary = pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or str(kind) == "binary_view"

@@ -228,16 +228,17 @@ class VectorStash:
         return part
 
     def merge_tail(self, rows: int) -> None:
-        """Merge the trailing parts that are short (fewer rows than ``rows`` and than the largest part) into one
-        part, and delete their files. Every ``add`` writes a part, so a stash grown by small adds had a part per
-        add, and a reader holds a descriptor per part (``_map``): 150 one-row adds were 155 parts and 155 open
-        files. With this after each add, parts grow with the rows, not with the adds; an add copies at most one
-        short part's rows again, and never the build's full parts (however small its windows were)."""
+        """Merge the trailing parts into one while their rows together fit ``rows`` and the largest part, and
+        delete their files. Every ``add`` writes a part, so a stash grown by small adds had a part per add, and a
+        reader holds a descriptor per part (``_map``): 150 one-row adds were 155 parts and 155 open files. With
+        this after each add, parts grow with the rows, not with the adds, and an add copies at most that many
+        earlier rows: never the build's full parts, nor every part a ``remove`` rewrote shorter."""
         if not self._parts:
             return
         short = min(rows, max(p.rows for p in self._parts))
-        tail = 0
-        while tail < len(self._parts) and self._parts[-1 - tail].rows < short:
+        tail, total = 0, 0  # the merged part stays within ``short`` rows: parts a ``remove`` rewrote shorter
+        while tail < len(self._parts) and total + self._parts[-1 - tail].rows <= short:  # are not all copied again
+            total += self._parts[-1 - tail].rows
             tail += 1
         if tail < 2:
             return
@@ -309,9 +310,10 @@ class VectorStash:
         try:
             try:
                 array = np.load(self.root / part.vectors[pooling], mmap_mode="r", allow_pickle=False)
-            except OSError as err:  # each kept map holds a descriptor: past the soft limit, raise it once
-                if err.errno != errno.EMFILE or not more_open_files():
+            except OSError as err:  # each kept map holds a descriptor: past the soft limit, raise it, then retry
+                if err.errno != errno.EMFILE:  # once (whether this thread or another raised it)
                     raise
+                more_open_files()
                 array = np.load(self.root / part.vectors[pooling], mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError, EOFError) as err:  # EOFError: an empty file
             advice = ""

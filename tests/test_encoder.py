@@ -245,6 +245,23 @@ def test_a_model_is_traced_once_per_process(tiny_bert: Path, monkeypatch: pytest
     assert single_trace(other) is not first._traced and len(calls) == 2
 
 
+def test_a_trace_is_not_shared_by_a_model_with_other_config_and_the_same_weights(
+    tiny_bert: Path, tmp_path: Path
+) -> None:
+    """Keyed by the weights alone, a folder with the same weights file and another activation got the first
+    model's trace: its single queries disagreed with its own batches (max difference 0.02)."""
+    import json
+    import shutil
+
+    other = Path(shutil.copytree(tiny_bert, tmp_path / "relu"))
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "hidden_act": "relu"}))
+    first = TransformerEncoder(str(tiny_bert), max_length=48, precision="fp32")
+    second = TransformerEncoder(str(other), max_length=48, precision="fp32")
+    assert single_trace(second) is not single_trace(first)
+    np.testing.assert_allclose(second.encode([LONG])[0], reference(second, LONG)["mean"], atol=ATOL)
+
+
 def test_precision_fp32_traces_fp32_only(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real, calls = torch.jit.trace, []
     monkeypatch.setattr(

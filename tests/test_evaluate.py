@@ -147,6 +147,9 @@ def test_ids_are_read_as_the_corpus_reads_them(tmp_path: Path) -> None:
     assert [q.ids for q in QueryFile(queries).chunks()] == [["q1", "q2"]]
     pq.write_table(pa.table({"query_id": binary, "doc_id": pa.array([b"d1", b"d2"]), "score": [1, 2]}), qrels)
     assert read_qrels(qrels) == {"q1": {"d1": 1}, "q2": {"d2": 2}}
+    categorical = pa.array([b"q1", b"q2"], pa.binary()).dictionary_encode()  # as the corpus takes one
+    pq.write_table(pa.table({"query_id": categorical, "text": ["a", "b"]}), queries)
+    assert read_queries(queries).ids == ["q1", "q2"] and next(QueryFile(queries).chunks()).ids == ["q1", "q2"]
     pq.write_table(pa.table({"query_id": pa.array([7, 8], pa.int16()), "text": ["a", "b"]}), queries)
     assert read_queries(queries).ids == ["7", "8"] and next(QueryFile(queries).chunks()).ids == ["7", "8"]
     pq.write_table(pa.table({"query_id": [1.0, 2.0], "text": ["a", "b"]}), queries)

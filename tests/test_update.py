@@ -263,6 +263,21 @@ def test_small_adds_do_not_pile_up_stash_parts(tmp_path, corpus):
     assert [p.rows for p in IndexDir(directory).stash().parts] == [64] * len(full) + [56, 64, 64, 22]
 
 
+def test_an_add_after_a_remove_copies_no_more_than_a_part(tmp_path, corpus):
+    """A remove rewrites the parts it touches shorter: the first merge took them all (a 1-row add rewrote nearly
+    the whole stash, in memory). The merged part stays within the largest part's rows."""
+    directory = tmp_path / "idx"
+    build(corpus, directory)  # [64, 64, 64, 64, 44]
+    update.remove(directory, ["doc70", "doc140", "doc200"])  # one from each of parts 1-3
+    assert [p.rows for p in IndexDir(directory).stash().parts] == [64, 63, 63, 63, 44]
+    update.add(directory, CorpusSpec(more_docs(tmp_path / "m.parquet", ["new0"])), FakeEncoder())
+    stash = IndexDir(directory).stash()
+    assert [p.rows for p in stash.parts] == [64, 63, 63, 63, 45]
+    kept = [f"doc{i}" for i in range(300) if i not in (70, 140, 200)]
+    assert stash.ids() == [*kept, "new0"]
+    stash.verify(full=True)
+
+
 def test_add_reads_new_rows_as_the_index_was_built(tmp_path):
     """Before: `retrieval add` read a new file of the same shape with the CLI's own defaults, not the build's:
     row-number ids (`300`), untitled texts from `text` (a missing column). Now what was not given is as built."""
