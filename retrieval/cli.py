@@ -381,10 +381,11 @@ def summary_line(directory: Path, manifest: Manifest, verb: str) -> str:
 
 
 def _bytes(n: float) -> str:
+    """Decimal units, as `retrieval info` gives sizes (the same index was "6.2 MB" built and "6.5 MB" in info)."""
     for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
+        if n < 1000 or unit == "GB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
+        n /= 1000
     return f"{n:.1f} GB"
 
 
@@ -1014,7 +1015,8 @@ def _report_tuning(result: Any, folder: Path | None) -> None:
     if best.test:
         line += f", test {best.test[metric]:.4f}"
         if result.raw and result.raw.test:
-            line += f" (raw {result.raw.test[metric]:.4f}, {best.test[metric] / result.raw.test[metric]:.1%} of raw)"
+            raw = result.raw.test[metric]  # 0 on a test split raw finds nothing relevant in: no ratio to show
+            line += f" (raw {raw:.4f}, {best.test[metric] / raw:.1%} of raw)" if raw else f" (raw {raw:.4f})"
     out.print(line + ("" if result.dev_source == "dev split" else f" (dev: {result.dev_source})"), markup=False)
     if result.scorer is not None and result.scorer.dim > best.dim:
         out.print(f"re-scoring at full dimension by: {result.scorer.candidate.label}", markup=False)

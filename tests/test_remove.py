@@ -196,7 +196,9 @@ def test_adding_after_a_part_was_emptied_never_overwrites_a_part(tmp_path, corpu
     ids = Docs(directory / DOCS).ids
     assert ids[-3:] == ["doc299", "new1", "new2"] and len(set(ids)) == 238
     verify_loads(directory)
-    assert [p.docs for p in IndexDir(directory).stash().parts][-1] == "part-00005.parquet"
+    # part-00005 (the two new rows) was merged with part-00004 (doc256-299) into a part numbered past both
+    parts = IndexDir(directory).stash().parts
+    assert [(p.docs, p.rows) for p in parts][-1] == ("part-00006.parquet", 46)
 
 
 def test_a_failure_midway_leaves_the_index_as_it_was(tmp_path, corpus, monkeypatch):

@@ -237,6 +237,25 @@ def test_tune_ir_without_a_test_split_and_another_metric(ir_index) -> None:
     assert result.best.candidate == CHOSEN_BY_DEV
 
 
+def test_the_report_of_a_tuning_whose_raw_test_score_is_zero(ir_index, capsys) -> None:
+    """The "% of raw" ratio divided by raw's test score: 0 (nothing relevant found) crashed the command with a
+    traceback, after the sweep and before `--results` and `--apply`."""
+    from retrieval.cli import _bytes, _report_tuning
+
+    directory, encoder = ir_index
+    stash = IndexDir(directory).stash()
+    doc_ids = stash.ids()
+    dev = Queries(["q"], ["a question about topic 1"])
+    qrels = qrels_from(CHOSEN_BY_DEV, stash_matrix(stash), dev, doc_ids)
+    grid = [Candidate("mean", 16, None), CHOSEN_BY_DEV]
+    result = tune_ir(stash, doc_ids, lambda p, q: encoder.encode(q.texts), (dev, qrels), (dev, qrels), grid)
+    assert result.raw is not None
+    result.raw.test["nDCG@10"] = 0.0
+    _report_tuning(result, None)
+    assert "(raw 0.0000)" in capsys.readouterr().out
+    assert (_bytes(999), _bytes(6_479_865), _bytes(2.5e9)) == ("999 B", "6.5 MB", "2.5 GB")  # as `info` counts
+
+
 def test_tune_ir_chooses_raw_when_raw_is_best_on_dev(ir_index) -> None:
     """The bug: tune never chose the raw baseline, even when raw was best on dev."""
     directory, encoder = ir_index
