@@ -224,14 +224,21 @@ def test_tune_ir_never_encodes_the_corpus_and_matches_an_independent_evaluation(
     assert as_dict["best"]["label"] == "mean k=8 g=1" and len(as_dict["trials"]) == 5
 
 
-def test_tune_ir_without_a_test_split_and_another_metric(ir_index) -> None:
+def one_query_tuning(ir_index, test_too: bool, **options):  # type: ignore[no-untyped-def]
+    """Raw against CHOSEN_BY_DEV on one dev query whose qrels that candidate ranks perfectly (and the same query
+    as the test split when ``test_too``)."""
     directory, encoder = ir_index
     stash = IndexDir(directory).stash()
     doc_ids = stash.ids()
     dev = Queries(["q"], ["a question about topic 1"])
     qrels = qrels_from(CHOSEN_BY_DEV, stash_matrix(stash), dev, doc_ids)
     grid = [Candidate("mean", 16, None), CHOSEN_BY_DEV]
-    result = tune_ir(stash, doc_ids, lambda p, q: encoder.encode(q.texts), (dev, qrels), None, grid, metric="MRR@10")
+    test = (dev, qrels) if test_too else None
+    return tune_ir(stash, doc_ids, lambda p, q: encoder.encode(q.texts), (dev, qrels), test, grid, **options)
+
+
+def test_tune_ir_without_a_test_split_and_another_metric(ir_index) -> None:
+    result = one_query_tuning(ir_index, False, metric="MRR@10")
     assert result.metric == "MRR@10"
     assert all(t.test == {} for t in result.trials)
     assert result.best.candidate == CHOSEN_BY_DEV
@@ -242,13 +249,7 @@ def test_the_report_of_a_tuning_whose_raw_test_score_is_zero(ir_index, capsys) -
     traceback, after the sweep and before `--results` and `--apply`."""
     from retrieval.cli import _bytes, _report_tuning
 
-    directory, encoder = ir_index
-    stash = IndexDir(directory).stash()
-    doc_ids = stash.ids()
-    dev = Queries(["q"], ["a question about topic 1"])
-    qrels = qrels_from(CHOSEN_BY_DEV, stash_matrix(stash), dev, doc_ids)
-    grid = [Candidate("mean", 16, None), CHOSEN_BY_DEV]
-    result = tune_ir(stash, doc_ids, lambda p, q: encoder.encode(q.texts), (dev, qrels), (dev, qrels), grid)
+    result = one_query_tuning(ir_index, True)
     assert result.raw is not None
     result.raw.test["nDCG@10"] = 0.0
     _report_tuning(result, None)
