@@ -188,7 +188,7 @@ class Corpus:
         for option, column, check in (
             ("text_column", spec.text_column if self.has_text else None, _is_text),
             ("title_column", spec.title_column, _is_text),
-            ("id_column", self.id_column, _is_id),
+            ("id_column", self.id_column, is_id_type),
         ):
             if column is not None and not check(schema.field(column).type):
                 kind = "strings or integers" if option == "id_column" else "text (one string per row)"
@@ -469,7 +469,7 @@ def _is_text(kind: pa.DataType) -> bool:
     )
 
 
-def _is_id(kind: pa.DataType) -> bool:
+def is_id_type(kind: pa.DataType) -> bool:
     """Ids are strings (or bytes that are UTF-8) or integers; a float id (1.0 vs "1") is refused as ambiguous."""
     return (_is_text(kind) and not pa.types.is_null(kind)) or pa.types.is_integer(kind)
 

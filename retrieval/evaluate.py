@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from retrieval.corpus import is_id_type
 from retrieval.docs import Docs
 from retrieval.encoder import Encoder
 from retrieval.errors import ConfigError, CorpusError
@@ -76,11 +77,10 @@ def _ids(values: Any, column: str, path: Path) -> list[Any]:
     kind = values.type
     if pa.types.is_dictionary(kind):  # pandas' categorical: read as its values are
         values, kind = values.cast(kind.value_type), kind.value_type
+    if not is_id_type(kind):
+        raise CorpusError(f"column {column!r} of {path} holds {kind}: ids must be strings or integers")
     if pa.types.is_integer(kind):
         return [None if v is None else str(v) for v in values.to_pylist()]
-    binary = pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or str(kind) == "binary_view"
-    if not (_is_text(kind) or binary):
-        raise CorpusError(f"column {column!r} of {path} holds {kind}: ids must be strings or integers")
     try:
         return values.cast(pa.string()).to_pylist()
     except (pa.ArrowInvalid, UnicodeDecodeError):

@@ -20,21 +20,19 @@ QUICK_BLOCKS, QUICK_BLOCK_BYTES = 64, 1 << 16  # larger ones: 64 blocks of 64 Ki
 PART_SAMPLE_BLOCKS, PART_SAMPLE_BYTES = 4, 1 << 12  # a stash part's sampled hash: 4 pages (``part_fingerprint``)
 
 
-def more_open_files() -> bool:
-    """Raise this process's soft limit on open files to its hard limit (as Ray and most servers do); True if it
-    rose. Each memory-mapped stash part holds a descriptor: a stash of more parts than the soft limit (often
+def more_open_files() -> None:
+    """Raise this process's soft limit on open files to its hard limit (as Ray and most servers do), where it is
+    lower. Each memory-mapped stash part holds a descriptor: a stash of more parts than the soft limit (often
     1,024) otherwise failed to re-score with "Too many open files"."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if soft == resource.RLIM_INFINITY or soft >= wanted:
-        return False
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-    except (ValueError, OSError):
-        return False
-    return True
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            pass  # the error that sent us here is reported as it is
 
 
 def not_utf8(path: Path) -> str | None:

@@ -307,21 +307,20 @@ class VectorStash:
             if key in self._maps:
                 return self._maps[key]
         part = self._parts[number]
+        path = self.root / part.vectors[pooling]
         try:
-            try:
-                array = np.load(self.root / part.vectors[pooling], mmap_mode="r", allow_pickle=False)
-            except OSError as err:  # each kept map holds a descriptor: past the soft limit, raise it, then retry
-                if err.errno != errno.EMFILE:  # once (whether this thread or another raised it)
-                    raise
-                more_open_files()
-                array = np.load(self.root / part.vectors[pooling], mmap_mode="r", allow_pickle=False)
+            for attempt in (1, 2):  # each kept map holds a descriptor: past the soft limit, raise it and retry once
+                try:  # (whichever thread raised it)
+                    array = np.load(path, mmap_mode="r", allow_pickle=False)
+                    break
+                except OSError as err:
+                    if err.errno != errno.EMFILE or attempt == 2:
+                        raise
+                    more_open_files()
         except (OSError, ValueError, EOFError) as err:  # EOFError: an empty file
             advice = ""
-            if isinstance(err, OSError) and err.errno == errno.EMFILE:
-                advice = (
-                    f"; the stash has {len(self._parts):,} parts and re-scoring keeps each open: raise the open-file "
-                    "limit (`ulimit -n`)"
-                )
+            if getattr(err, "errno", None) == errno.EMFILE:
+                advice = f"; the stash has {len(self._parts):,} parts and re-scoring keeps each open: raise `ulimit -n`"
             raise IndexDirError(f"cannot read stash part {part.vectors[pooling]}: {err}{advice}") from err
         if array.shape != (part.rows, self.dim):
             raise IndexDirError(f"stash part {part.vectors[pooling]} has shape {array.shape}; rebuild")
