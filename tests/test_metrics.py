@@ -299,7 +299,8 @@ def test_sts_scores_rejects_bad_groups() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Optional cross-check against scipy (not a dependency; the hand-worked tests above stand alone).
+# Cross-check against scipy (a [dev] dependency only; the library never imports it; the hand-worked tests above
+# stand alone).
 
 
 def test_matches_scipy_on_random_data_with_ties() -> None:
