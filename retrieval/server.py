@@ -153,7 +153,7 @@ class InfoResponse(BaseModel):
 
 
 class ReloadResponse(BaseModel):
-    reloaded: bool
+    reloaded: bool = Field(..., description="False when the directory holds the version already served: nothing read.")
     generation: int = Field(..., description="The index version now served.")
     seconds: float
 
@@ -495,7 +495,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
             yield
         finally:
             if manage:
-                await asyncio.to_thread(service.stop)
+                await asyncio.to_thread(service.stop, app.state.stop_timeout)
 
     app = FastAPIOffline(
         title="retrieval",
@@ -506,6 +506,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     )
     document_limits(app, options)
     app.state.service = service
+    app.state.stop_timeout = 30.0  # seconds the engine gets to drain its queue at shutdown; 0 after a forced quit
     app.state.metrics = metrics
     app.add_middleware(HeadAsGet)
     app.add_middleware(LimitBody, max_bytes=options.max_body_bytes)
@@ -662,14 +663,23 @@ def _state_routes(app: FastAPI, api: APIRouter, service: Service, metrics: Metri
         "/reload",
         response_model=ReloadResponse,
         summary="Load the index directory's current version now",
-        responses=errors(401, 409),
+        responses=errors(401, 409, 503),
     )
     async def reload() -> JSONResponse:
-        outcome = await asyncio.to_thread(service.reload)
-        if not outcome.reloaded:
+        try:
+            outcome = await asyncio.to_thread(service.reload)
+        except asyncio.CancelledError:  # the shutdown timeout ran out during a load: JSON, not uvicorn's 500
+            if not service.stopping:
+                raise
+            raise _shutting_down() from None
+        if service.stopping and not outcome.reloaded:
+            raise _shutting_down()
+        if outcome.error is not None:
             message = f"the new version was refused; still serving generation {outcome.generation}: {outcome.error}"
             raise ApiError(409, "reload_refused", message, generation=outcome.generation)
-        return JSONResponse({"reloaded": True, "generation": outcome.generation, "seconds": round(outcome.seconds, 3)})
+        # reloaded false: the directory holds the version served; nothing was read
+        body = {"reloaded": outcome.reloaded, "generation": outcome.generation, "seconds": round(outcome.seconds, 3)}
+        return JSONResponse(body)
 
 
 def _page_route(app: FastAPI, options: ServeOptions) -> None:
@@ -775,7 +785,7 @@ def _client_closed() -> ApiError:
 
 
 def _shutting_down() -> ApiError:
-    message = "the server stopped before this request was answered (its shutdown timeout ran out); retry"
+    message = "the server is shutting down and stopped before answering this request; retry"
     return ApiError(503, "shutting_down", message)
 
 
@@ -1021,6 +1031,12 @@ def run(
         def handle_exit(self, sig: int, frame: Any) -> None:
             service.begin_shutdown()  # from the signal on: not ready, and a request cancelled at the timeout gets 503
             super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            await super().shutdown(sockets)
+            if self.force_exit:  # a second Ctrl-C: uvicorn skips the app's shutdown, and the lifespan, cancelled
+                app.state.stop_timeout = 0.0  # at exit, logged a traceback. It ends now, the engine's queue
+                await self.lifespan.shutdown()  # dropped (its threads are daemons): a forced quit does not wait
 
     config = uvicorn.Config(
         app,

@@ -46,6 +46,20 @@ SLOW_SERVER = (
     "run()\n"
 )
 
+# The same, with every load after the first made slow: a POST /reload certain to be loading at a signal.
+SLOW_RELOAD_SERVER = SLOW_SERVER.replace(
+    "from retrieval.cli import run\n",
+    "from retrieval.service import Service\n"
+    "load = Service._load\n"
+    "def slow_load(self):\n"
+    "    if self._searcher is not None:\n"
+    "        print('slow load', file=sys.stderr, flush=True)\n"
+    "        time.sleep(2.0)\n"
+    "    return load(self)\n"
+    "Service._load = slow_load\n"
+    "from retrieval.cli import run\n",
+)
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -269,6 +283,71 @@ def test_sigterm_past_the_shutdown_timeout_answers_503_json(tiny_index: Path, tm
         assert status == 503 and body["error"]["code"] == "shutting_down", body
         assert server.proc.wait(30) == 0
         assert "Traceback" not in server.log.read_text()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        server.proc.wait(10)
+
+
+def test_a_reload_loading_at_the_shutdown_timeout_answers_503_json(tiny_index: Path, tmp_path: Path) -> None:
+    """POST /reload still loading when --shutdown-timeout ran out got uvicorn's plain-text 500 and a logged
+    traceback; reloads queued behind it loaded one after another past the signal, and the exit took 9.5 s of a
+    1 s timeout with ten of them. Now the one loading gets the JSON 503 `shutting_down`, and so do those
+    waiting, without loading."""
+    import shutil
+
+    index = tmp_path / "idx"
+    shutil.copytree(tiny_index, index)
+    server = start(index, tmp_path, "--shutdown-timeout", "1", "--watch-interval", "0", code=SLOW_RELOAD_SERVER)
+    try:
+        server.wait_ready()
+        os.utime(index)  # a new identity (its change time): a reload loads, slowly, rather than finding it served
+        answers: list[tuple[int, Any]] = []
+        clients = [
+            threading.Thread(target=lambda: answers.append(server.post("/reload", {}, timeout=30))) for _ in range(4)
+        ]
+        for client in clients:
+            client.start()
+        time.sleep(0.5)  # one reload is inside its 2 s load; three wait for it
+        server.proc.send_signal(signal.SIGTERM)
+        for client in clients:
+            client.join(30)
+        assert server.proc.wait(30) == 0
+        assert [(status, body["error"]["code"]) for status, body in answers] == [(503, "shutting_down")] * 4, answers
+        log = server.log.read_text()
+        assert log.count("slow load") == 1 and "Traceback" not in log, log  # the waiting three loaded nothing
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        server.proc.wait(10)
+
+
+def test_a_second_ctrl_c_quits_at_once_without_a_traceback(tiny_index: Path, tmp_path: Path) -> None:
+    """The second Ctrl-C is uvicorn's forced quit: it skips the app's shutdown, and the lifespan, cancelled as
+    the loop closed, logged a CancelledError traceback. Now the lifespan ends too, without waiting for the
+    engine's queue (a forced quit does not wait out a 300 s timeout)."""
+    import shutil
+
+    index = tmp_path / "idx"
+    shutil.copytree(tiny_index, index)
+    server = start(index, tmp_path, "--shutdown-timeout", "300", "--watch-interval", "0", code=SLOW_SERVER)
+    try:
+        server.wait_ready()
+        answers: list[tuple[int, Any]] = []
+        client = threading.Thread(
+            target=lambda: answers.append(server.get(f"/search?q={SLOW.replace(' ', '%20')}", timeout=30))
+        )
+        client.start()
+        time.sleep(0.5)  # inside its 2 s encoding
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(30) == 0
+        assert time.monotonic() - signalled < 20.0  # not the 300 s timeout: it was forced
+        client.join(30)
+        log = server.log.read_text()
+        assert "Traceback" not in log and "CancelledError" not in log, log
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
