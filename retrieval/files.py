@@ -5,8 +5,11 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import logging
 import os
+import re
 import shutil
+import stat
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +21,7 @@ from retrieval.errors import BusyError, IndexDirError
 QUICK_FULL_BELOW = 64 << 20  # files smaller than this are hashed whole even by the quick check
 QUICK_BLOCKS, QUICK_BLOCK_BYTES = 64, 1 << 16  # larger ones: 64 blocks of 64 KiB spread from first byte to last
 PART_SAMPLE_BLOCKS, PART_SAMPLE_BYTES = 4, 1 << 12  # a stash part's sampled hash: 4 pages (``part_fingerprint``)
+log = logging.getLogger(__name__)
 
 
 def more_open_files() -> None:
@@ -103,8 +107,8 @@ def write_errors(target: Path) -> Iterator[None]:
                 f"(the previous index at {target}, if any, is unchanged)"
             ) from err
         raise IndexDirError(
-            f"cannot write {where} ({err.strerror}); index, add, remove and refit need a writable directory "
-            "(search works on a read-only index)"
+            f"cannot write {where} ({err.strerror}); index, add, remove, refit and --apply need a writable "
+            "directory (search works on a read-only index)"
         ) from err
 
 
@@ -177,17 +181,88 @@ def publish(work: Path, target: Path, own: Collection[str] = ()) -> None:
     """
     old = work_dir(target, "old")
     if old.exists():
-        shutil.rmtree(old)
+        remove_tree(old)
     if target.is_dir():
         for entry in target.iterdir():
             if entry.name not in own and not (work / entry.name).exists():
                 _link_tree(entry, work / entry.name)
+        keep_permissions(work, target)
     sync_tree(work)  # on disk before it is named: after a power cut the index is whole, never empty files
     if target.exists():
         os.rename(target, old)
     os.rename(work, target)
     sync_directory(target.parent)  # the renames themselves
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        remove_tree(old)
+    except OSError as err:  # the new version is in place; the next writer removes the old one (or says why)
+        log.warning("%s is published, but its previous version %s could not be removed: %s", target, old, err)
+
+
+def remove_tree(path: Path) -> None:
+    """``shutil.rmtree`` of a tree this tool left (a previous version, a killed writer's work), folders made
+    writable first: a write-protected version left behind (``chmod -R a-w``) could not be emptied, and every
+    later writer failed on it with a message naming neither it nor the cause."""
+    if not path.exists():
+        return
+    for directory, _, _ in os.walk(path):  # top-down: each folder writable before its entries are removed
+        os.chmod(directory, stat.S_IMODE(os.stat(directory).st_mode) | stat.S_IRWXU)
+    shutil.rmtree(path)
+
+
+def keep_permissions(work: Path, target: Path) -> None:
+    """Give the new version ``work`` the permissions of the ``target`` it replaces: its folders the target's mode
+    (and group, where this user may set it), each file written for it the same read/write bits (a folder of 700
+    gets files of 600, 2775 gets 664). Every publish made them the writer's umask's: a private index (700/600)
+    became readable by all after one ``add``. Files hard-linked from the old version keep their own mode."""
+    info = os.stat(target)
+    folder_mode, file_mode = stat.S_IMODE(info.st_mode), stat.S_IMODE(info.st_mode) & 0o666
+    for directory, _, names in os.walk(work):
+        paths = [(directory, folder_mode)]
+        for name in names:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path) and os.stat(path).st_nlink == 1:  # linked: the old version's own file
+                paths.append((path, file_mode))
+        for path, mode in paths:
+            os.chmod(path, mode)
+            if os.stat(path).st_gid != info.st_gid:
+                try:
+                    os.chown(path, -1, info.st_gid)
+                except PermissionError:  # not a member of that group: the mode still applies
+                    pass
+
+
+def is_mount_point(path: Path) -> bool:
+    """``os.path.ismount``, or ``path`` listed as a mount point in /proc/self/mountinfo: ismount compares devices
+    with the parent's, so a bind mount within one file system (how containers mount volumes) passes unseen."""
+    if os.path.ismount(path):
+        return True
+    try:
+        lines = Path("/proc/self/mountinfo").read_bytes().splitlines()
+    except OSError:
+        return False
+    unescape = re.compile(rb"\\([0-7]{3})")  # spaces, tabs, newlines and backslashes are written as \ooo
+    wanted = os.fsencode(os.path.realpath(path))
+    points = (line.split(b" ")[4] for line in lines if line.count(b" ") >= 4)
+    return any(unescape.sub(lambda m: bytes([int(m.group(1), 8)]), point) == wanted for point in points)
+
+
+def check_replaceable(target: Path) -> None:
+    """Refuse, before any work, a ``target`` that a writer could not replace by renaming a new version into its
+    place: a mount point (a container's volume: the rename failed with "Device or resource busy" after the whole
+    encoding) or a write-protected folder (``chmod a-w``: it was replaced anyway, then its old version could not
+    be removed)."""
+    if not target.is_dir():
+        return
+    if is_mount_point(target):
+        raise IndexDirError(
+            f"{target} is a mount point, and a new version is published by renaming a folder into its place: "
+            "mount the folder that holds it instead (the index is a folder inside the mount)"
+        )
+    if not os.access(target, os.W_OK) or not stat.S_IMODE(os.stat(target).st_mode) & 0o222:
+        raise IndexDirError(
+            f"{target} is write-protected; make it writable (`chmod -R u+w {target}`) to change it, or build "
+            "another index beside it"
+        )
 
 
 def sync_tree(root: Path) -> None:
@@ -233,7 +308,7 @@ def replacing(target: Path, purpose: str, own: Collection[str] = ()) -> Iterator
         raise ValueError(f"unknown update purpose {purpose!r}; add it to UPDATE_PURPOSES")
     work = work_dir(target, purpose)
     if work.exists():
-        shutil.rmtree(work)
+        remove_tree(work)
     work.mkdir(parents=True)
     try:
         yield work
@@ -293,6 +368,7 @@ def writing(target: Path) -> Iterator[None]:
             stale = work_dir(target, purpose)
             if stale.is_dir() and not stale.is_symlink():
                 shutil.rmtree(stale, ignore_errors=True)
+        check_replaceable(target)
         yield
     finally:
         os.unlink(path)  # before unlocking, so no one can take the lock on a file that is about to vanish

@@ -33,7 +33,7 @@ def remember(directory: Path) -> None:
     root = index_root()
     try:
         root.mkdir(parents=True, exist_ok=True)
-        (root / LAST_NAME).write_text(str(Path(directory).resolve()) + "\n")
+        (root / LAST_NAME).write_text(str(_pointer(Path(directory).resolve(), root.resolve())) + "\n")
     except OSError as err:
         log.warning(
             "%s is complete, but it could not be recorded as the default index in %s (%s); name it when you "
@@ -56,4 +56,14 @@ def default_index(name_it: str = "pass --index DIR") -> Path:
             f"no index has been built yet (nothing recorded in {pointer}); run `retrieval index CORPUS.parquet` "
             f"first, or {name_it}"
         )
-    return Path(pointer.read_text().strip())
+    return index_root() / pointer.read_text().strip()  # a relative pointer is the root's; an absolute one stands
+
+
+def _pointer(directory: Path, root: Path) -> Path:
+    """How the pointer names ``directory``: relative to the index root when inside it, so a project copied or
+    moved with its ``indexes/`` finds its own index (an absolute path sent a copy to the original's index, and
+    a moved project to a path that no longer exists); absolute otherwise."""
+    try:
+        return directory.relative_to(root)
+    except ValueError:
+        return directory

@@ -360,3 +360,118 @@ def test_a_stash_with_more_rows_than_the_index_is_refused(index: Path) -> None:
     _rerecord(index, f"{indexdir.STASH}/stash.json")
     with pytest.raises(IndexDirError, match="vector stash does not match its manifest"):
         load(index, "quick")
+
+
+# ----- deploying an index directory: permissions, mounts, copies -------------------------------------------------
+def _modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mode & 0o7777 for p in [root, *root.rglob("*")]}
+
+
+def more_rows(tmp_path: Path, n: int = 5) -> CorpusSpec:
+    texts = [f"an added document {i} about whitening" for i in range(n)]
+    return CorpusSpec(write_corpus(tmp_path / "more.parquet", n=n, id=[f"x{i}" for i in range(n)], text=texts))
+
+
+def test_a_new_version_keeps_the_permissions_of_the_one_it_replaces(index: Path, tmp_path: Path) -> None:
+    """Every publish took the writer's umask: a private index (700 folders, 600 files) became readable by all
+    after one `add`. Now folders keep the old directory's mode and new files its read/write bits."""
+    import os
+
+    for path in [index, *index.rglob("*")]:
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    before = os.umask(0o022)
+    try:
+        update.add(index, more_rows(tmp_path), FakeEncoder())
+        assert set(_modes(index).items()) == {
+            (name, 0o700 if (index / name).is_dir() else 0o600) for name in _modes(index)
+        }
+        index.chmod(0o2750)  # a group's index: setgid folder, group may read
+        kept = {p.stat().st_ino for p in index.rglob("*") if p.is_file()}  # stash parts are linked, not rewritten
+        update.refit(index, TransformSpec(dim=4))
+        folders = {mode for name, mode in _modes(index).items() if (index / name).is_dir()}
+        written = {p.stat().st_mode & 0o7777 for p in index.rglob("*") if p.is_file() and p.stat().st_ino not in kept}
+        linked = {p.stat().st_mode & 0o7777 for p in index.rglob("*") if p.is_file() and p.stat().st_ino in kept}
+        assert folders == {0o2750} and written == {0o640} and linked == {0o600}
+    finally:
+        os.umask(before)
+
+
+def test_a_write_protected_index_is_refused_before_any_work(index: Path, tmp_path: Path) -> None:
+    """`chmod -R a-w` said: do not change this. A writer replaced it anyway, then could not remove the old
+    version (`.idx.old`), and every later writer failed on it, blaming stash.json."""
+    snapshot = {p: p.read_bytes() for p in index.rglob("*") if p.is_file()}
+    for path in [index, *index.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    try:
+        with pytest.raises(IndexDirError, match=r"idx is write-protected; make it writable \(`chmod -R u\+w"):
+            update.add(index, more_rows(tmp_path), FakeEncoder())
+        with pytest.raises(IndexDirError, match="write-protected"):
+            build_index(
+                CorpusSpec(tmp_path / "corpus.parquet"),
+                FakeEncoder(),
+                index,
+                TransformSpec(dim=4),
+                options=BuildOptions(overwrite=True),
+            )
+        assert {p: p.read_bytes() for p in index.rglob("*") if p.is_file()} == snapshot
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".idx")) == []
+    finally:
+        for path in [index, *index.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+
+
+def test_a_write_protected_old_version_left_behind_is_removed_by_the_next_writer(index: Path, tmp_path: Path) -> None:
+    """Such a leftover could not be emptied, and every later writer failed on it. As root, permissions are not
+    enforced: the writer then runs without capabilities (``setpriv``), as an ordinary owner does."""
+    import os
+    import shutil
+
+    old = files.work_dir(index, "old")
+    shutil.copytree(index, old)
+    for path in [old, *old.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    more = more_rows(tmp_path)
+    if os.geteuid() != 0:
+        update.add(index, more, FakeEncoder())
+    else:
+        if not shutil.which("setpriv"):
+            pytest.skip("root without setpriv: write permissions cannot be enforced")
+        code = (
+            "import sys; sys.path.insert(0, sys.argv[3]); from pathlib import Path; from conftest import FakeEncoder\n"
+            "from retrieval import update; from retrieval.corpus import CorpusSpec\n"
+            "update.add(Path(sys.argv[1]), CorpusSpec(Path(sys.argv[2])), FakeEncoder())"
+        )
+        drop = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]
+        args = [sys.executable, "-c", code, str(index), str(more.path), str(ROOT / "tests")]
+        done = subprocess.run(
+            [*drop, *args], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
+        assert done.returncode == 0, done.stderr
+    assert not old.exists() and Searcher.load(index, encoder=FakeEncoder()).manifest.n == 305
+
+
+def test_an_index_that_is_a_mount_point_is_refused_before_encoding(index: Path, tmp_path: Path, monkeypatch) -> None:
+    """A container volume mounted at the index itself: the final rename failed with EBUSY, a traceback after
+    the whole encoding. Now one line first (a real mount needs root: os.path.ismount is what decides)."""
+    import os
+
+    encoded: list[int] = []
+
+    class Counting(FakeEncoder):
+        def encode(self, texts, *args, **kwargs):  # type: ignore[no-untyped-def]
+            encoded.append(len(texts))
+            return super().encode(texts, *args, **kwargs)
+
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == index or real(path))
+    with pytest.raises(IndexDirError, match="idx is a mount point.*mount the folder that holds it instead"):
+        update.add(index, more_rows(tmp_path), Counting())
+    with pytest.raises(IndexDirError, match="is a mount point"):
+        build_index(
+            CorpusSpec(tmp_path / "corpus.parquet"),
+            Counting(),
+            index,
+            TransformSpec(dim=4),
+            options=BuildOptions(overwrite=True),
+        )
+    assert encoded == [] and Searcher.load(index, encoder=FakeEncoder()).manifest.n == 300

@@ -805,6 +805,69 @@ def test_read_only_index(copy: Path, tmp_path: Path) -> None:
 
 @case(
     "index dir",
+    "a write-protected index (`chmod -R a-w`)",
+    "search works; add, refit and remove refuse in one line saying `chmod -R u+w` (they replaced it, then could not "
+    "remove the old version, and every later writer failed)",
+)
+def test_write_protected_index(copy: Path, tmp_path: Path) -> None:
+    expected = ok(run("search", "document number 3", "--index", copy, "--json")).stdout
+    before = snapshot(copy)
+    for path in [copy, *copy.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    try:
+        assert ok(run("search", "document number 3", "--index", copy, "--json")).stdout == expected
+        one_line(run("add", copy, new_docs(tmp_path / "more.parquet")), "is write-protected", "chmod -R u+w")
+        one_line(run("refit", copy, "--dim", 4), "is write-protected")
+        one_line(run("remove", copy, "doc3"), "is write-protected")
+    finally:
+        for path in [copy, *copy.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+    assert snapshot(copy) == before and leftovers(copy) == []
+
+
+@case(
+    "index dir",
+    "the index folder is itself a mount point (a container's volume)",
+    "search works; writers refuse in one line before encoding, saying to mount the folder that holds it (a "
+    "traceback, Device or resource busy, after the encoding)",
+)
+def test_index_that_is_a_mount_point(copy: Path, tmp_path: Path) -> None:
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("a bind mount needs root")
+    if subprocess.run(["mount", "--bind", str(copy), str(copy)], capture_output=True).returncode != 0:
+        pytest.skip("this machine allows no mounts")
+    try:
+        before = snapshot(copy)
+        ok(run("search", "document", "--index", copy))
+        one_line(run("add", copy, new_docs(tmp_path / "more.parquet")), "is a mount point", "mount the folder")
+        one_line(run("refit", copy, "--dim", 4), "is a mount point")
+        assert snapshot(copy) == before
+    finally:
+        subprocess.run(["umount", str(copy)], capture_output=True)
+    assert leftovers(copy) == []
+
+
+@case(
+    "index dir",
+    "a private index (folders 700, files 600) updated by a writer whose umask is 022",
+    "the new version keeps 700/600 (it became 755/644: readable by all)",
+)
+def test_private_index_stays_private(copy: Path, tmp_path: Path) -> None:
+    for path in [copy, *copy.rglob("*")]:
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    umask = os.umask(0o022)
+    try:
+        ok(run("add", copy, new_docs(tmp_path / "more.parquet")))
+        ok(run("refit", copy, "--dim", 4))
+    finally:
+        os.umask(umask)
+    modes = {path.stat().st_mode & 0o777 for path in [copy, *copy.rglob("*")] if path.is_dir()}
+    assert modes == {0o700}
+    assert {path.stat().st_mode & 0o777 for path in copy.rglob("*") if path.is_file()} == {0o600}
+
+
+@case(
+    "index dir",
     "`remove` with ids the index does not hold",
     "one line naming the first of them; nothing removed (`--missing-ok` removes the others)",
 )

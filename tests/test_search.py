@@ -416,3 +416,26 @@ def test_warm_up_leaves_the_stash_alone_when_the_index_does_not_rescore(tmp_path
     assert stash_bytes > 0.5 * searcher.docs.nbytes  # the stash would be visible in the count
     touched = searcher.warm_up()
     assert 0.95 * searcher.docs.nbytes <= touched <= searcher.docs.nbytes + 0.25 * stash_bytes  # Arrow padding
+
+
+def test_the_default_index_of_a_copied_or_moved_project_is_its_own(tmp_path: Path, monkeypatch) -> None:
+    """The pointer held an absolute path: a copy of a project searched the original's index, and a moved one
+    was told to build one though its indexes/ held it. Inside the index root it is now relative to it."""
+    monkeypatch.delenv("RETRIEVAL_INDEX_ROOT")
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    corpus = write_corpus(project / "c.parquet", n=50)
+    build_index(CorpusSpec(corpus), FakeEncoder(), Path("indexes/c"), TransformSpec(dim=4))
+    home.remember(Path("indexes/c"))
+    assert (project / "indexes" / home.LAST_NAME).read_text() == "c\n"
+    shutil.copytree(project, tmp_path / "copy")
+    project.rename(tmp_path / "moved")
+    for where in ("copy", "moved"):
+        monkeypatch.chdir(tmp_path / where)
+        assert home.default_index().resolve() == (tmp_path / where / "indexes" / "c").resolve()
+        assert Searcher.load(home.default_index(), encoder=FakeEncoder()).manifest.n == 50
+    outside = tmp_path / "elsewhere"  # an index outside the root is named as it was: absolute
+    shutil.copytree(tmp_path / "moved" / "indexes" / "c", outside)
+    home.remember(outside)
+    assert home.default_index() == outside.resolve()
