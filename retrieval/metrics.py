@@ -170,8 +170,8 @@ def evaluate_run(
     * it must be a key of both ``qrels`` and ``run``: queries in ``qrels`` but absent from ``run`` are
       **skipped**, not scored 0, so they do not lower the average (a key with an empty dict is present and
       scores 0); queries in ``run`` but not in ``qrels`` are ignored;
-    * additionally (this module's choice, not pytrec_eval's), a query whose judgements hold no grade > 0 is
-      skipped: every metric would be 0 for it, and counting it would only dilute the mean.
+    * a query whose judgements hold no grade > 0 is evaluated and scores 0, as pytrec_eval (and so BEIR) and
+      trec_eval count it (it was skipped: a mean over fewer queries than BEIR's).
 
     Each query's documents are ranked by :func:`rank_run` (score descending, ties by doc id descending).
     Averages are plain means over the evaluated queries; ``n_queries`` says how many there were.
@@ -191,7 +191,7 @@ def evaluate_run(
     per_query: dict[str, dict[str, float]] = {}
     for qid in sorted(qrels):
         rels = qrels[qid]
-        if qid not in run or _n_relevant(rels) == 0:
+        if qid not in run:
             continue
         ranked = rank_run(run[qid])
         per_query[qid] = {name: fn(ranked, rels, k) for name, k, fn in names}

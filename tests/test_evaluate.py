@@ -213,7 +213,7 @@ QRELS = {
     "q2": {"d07": 1, "absent": 1},  # rank 1 + a document the index lacks
     "q3": {"dupA": 1},  # dupA and dupB tie at cosine 1; ties go to the larger id, so dupA is rank 2
     "q4": {"d09": 0, "absent": 1},  # its own document judged not relevant; the relevant one is never found
-    "q5": {"d11": 0},  # nothing relevant: skipped, not counted as 0
+    "q5": {"d11": 0},  # nothing relevant: evaluated, every metric 0 (as pytrec_eval and so BEIR count it)
     "q6": {"d13": 1, "absent": 3},  # graded: the grade-3 document is missing
 }
 # Only judged documents matter, and each one's rank is known (1, 2, or never retrieved):
@@ -221,13 +221,14 @@ QRELS = {
 #   q2: 1 / (1 + 1/log2 3) = 0.613147; R@10 1/2; MRR 1
 #   q3: (1/log2 3) / 1     = 0.630930; R@10 1;   MRR 1/2
 #   q4: 0;                             R@10 0;   MRR 0
+#   q5: 0;                             R@10 0;   MRR 0      (no grade above 0)
 #   q6: 1 / (3 + 1/log2 3) = 0.275406; R@10 1/2; MRR 1      (linear gains, ideal = [3, 1])
-# q5 and q7 are not evaluated: 5 queries.
+# q7 is not evaluated: 6 queries.
 EXPECTED = {
-    "nDCG@10": (1 + 1 / (1 + 1 / math.log2(3)) + 1 / math.log2(3) + 0 + 1 / (3 + 1 / math.log2(3))) / 5,
-    "Recall@10": (1 + 0.5 + 1 + 0 + 0.5) / 5,  # 0.6
-    "Recall@100": 0.6,  # nothing judged sits between ranks 11 and 100
-    "MRR@10": (1 + 1 + 0.5 + 0 + 1) / 5,  # 0.7
+    "nDCG@10": (1 + 1 / (1 + 1 / math.log2(3)) + 1 / math.log2(3) + 0 + 0 + 1 / (3 + 1 / math.log2(3))) / 6,
+    "Recall@10": (1 + 0.5 + 1 + 0 + 0 + 0.5) / 6,  # 0.5
+    "Recall@100": 0.5,  # nothing judged sits between ranks 11 and 100
+    "MRR@10": (1 + 1 + 0.5 + 0 + 0 + 1) / 6,  # 0.583333
 }
 
 
@@ -252,9 +253,9 @@ def test_evaluate_ir_matches_hand_worked_metrics(searcher: Searcher, tmp_path: P
     assert searcher.docs.ids[rows[1, 0]] == "d03"
 
     result = evaluate_ir(searcher, queries, qrels)
-    assert result.n_queries == 5
-    assert sorted(result.per_query) == ["q1", "q2", "q3", "q4", "q6"]
-    assert EXPECTED["nDCG@10"] == pytest.approx(0.503897, abs=1e-6)  # the arithmetic in the comment above
+    assert result.n_queries == 6
+    assert sorted(result.per_query) == ["q1", "q2", "q3", "q4", "q5", "q6"]
+    assert EXPECTED["nDCG@10"] == pytest.approx(0.419915, abs=1e-6)  # the arithmetic in the comment above
     for name, value in EXPECTED.items():
         # exact ranks and a float64 mean of exact per-query values: only summation round-off remains
         assert result.metrics[name] == pytest.approx(value, rel=1e-12), name

@@ -177,15 +177,17 @@ def test_evaluate_run_averages_and_names() -> None:
 
 
 def test_evaluate_run_skips_queries_absent_from_run() -> None:
-    # Documented choice (pytrec_eval / BEIR): q2 is judged but not in the run -> skipped, not scored 0.
-    # q3 has no relevant judgement -> skipped. q4 is in the run but not judged -> ignored.
+    # As pytrec_eval (so BEIR): q2 is judged but not in the run -> skipped, not scored 0 (trec_eval -c would).
+    # q3 has judgements but none above 0 -> evaluated, every metric 0 (it was skipped: a mean over fewer
+    # queries than BEIR's). q4 is in the run but not judged -> ignored. pytrec_eval 0.5.11 (ndcg_cut_10,
+    # recip_rank, recall_10) gives q1 1.0 and q3 0.0 on exactly these inputs.
     qrels = {"q1": {"a": 1}, "q2": {"b": 1}, "q3": {"c": 0}}
     run = {"q1": {"a": 1.0, "z": 0.5}, "q3": {"c": 1.0}, "q4": {"a": 1.0}}
     result = evaluate_run(run, qrels)
-    assert result.n_queries == 1
-    assert set(result.per_query) == {"q1"}
-    assert result.metrics["MRR@10"] == 1.0  # would be 0.5 if q2 counted as 0 (trec_eval -c)
-    assert result.metrics["Recall@10"] == 1.0
+    assert result.n_queries == 2
+    assert set(result.per_query) == {"q1", "q3"} and set(result.per_query["q3"].values()) == {0.0}
+    assert result.metrics["MRR@10"] == 0.5  # would be 1/3 if q2 counted as 0 (trec_eval -c)
+    assert result.metrics["nDCG@10"] == result.metrics["Recall@10"] == 0.5
 
 
 def test_evaluate_run_empty_run_entry_scores_zero() -> None:
