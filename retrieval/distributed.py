@@ -34,8 +34,10 @@ import logging
 import math
 import os
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -171,6 +173,23 @@ def init_local(ray: Any, attempts: int = 2, **options: Any) -> Any:
     raise AssertionError("unreachable")
 
 
+@contextmanager
+def keep_sigterm_handler() -> Iterator[None]:
+    """Put back the SIGTERM handler ``ray.init`` replaces with its own (and ``ray.shutdown`` with the default,
+    beneath Python, which still reports its own): the CLI's (``error: terminated``, exit 143, a build's parts
+    kept for --resume) became Ray's, and a SIGTERM during a Ray build aborted the process with a C++ stack dump
+    (exit -6)."""
+    if threading.current_thread() is not threading.main_thread():  # handlers belong to the main thread
+        yield
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if handler is not None:  # None: one installed outside Python, which Python cannot put back
+            signal.signal(signal.SIGTERM, handler)
+
+
 class RayEngine:
     """Runs a build's corpus passes on Ray Data (see the module docstring); pass it to ``build_index``.
 
@@ -208,10 +227,11 @@ class RayEngine:
                 "engine",
             ) from err
         if not ray.is_initialized():
-            if self.options.address:
-                self._join(ray, self.options.address)
-            else:
-                self._start_local(ray)
+            with keep_sigterm_handler():
+                if self.options.address:
+                    self._join(ray, self.options.address)
+                else:
+                    self._start_local(ray)
         if not self._saved_context:  # progress is the caller's to show (the CLI draws its own bars)
             context = ray.data.DataContext.get_current()
             quiet = {"enable_progress_bars": False, "print_on_execution_start": False}
@@ -280,7 +300,8 @@ class RayEngine:
             return
         import ray
 
-        ray.shutdown()
+        with keep_sigterm_handler():  # Ray's shutdown resets the process's SIGTERM to the default: a kill
+            ray.shutdown()  # between it and the command's end was a silent death, not `error: terminated`
         if self._started is not None:
             shutil.rmtree(self._started, ignore_errors=True)
         self._started, self._joined = None, False

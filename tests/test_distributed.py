@@ -400,6 +400,43 @@ engine.close()
 """
 
 
+SIGTERM_CHILD = """
+import os, signal, sys, time
+from retrieval.cli import sigterm_exits
+from retrieval.distributed import RayEngine, RayOptions
+from retrieval.encoder import EncoderSpec
+from retrieval.errors import Terminated
+with sigterm_exits():
+    with RayEngine(EncoderSpec("unused"), RayOptions()) as engine:
+        engine.connect()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        except Terminated:
+            print("terminated", flush=True)
+    try:  # Ray's shutdown (leaving the engine) reset SIGTERM to the default beneath Python: a silent death
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    except Terminated:
+        print("terminated after shutdown", flush=True)
+"""
+
+
+def test_sigterm_after_ray_started_still_reaches_the_cli_handler(tmp_path: Path) -> None:
+    """ray.init replaced the CLI's SIGTERM handler with Ray's: a SIGTERM during a Ray build aborted the
+    process with a C++ stack dump (exit -6) instead of `error: terminated`, exit 143, parts kept for --resume;
+    after ray.shutdown one killed the process silently."""
+    short = Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp"))
+    env = {**os.environ, "TMPDIR": str(short), "PYTHONPATH": str(conftest.ROOT)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", SIGTERM_CHILD], capture_output=True, text=True, env=env, timeout=120
+        )
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    assert (done.returncode, done.stdout) == (0, "terminated\nterminated after shutdown\n"), done.stderr[-2000:]
+
+
 def listening_addresses(pids: set[int]) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     """The local addresses of the TCP sockets that the processes ``pids`` listen on (/proc/net/tcp and tcp6)."""
     inodes = set()
