@@ -690,6 +690,19 @@ class TransformerEncoder:
         longer = torch.cat([example[:, :-1], example[:, 1:-1].repeat(1, 4), example[:, -1:]], dim=1)
         lengths = (example, longer[:, : self.max_length])
         ends = _first_and_last_layer(self.model, torch).eval()
+        # torch.jit.trace asks every module for every attribute (hasattr), and a transformers model's
+        # ``loss_function`` answers with a warning: "`loss_type=None` was set in the config but it is
+        # unrecognized", printed by every server start. Quiet for the trace only.
+        quiet = logging.getLogger("transformers.modeling_utils")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            return self._trace_candidates(ends, example, lengths, bf16_options)
+        finally:
+            quiet.setLevel(level)
+
+    def _trace_candidates(self, ends: Any, example: Any, lengths: tuple[Any, Any], bf16_options: Sequence[bool]) -> Any:
+        torch = self._torch
         passed = []
         with warnings.catch_warnings(), torch.inference_mode():
             warnings.simplefilter("ignore")  # torch.jit's deprecation notice and transformers' tracer warnings

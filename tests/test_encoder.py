@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -708,3 +710,17 @@ def test_progress_counts_texts_encoded_one_at_a_time(tiny_bert: Path) -> None:
     for i in range(6):  # past the third single text, the traced path
         enc.encode_poolings([f"document number {i}"], ["mean"], on_batch=seen.append)
     assert enc._traced and sum(seen) == 6
+
+
+def test_tracing_prints_no_transformers_warning(tiny_bert: Path) -> None:
+    """torch.jit.trace asks the model for every attribute; transformers' ``loss_function`` answered with
+    "`loss_type=None` was set in the config but it is unrecognized", on every server start. A fresh process:
+    transformers warns once per process."""
+    code = (
+        "import sys; from retrieval.encoder import EncoderSpec\n"
+        "encoder = EncoderSpec(sys.argv[1], precision='fp32').load(); encoder.warm_up()\n"
+        "assert encoder._traced, 'not traced'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tiny_bert)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "loss_type" not in done.stderr, done.stderr
