@@ -1139,7 +1139,10 @@ def serve(
     directory = index_dir or home.default_index("name it: `retrieval serve DIR`")
     IndexDir(directory).manifest()  # a missing or foreign directory fails here, in one line, not in the server
     err.print(f"serving {safe(str(directory))} on http://{host}:{port}/ (docs at /docs)", markup=False)
-    server.run(directory, options, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout)
+    try:
+        server.run(directory, options, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout)
+    finally:  # served: what remains is the interpreter's teardown (1-2 s of torch's exit hooks), and a Ctrl-C
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # there died by the signal or printed an exit hook's traceback
 
 
 def run() -> None:

@@ -199,13 +199,25 @@ def publish(work: Path, target: Path, own: Collection[str] = ()) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """``shutil.rmtree`` of a tree this tool left (a previous version, a killed writer's work), folders made
-    writable first: a write-protected version left behind (``chmod -R a-w``) could not be emptied, and every
-    later writer failed on it with a message naming neither it nor the cause."""
+    """``shutil.rmtree`` of a tree this tool left at one of its own names (a previous version, a killed
+    writer's work). A symbolic link there is removed, never followed. A write-protected tree (``chmod -R
+    a-w``) could not be emptied, and every later writer failed on it: its folders are then opened up where this
+    user owns them (only an owner may chmod; a group member of a shared index removes without it)."""
+    if path.is_symlink():
+        path.unlink()
+        return
     if not path.exists():
         return
+    try:
+        shutil.rmtree(path)
+        return
+    except PermissionError:
+        pass
     for directory, _, _ in os.walk(path):  # top-down: each folder writable before its entries are removed
-        os.chmod(directory, stat.S_IMODE(os.stat(directory).st_mode) | stat.S_IRWXU)
+        try:
+            os.chmod(directory, stat.S_IMODE(os.stat(directory).st_mode) | stat.S_IRWXU)
+        except PermissionError:
+            pass
     shutil.rmtree(path)
 
 

@@ -56,7 +56,8 @@ def default_index(name_it: str = "pass --index DIR") -> Path:
             f"no index has been built yet (nothing recorded in {pointer}); run `retrieval index CORPUS.parquet` "
             f"first, or {name_it}"
         )
-    return index_root() / pointer.read_text().strip()  # a relative pointer is the root's; an absolute one stands
+    # a relative pointer is the root's, an absolute one stands; only the newline goes (a name may start with a space)
+    return index_root() / pointer.read_text().rstrip("\n")
 
 
 def _pointer(directory: Path, root: Path) -> Path:

@@ -171,7 +171,8 @@ def evaluate_run(
       **skipped**, not scored 0, so they do not lower the average (a key with an empty dict is present and
       scores 0); queries in ``run`` but not in ``qrels`` are ignored;
     * a query whose judgements hold no grade > 0 is evaluated and scores 0, as pytrec_eval (and so BEIR) and
-      trec_eval count it (it was skipped: a mean over fewer queries than BEIR's).
+      trec_eval count it (it was skipped: a mean over fewer queries than BEIR's); one with no judgement at all
+      (an empty dict) is left out, as pytrec_eval leaves it out.
 
     Each query's documents are ranked by :func:`rank_run` (score descending, ties by doc id descending).
     Averages are plain means over the evaluated queries; ``n_queries`` says how many there were.
@@ -191,7 +192,7 @@ def evaluate_run(
     per_query: dict[str, dict[str, float]] = {}
     for qid in sorted(qrels):
         rels = qrels[qid]
-        if qid not in run:
+        if qid not in run or not rels:  # no judgement at all: pytrec_eval leaves it out too
             continue
         ranked = rank_run(run[qid])
         per_query[qid] = {name: fn(ranked, rels, k) for name, k, fn in names}

@@ -1034,9 +1034,13 @@ def run(
 
         async def shutdown(self, sockets: Any = None) -> None:
             await super().shutdown(sockets)
-            if self.force_exit:  # a second Ctrl-C: uvicorn skips the app's shutdown, and the lifespan, cancelled
-                app.state.stop_timeout = 0.0  # at exit, logged a traceback. It ends now, the engine's queue
-                await self.lifespan.shutdown()  # dropped (its threads are daemons): a forced quit does not wait
+            # A second Ctrl-C before uvicorn reached the app's shutdown: it skips it, and the lifespan, cancelled
+            # at exit, logged a traceback. It ends now, the engine's queue dropped (its threads are daemons): a
+            # forced quit does not wait. Not twice: a Ctrl-C during the app's shutdown finds it done.
+            finished = getattr(self.lifespan, "shutdown_event", None)
+            if self.force_exit and finished is not None and not finished.is_set():
+                app.state.stop_timeout = 0.0
+                await self.lifespan.shutdown()
 
     config = uvicorn.Config(
         app,

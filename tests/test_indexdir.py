@@ -475,3 +475,36 @@ def test_an_index_that_is_a_mount_point_is_refused_before_encoding(index: Path, 
             options=BuildOptions(overwrite=True),
         )
     assert encoded == [] and Searcher.load(index, encoder=FakeEncoder()).manifest.n == 300
+
+
+def test_a_shared_group_index_is_replaced_without_chmod(index: Path, tmp_path: Path, monkeypatch) -> None:
+    """Removing the old version chmod-ed every folder first, which only their owner may: a group member's
+    second update of a shared (2775) index failed after the encoding. A writable tree needs no chmod."""
+    import os
+
+    chmod, old = os.chmod, str(files.work_dir(index, "old"))
+
+    def owned_only(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(path).startswith(old):  # the old version's folders: another member's
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return chmod(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "chmod", owned_only)  # as for a group member who owns none of the old folders
+    update.add(index, more_rows(tmp_path), FakeEncoder())
+    assert not files.work_dir(index, "old").exists() and Searcher.load(index, encoder=FakeEncoder()).manifest.n == 305
+
+
+def test_a_link_at_a_work_name_is_removed_not_followed(index: Path, tmp_path: Path) -> None:
+    """A symbolic link at `.idx.old` made the writer chmod the whole tree it pointed to (and then fail)."""
+    victim = tmp_path / "victim"
+    (victim / "sub").mkdir(parents=True)
+    for path in (victim / "sub", victim):
+        path.chmod(0o555)
+    files.work_dir(index, "old").symlink_to(victim)
+    try:
+        update.add(index, more_rows(tmp_path), FakeEncoder())
+        assert not files.work_dir(index, "old").is_symlink() and not files.work_dir(index, "old").exists()
+        assert {(victim / "sub").stat().st_mode & 0o777, victim.stat().st_mode & 0o777} == {0o555}
+    finally:
+        for path in (victim, victim / "sub"):
+            path.chmod(0o755)

@@ -188,6 +188,8 @@ def test_evaluate_run_skips_queries_absent_from_run() -> None:
     assert set(result.per_query) == {"q1", "q3"} and set(result.per_query["q3"].values()) == {0.0}
     assert result.metrics["MRR@10"] == 0.5  # would be 1/3 if q2 counted as 0 (trec_eval -c)
     assert result.metrics["nDCG@10"] == result.metrics["Recall@10"] == 0.5
+    # no judgement at all (an empty dict; the qrels reader never makes one): left out, as pytrec_eval does
+    assert evaluate_run({**run, "q5": {"a": 1.0}}, {**qrels, "q5": {}}).n_queries == 2
 
 
 def test_evaluate_run_empty_run_entry_scores_zero() -> None:

@@ -439,3 +439,17 @@ def test_the_default_index_of_a_copied_or_moved_project_is_its_own(tmp_path: Pat
     shutil.copytree(tmp_path / "moved" / "indexes" / "c", outside)
     home.remember(outside)
     assert home.default_index() == outside.resolve()
+
+
+def test_a_default_index_whose_name_starts_with_a_space_is_found(tmp_path: Path, monkeypatch) -> None:
+    """The pointer was read with strip(): harmless on an absolute path, but a relative one lost the space."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RETRIEVAL_INDEX_ROOT")
+    build_index(
+        CorpusSpec(write_corpus(tmp_path / "c.parquet", n=30)),
+        FakeEncoder(),
+        Path("indexes/ lead"),
+        TransformSpec(dim=4),
+    )
+    home.remember(Path("indexes/ lead"))
+    assert home.default_index() == Path("indexes/ lead") and home.default_index().is_dir()

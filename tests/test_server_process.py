@@ -352,3 +352,39 @@ def test_a_second_ctrl_c_quits_at_once_without_a_traceback(tiny_index: Path, tmp
         if server.proc.poll() is None:
             server.proc.kill()
         server.proc.wait(10)
+
+
+def test_a_ctrl_c_after_the_server_finished_changes_nothing(tiny_index: Path, tmp_path: Path) -> None:
+    """Once uvicorn has finished, the process still finishes the engine's running batch and spends a second
+    in torch's exit hooks: a Ctrl-C there killed it by the signal (status 130) or printed an exit hook's
+    KeyboardInterrupt traceback."""
+    import shutil
+
+    index = tmp_path / "idx"
+    shutil.copytree(tiny_index, index)
+    options = ("--watch-interval", "0", "--shutdown-timeout", "1", "--max-batch", "1")
+    server = start(index, tmp_path, *options, code=SLOW_SERVER)
+    clients: list[threading.Thread] = []
+    try:
+        server.wait_ready()
+        for _ in range(4):  # slow queries queued one to a batch: the engine is busy past the timeout
+            slow = f"/search?q={SLOW.replace(' ', '%20')}"
+            clients.append(threading.Thread(target=lambda: server.get(slow, timeout=30)))
+            clients[-1].start()
+        time.sleep(0.5)
+        server.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while "Finished server process" not in server.log.read_text():
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log.read_text()
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(30) == 0
+        log = server.log.read_text()
+        assert "Traceback" not in log and "Exception ignored" not in log, log
+        assert log.count("Application shutdown complete") == 1, log
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        server.proc.wait(10)
+        for client in clients:
+            client.join(30)
