@@ -367,9 +367,9 @@ def test_a_ctrl_c_after_the_server_finished_changes_nothing(tiny_index: Path, tm
     clients: list[threading.Thread] = []
     try:
         server.wait_ready()
+        slow = f"/search?q={SLOW.replace(' ', '%20')}"
         for _ in range(4):  # slow queries queued one to a batch: the engine is busy past the timeout
-            slow = f"/search?q={SLOW.replace(' ', '%20')}"
-            clients.append(threading.Thread(target=lambda: server.get(slow, timeout=30)))
+            clients.append(threading.Thread(target=server.get, args=(slow, 30.0)))
             clients[-1].start()
         time.sleep(0.5)
         server.proc.send_signal(signal.SIGINT)
