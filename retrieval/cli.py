@@ -214,7 +214,10 @@ def choice(name: str, value: str | None, allowed: Sequence[str]) -> None:
 # ----- index -----------------------------------------------------------------------------------------------
 TextOption = Annotated[str, typer.Option(help="Column with the document text.")]
 IdOption = Annotated[
-    str | None, typer.Option(help="Column with document ids \\[default: id if present, else row numbers].")
+    str | None,
+    typer.Option(
+        help="Column with document ids \\[default: id if present, else row numbers; <file>:<row> for a folder or glob]."
+    ),
 ]
 TitleOption = Annotated[str | None, typer.Option(help="Column prepended to the text, as BEIR does.")]
 SkipEmptyOption = Annotated[bool, typer.Option(help="Leave out rows with null or empty text instead of failing.")]
@@ -279,7 +282,11 @@ def index(
     max_length: Annotated[int | None, typer.Option(help="Tokens per text \\[default: the model's].")] = None,
     batch_size: Annotated[int, typer.Option(help="Texts per forward pass.")] = DefaultEncoder.batch_size,
     precision: Annotated[
-        str, typer.Option(help=f"{', '.join(PRECISIONS)}: auto times the first batch and keeps the faster.")
+        str,
+        typer.Option(
+            help=f"{', '.join(PRECISIONS)}: auto is fp32, or on a CPU with native bf16 the faster of the two on "
+            "the first batch."
+        ),
     ] = DefaultEncoder.precision,
     index_type: Annotated[
         str, typer.Option(help="flat, hnsw, ivf, or a FAISS index_factory string (HNSW32, IVF1024,SQ8, ...).")
@@ -423,7 +430,7 @@ def search(
         ),
     ] = None,
     text_column: Annotated[
-        str | None, typer.Option(help="--queries parquet: the column of query texts.", show_default="text")
+        str | None, typer.Option(help="--queries parquet: the column of query texts \\[default: text].")
     ] = None,
 ) -> None:
     """Search an index with a text query, or with every query of a file (--queries)."""
@@ -640,7 +647,9 @@ def refit(
 @app.command()
 @user_errors
 def calibrate(
-    index_dir: IndexDirArg,
+    index_dir: Annotated[
+        Path, typer.Argument(help="Index directory (changed in place, atomically, only with --apply).", file_okay=False)
+    ],
     queries: Annotated[
         Path,
         typer.Option(
@@ -1079,7 +1088,8 @@ def serve(
         typer.Option(
             envvar="RETRIEVAL_API_KEY",
             show_default=False,
-            help="Require `Authorization: Bearer KEY` on every route but /health (or set RETRIEVAL_API_KEY).",
+            help="Require `Authorization: Bearer KEY` on every API route but /health; the page, /docs and "
+            "/openapi.json stay open (or set RETRIEVAL_API_KEY).",
         ),
     ] = None,
     max_batch: Annotated[int, typer.Option(help="Micro-batching: queries per engine batch.")] = DefaultServe.max_batch,

@@ -1,8 +1,9 @@
 """Searching an index directory: the same encoder and the same stored transform as the build, then FAISS.
 
 A ``Searcher`` holds one whole version of an index (``indexdir.load``) and is safe to share between threads:
-search knobs go to FAISS per call (never set on the shared index), the encoder serialises its own callers,
-and the docs and the stash are read-only memory maps.
+search knobs go to FAISS per call (never set on the shared index), the encoder locks only its tokenizer (and
+its first-call decisions) while forward passes run side by side, and the docs and the stash are read-only
+memory maps.
 """
 
 from __future__ import annotations

@@ -580,7 +580,9 @@ def _search_routes(api: APIRouter, service: Service) -> None:
     async def search_get(
         request: Request,
         q: Annotated[str, Query(description="The query text.")],
-        k: Annotated[int | None, Query(description="Hits per query (default 10, or the server's max_k).")] = None,
+        k: Annotated[
+            int | None, Query(description="Hits per query (default 10, or the server's `max_k` when lower).")
+        ] = None,
         rescore: Annotated[int | None, Query(description="Re-rank this many candidates.")] = None,
         ef: Annotated[int | None, Query(description="HNSW search beam width.")] = None,
         nprobe: Annotated[int | None, Query(description="IVF lists probed.")] = None,

@@ -1,12 +1,13 @@
-"""Growing and re-fitting an index directory from its stash: add and refit; and calibrate, which sets the
-default search knob to the value measured on queries.
+"""Changing an index directory from its stash: add, remove and refit; and calibrate, which sets the default
+search knob to the value measured on queries.
 
 ``refit`` fits a new kernel from the stored moments (or from the stash, for another pooling) and rebuilds the
 FAISS index from the stash: nothing is encoded again. ``add`` encodes only new rows, appends them to the stash
 as new parts, merges their moments and adds them to the index with the EXISTING kernel (``info`` reports how
 far that kernel has drifted from a fresh fit, so users know when to ``refit``).
 
-Both writers verify what they read, assemble the new version in a hidden sibling (unchanged stash parts
+``remove`` drops rows by id from the stash, the docs and the index, with the existing kernel. Every writer
+verifies what it reads, assemble the new version in a hidden sibling (unchanged stash parts
 hard-linked, not copied) and swap it into place with ``files.publish``: an interruption leaves the previous
 index intact.
 """
