@@ -300,6 +300,22 @@ class HeadAsGet:
                 scope["route"] = as_get["route"]
 
 
+class RequireHost:
+    """Pure ASGI middleware: an HTTP/1.1 request without a ``Host`` header is refused with 400 (RFC 9112 3.2:
+    a server MUST), as JSON like every error; uvicorn passed it on and it was answered."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("http_version") == "1.1":
+            if not any(name == b"host" for name, _ in scope["headers"]):
+                message = "an HTTP/1.1 request needs a Host header (RFC 9112 3.2)"
+                await error_response(400, "missing_host", message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def route_label(scope: Scope) -> str:
     """A request's route template, one of a bounded set: never the raw path (one label per URL asked for)."""
     route = scope.get("route")  # set by FastAPI's routes; /openapi.json is Starlette's, and a mount sets none
@@ -510,6 +526,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     app.state.metrics = metrics
     app.add_middleware(HeadAsGet)
     app.add_middleware(LimitBody, max_bytes=options.max_body_bytes)
+    app.add_middleware(RequireHost)
     app.add_middleware(ObserveRequests, metrics=metrics)
     install_error_handlers(app, metrics)
     app.state.api_key = api_key.encode() if api_key else None

@@ -237,6 +237,17 @@ def test_a_websocket_upgrade_is_answered_as_http(served: tuple[Server, Path]) ->
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status":"ok"}'), answer
 
 
+def test_an_http_1_1_request_without_host_is_refused(served: tuple[Server, Path]) -> None:
+    """RFC 9112 3.2: a server MUST answer 400. uvicorn passed such a request on and it was answered; HTTP/1.0
+    has no such rule."""
+    server, _ = served
+    answer = raw_request(server, b"GET /health HTTP/1.1\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400") and b'"code":"missing_host"' in answer, answer
+    assert raw_request(server, b"GET /health HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.1 200")
+    assert raw_request(server, b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n").startswith(b"HTTP/1.1 200")
+    assert metric_value(server, 'retrieval_requests_total{method="GET",route="unmatched",status="400"}') >= 1
+
+
 def test_sigterm_lets_the_request_in_flight_finish(served: tuple[Server, Path]) -> None:
     """Last in this module: it stops the shared server."""
     server, _ = served
