@@ -36,6 +36,7 @@ pytestmark = pytest.mark.skipif(
     reason="Chromium or chromedriver is absent: apt-get install chromium chromium-driver (make test does it as root)",
 )
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><b>bold?</b>"
+LONG_ID = "LONGID-" + "x" * 400
 
 
 @pytest.fixture
@@ -44,7 +45,9 @@ def page_server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]
     come from the test's ``indirect`` parameter, if any."""
     texts = [f"document number {i} about topic {i % 7}" for i in range(120)]
     texts[7] = HOSTILE
-    corpus = write_corpus(tmp_path / "corpus.parquet", n=120, text=texts)
+    ids = [f"doc{i}" for i in range(120)]
+    ids[11], ids[12], ids[13] = LONG_ID, "rtl\u202eevil", "new\nline\tid"
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=120, text=texts, id=ids)
     build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "idx", TransformSpec(dim=8))
     options = ServeOptions(**{"watch_interval": 0, **getattr(request, "param", {})})
     service = Service(tmp_path / "idx", options, encoder=FakeEncoder())
@@ -137,6 +140,17 @@ def test_the_page_searches_and_shows_hits_as_text(page_server: str, browser: web
     assert browser.find_elements(By.CSS_SELECTOR, "#hits tbody tr") == []
 
     assert len(search(browser, "document number 3", "1e1")) == 10  # what the browser's number box reads as 10
+
+
+def test_odd_ids_are_shown_escaped_and_a_long_one_wraps(page_server: str, browser: webdriver.Chrome) -> None:
+    """The id column did not wrap: a 400-character id made the table 3,520 px wide in a 1,265 px window, the texts
+    off screen. And an unclosed right-to-left override showed the id "rtl\u202eevil" as "rtllive"."""
+    browser.get(page_server)
+    shown = {i: search(browser, f"document number {i} about topic {i % 7}", 1)[0][2] for i in (12, 13, 11)}
+    assert shown[12] == "rtl\\u202eevil" and shown[13] == "new\\nline\\tid"
+    assert shown[11].replace("\n", "") == LONG_ID  # wrapped over lines, whole
+    wide, window = browser.execute_script("return [document.documentElement.scrollWidth, window.innerWidth]")
+    assert wide <= window, (wide, window)
 
 
 def test_a_search_lives_in_the_address(page_server: str, browser: webdriver.Chrome) -> None:
