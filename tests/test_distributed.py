@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -435,6 +436,26 @@ def test_sigterm_after_ray_started_still_reaches_the_cli_handler(tmp_path: Path)
     finally:
         shutil.rmtree(short, ignore_errors=True)
     assert (done.returncode, done.stdout) == (0, "terminated\nterminated after shutdown\n"), done.stderr[-2000:]
+
+
+def test_keeping_the_sigterm_handler_is_a_no_op_off_the_main_thread() -> None:
+    """Signal handlers belong to the main thread: a RayEngine opened from another thread (a library caller)
+    must not fail with "signal only works in main thread"."""
+    from retrieval.distributed import keep_sigterm_handler
+
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            with keep_sigterm_handler():
+                pass
+        except BaseException as err:  # noqa: BLE001 - recorded for the assertion
+            errors.append(err)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(10)
+    assert errors == []
 
 
 def listening_addresses(pids: set[int]) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:

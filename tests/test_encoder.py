@@ -720,6 +720,8 @@ def test_tracing_prints_no_transformers_warning(tiny_bert: Path) -> None:
         "import sys; from retrieval.encoder import EncoderSpec\n"
         "encoder = EncoderSpec(sys.argv[1], precision='fp32').load(); encoder.warm_up()\n"
         "assert encoder._traced, 'not traced'\n"
+        "import logging\n"
+        "assert logging.getLogger('transformers.modeling_utils').level == logging.NOTSET, 'left quiet'\n"
     )
     done = subprocess.run([sys.executable, "-c", code, str(tiny_bert)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -494,17 +494,141 @@ def test_a_shared_group_index_is_replaced_without_chmod(index: Path, tmp_path: P
     assert not files.work_dir(index, "old").exists() and Searcher.load(index, encoder=FakeEncoder()).manifest.n == 305
 
 
-def test_a_link_at_a_work_name_is_removed_not_followed(index: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["old", "adding"])
+def test_a_link_at_a_work_name_is_removed_not_followed(index: Path, tmp_path: Path, name: str) -> None:
     """A symbolic link at `.idx.old` made the writer chmod the whole tree it pointed to (and then fail)."""
     victim = tmp_path / "victim"
     (victim / "sub").mkdir(parents=True)
     for path in (victim / "sub", victim):
         path.chmod(0o555)
-    files.work_dir(index, "old").symlink_to(victim)
+    files.work_dir(index, name).symlink_to(victim)
     try:
         update.add(index, more_rows(tmp_path), FakeEncoder())
-        assert not files.work_dir(index, "old").is_symlink() and not files.work_dir(index, "old").exists()
+        assert not files.work_dir(index, name).is_symlink() and not files.work_dir(index, name).exists()
         assert {(victim / "sub").stat().st_mode & 0o777, victim.stat().st_mode & 0o777} == {0o555}
     finally:
         for path in (victim, victim / "sub"):
             path.chmod(0o755)
+
+
+def test_links_a_user_put_in_an_index_are_carried_over_not_chmod_ed(index: Path, tmp_path: Path) -> None:
+    """keep_permissions must not follow a user's symbolic links: it would chmod a file outside the index (or
+    fail on a link to nothing)."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("mine")
+    outside.chmod(0o644)
+    (index / "notes").symlink_to(outside)
+    (index / "gone").symlink_to(tmp_path / "nothing-here")
+    index.chmod(0o700)
+    update.add(index, more_rows(tmp_path), FakeEncoder())
+    assert outside.stat().st_mode & 0o777 == 0o644 and (index / "notes").is_symlink() and (index / "gone").is_symlink()
+
+
+def test_a_first_publish_warns_of_nothing_and_a_failed_clean_up_only_warns(tmp_path: Path, caplog, monkeypatch) -> None:
+    """Publishing where nothing was before has no old version to remove: no warning. When the old version cannot be
+    removed, the new one is in place: the writer warns, it does not fail."""
+    import logging
+
+    work, target = tmp_path / "work", tmp_path / "idx"
+    work.mkdir()
+    (work / "a").write_text("new")
+    with caplog.at_level(logging.WARNING, logger="retrieval.files"):
+        files.publish(work, target)
+    assert caplog.records == [] and (target / "a").read_text() == "new"
+    work.mkdir()
+    (work / "a").write_text("newer")
+    real = files.remove_tree
+
+    def refused(path: Path) -> None:
+        if path.exists():
+            raise PermissionError(13, "Permission denied", str(path))
+        real(path)
+
+    monkeypatch.setattr(files, "remove_tree", refused)
+    with caplog.at_level(logging.WARNING, logger="retrieval.files"):
+        files.publish(work, target)
+    assert (target / "a").read_text() == "newer" and "could not be removed" in caplog.text
+
+
+def test_remove_tree_opens_up_only_what_it_may_and_removes_the_rest(tmp_path: Path, monkeypatch) -> None:
+    """A leftover whose top folder is another member's (chmod refused) holding a write-protected folder of
+    one's own: the refused chmod is skipped, the rest opened up, and the tree removed."""
+    import os
+    import shutil
+
+    tree = tmp_path / ".idx.old"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "f").write_text("x")
+    calls = {"rmtree": 0}
+    real_rmtree, real_chmod = shutil.rmtree, os.chmod
+
+    def rmtree(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["rmtree"] += 1
+        if calls["rmtree"] == 1:  # as for a user whom the write-protected sub refuses
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_rmtree(path, *args, **kwargs)
+
+    def chmod(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if Path(path) == tree:
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return real_chmod(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    monkeypatch.setattr(os, "chmod", chmod)
+    files.remove_tree(tree)
+    assert not tree.exists() and calls["rmtree"] == 2
+
+
+def test_an_index_this_user_cannot_write_is_refused(index: Path, monkeypatch) -> None:
+    """Another user's 755 index: the mode has write bits, but not for this user (as root, os.access says yes
+    to everything: simulated)."""
+    import os
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == index else real(path, mode))
+    with pytest.raises(IndexDirError, match="write-protected"):
+        files.check_replaceable(index)
+
+
+def test_a_volume_mounted_from_elsewhere_is_a_mount_point(tmp_path: Path) -> None:
+    """A container volume: another folder bind-mounted at the index's path (mountinfo's fifth field, not its
+    fourth, the mount's source), in a folder whose name has a space (mountinfo writes it as \\040)."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("a bind mount needs root")
+    source, point = tmp_path / "volume source", tmp_path / "with space" / "idx"
+    source.mkdir()
+    point.mkdir(parents=True)
+    if subprocess.run(["mount", "--bind", str(source), str(point)], capture_output=True).returncode != 0:
+        pytest.skip("this machine allows no mounts")
+    try:
+        assert files.is_mount_point(files.resolved(point)) and not files.is_mount_point(point.parent)
+    finally:
+        subprocess.run(["umount", str(point)], capture_output=True)
+
+
+def test_a_new_version_keeps_the_index_s_group_where_this_user_may_set_it(
+    index: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """An index of another group than its writer's: new files take the index's group; a writer who may not set it
+    (not a member) still publishes, with the mode kept."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("giving an index another group needs root")
+    for path in [index, *index.rglob("*")]:
+        os.chown(path, -1, 100)
+    update.add(index, more_rows(tmp_path), FakeEncoder())
+    assert {path.stat().st_gid for path in [index, *index.rglob("*")]} == {100}
+
+    def refused(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise PermissionError(1, "Operation not permitted")
+
+    index.chmod(0o750)
+    monkeypatch.setattr(os, "chown", refused)
+    texts = [f"a later document {i}" for i in range(5)]
+    later = write_corpus(tmp_path / "later.parquet", n=5, id=[f"y{i}" for i in range(5)], text=texts)
+    update.add(index, CorpusSpec(later), FakeEncoder())
+    assert index.stat().st_mode & 0o7777 == 0o750 and Searcher.load(index, encoder=FakeEncoder()).manifest.n == 310
