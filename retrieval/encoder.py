@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
+from retrieval import attention
 from retrieval.errors import ConfigError, ModelError
 from retrieval.files import sha256
 
@@ -369,6 +370,9 @@ class TransformerEncoder:
         self._single_calls = 0
         self._traced: Any = None  # (traced module, bf16) for single texts; False once no trace passed its check
         self._model_bf16: Any = None  # the bf16 copy of the model, made when bf16 is first needed
+        # The bf16 copy's attention: chunked products (``retrieval.attention``) where the model takes them and they
+        # are faster on this CPU than its own SDPA kernel; False keeps the model's own.
+        self.chunked_attention = True
         self.bucketed = True  # batches take shapes from a bounded set (``shape_batches``)
         self.packing: bool | None = None  # short texts packed (``pack_rows``); None: checked on first use
         self._sha = weights_sha256(self.folder) if self.folder else None
@@ -631,7 +635,10 @@ class TransformerEncoder:
         against). Measured on SciFact passages (scripts/bench_encode.py): weights cast once beat autocast, which
         re-casts every weight on every call and keeps layer norms, softmax and GELU in fp32."""
         if self._model_bf16 is None:
-            self._model_bf16 = copy.deepcopy(self.model).to(self._torch.bfloat16)
+            model = copy.deepcopy(self.model).to(self._torch.bfloat16)
+            if self.chunked_attention and attention.faster_here(model, min(self.max_length, PACK_TOKENS)):
+                attention.use_chunked(model)
+            self._model_bf16 = model
         return self._model_bf16
 
     def _bf16_is_faster(self, batch: Any) -> bool:
