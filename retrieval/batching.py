@@ -93,16 +93,19 @@ class Batcher:
         max_batch: int = 32,
         max_wait: float = 0.0,
         max_queue: int = 1024,
+        fill_wait: float = 0.0,
         setup: Callable[[], None] | None = None,
         on_batch: Callable[[BatchStats], None] | None = None,
         workers: int = 1,
         threads: ThreadChooser | None = None,
     ):
-        if max_batch < 1 or max_wait < 0 or max_queue < 1 or workers < 1:
-            raise ValueError("max_batch, max_queue and workers must be positive, max_wait non-negative")
+        if max_batch < 1 or max_wait < 0 or fill_wait < 0 or max_queue < 1 or workers < 1:
+            raise ValueError("max_batch, max_queue and workers must be positive, max_wait and fill_wait non-negative")
         self.current = current
         self.max_batch = max_batch
         self.max_wait = max_wait
+        self.fill_wait = fill_wait
+        self._last_size = 1  # queries the last batch took: what ``fill_wait`` waits for
         self.max_queue = max_queue
         self._setup = setup
         self._on_batch = on_batch
@@ -175,7 +178,14 @@ class Batcher:
             self._process(jobs)
 
     def _take(self) -> list[_Job]:
-        """The next batch: the first waiting job, then more while they fit, waiting at most max_wait for them."""
+        """The next batch: the first waiting job, then more while they fit, waiting at most max_wait for them, and
+        while the batch holds fewer queries than the last one took, at most fill_wait.
+
+        The fill wait is for closed-loop clients (each sends its next request when the last is answered): the
+        clients answered by one batch send again while the engine starts the next with the few that arrived
+        during the last, and batches alternate between a few queries and many, each paying a forward pass and a
+        search. Waiting a moment for as many as the last batch took lets them join. A single client never
+        waits (its batches hold one query, as the last did); when the load drops, one batch waits in vain."""
         with self._cond:
             while not self._jobs:
                 if self._stopping:
@@ -183,7 +193,8 @@ class Batcher:
                 self._cond.wait()
             jobs = [self._jobs.popleft()]
             size = len(jobs[0].texts)
-            deadline = time.perf_counter() + self.max_wait
+            first = time.perf_counter()
+            target = min(self._last_size, self.max_batch)
             while size < self.max_batch:
                 if self._jobs:
                     if size + len(self._jobs[0].texts) > self.max_batch:
@@ -192,11 +203,13 @@ class Batcher:
                     jobs.append(job)
                     size += len(job.texts)
                     continue
+                deadline = first + max(self.max_wait, self.fill_wait if size < target else 0.0)
                 left = deadline - time.perf_counter()
                 if left <= 0 or self._stopping:
                     break
                 self._cond.wait(left)
             self._queued -= size
+            self._last_size = size
             return jobs
 
     def _process(self, jobs: list[_Job]) -> None:

@@ -1096,6 +1096,12 @@ def serve(
     max_wait_ms: Annotated[
         float, typer.Option(help="Micro-batching: wait this long for more queries after the first.")
     ] = DefaultServe.max_wait_ms,
+    fill_wait_ms: Annotated[
+        float,
+        typer.Option(
+            help="Micro-batching: while a batch holds fewer queries than the last one, wait this long for the rest."
+        ),
+    ] = DefaultServe.fill_wait_ms,
     torch_threads: Annotated[
         str, typer.Option(help="torch intra-op threads, or auto: the engine times its batches and keeps the faster.")
     ] = str(DefaultServe.torch_threads),
@@ -1133,6 +1139,7 @@ def serve(
     options = ServeOptions(
         max_batch=max_batch,
         max_wait_ms=max_wait_ms,
+        fill_wait_ms=fill_wait_ms,
         torch_threads=_threads_option(torch_threads, "torch_threads"),
         faiss_threads=faiss_threads,
         blas_threads=blas_threads,

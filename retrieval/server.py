@@ -44,7 +44,7 @@ import retrieval
 from retrieval.batching import BatchStats, Overloaded, Stopped
 from retrieval.errors import ConfigError, RetrievalError, render
 from retrieval.search import SearchParams
-from retrieval.service import NotReady, ServeOptions, Service
+from retrieval.service import NotReady, ServeOptions, Service, bound_onednn_caches
 from retrieval.telemetry import Counter, Gauge, Histogram, Registry
 from retrieval.text import blank, valid_unicode
 
@@ -863,7 +863,11 @@ def describe(service: Service) -> dict[str, Any]:
             "max_body_bytes": options.max_body_bytes,
             "max_queue": options.max_queue,
         },
-        "batching": {"max_batch": options.max_batch, "max_wait_ms": options.max_wait_ms},
+        "batching": {
+            "max_batch": options.max_batch,
+            "max_wait_ms": options.max_wait_ms,
+            "fill_wait_ms": options.fill_wait_ms,
+        },
         "threads": {
             "torch": options.torch_threads,
             "torch_auto": service.threads.describe() if service.threads is not None else None,
@@ -1043,6 +1047,7 @@ def run(
     ``shutdown_timeout`` seconds), then the app's lifespan drains the engine."""
     import uvicorn
 
+    bound_onednn_caches()  # before the service imports torch
     service = Service(directory, options)
     app = create_app(service, api_key=api_key or os.environ.get(API_KEY_ENV) or None)
 

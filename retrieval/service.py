@@ -42,6 +42,10 @@ class ServeOptions:
     # B: see README "Serving" (B = 1, no batching, to 64; 16 and 64 clients).
     max_batch: int = 32
     max_wait_ms: float = 0.0
+    # While a batch holds fewer queries than the last one took, wait up to this long for the rest (``Batcher``):
+    # closed-loop clients otherwise split into alternating batches of a few and many queries. HNSW 100k, bf16
+    # machine, 16 clients: see README "Micro-batching" for the measurements behind the value.
+    fill_wait_ms: float = 2.0
     # Threads of torch's intra-op pool (process-wide): "auto" measures (retrieval/autothreads.py). Neither fixed
     # count wins everywhere: on the quiet 2-core machine two threads answered more (HNSW 100k: 16 clients 161 vs
     # 130 QPS), with three other busy processes far less (1 client 13 vs 32 QPS; at load average 10-12 on the
@@ -96,7 +100,8 @@ class ServeOptions:
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"`{name}` must be a positive integer (got {value!r})", name)
-        for name, seconds in (("max_wait_ms", self.max_wait_ms), ("watch_interval", self.watch_interval)):
+        waits = (("max_wait_ms", self.max_wait_ms), ("fill_wait_ms", self.fill_wait_ms))
+        for name, seconds in (*waits, ("watch_interval", self.watch_interval)):
             if not 0 <= seconds <= 3600:
                 raise ConfigError(f"`{name}` must be between 0 and 3600 (got {seconds!r})", name)
         if self.max_k > MAX_K:
@@ -165,6 +170,7 @@ class Service:
             self.searcher,
             max_batch=options.max_batch,
             max_wait=options.max_wait_ms / 1000,
+            fill_wait=options.fill_wait_ms / 1000,
             max_queue=options.max_queue,
             setup=self._engine_thread_setup,
             on_batch=self._batch_done,
@@ -325,6 +331,29 @@ class Service:
         set_faiss_threads(self.options.faiss_threads)
         # After FAISS is imported: its wheel brings an OpenMP OpenBLAS, whose setting is per thread, like OpenMP's.
         set_blas_threads(self.options.blas_threads)
+
+
+# oneDNN (torch's bf16 matrix products) and torch's ideep layer over it each keep an LRU cache of primitives keyed
+# by the input's shape (and thread count), 1,024 entries each by default, ~0.5-1 MB an entry with MiniLM. A server
+# meets a new shape for every query length and batch width, so its heap grew for the whole load test (flat index,
+# bf16 CPU: RssAnon +62%, 523 -> 849 MiB) without serving faster. 64 entries each kept it to +12.5% at the same
+# QPS (scripts/bench_serve.py, README "The service under load"). Builds see a few dozen shapes and keep the default.
+ONEDNN_CACHE_ENTRIES = 64
+ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> bool:
+    """Cap both caches for this process, unless the environment already sets them. Both read their variable once,
+    at first use, so this works only before torch is imported; False (and a log line) after."""
+    import os
+    import sys
+
+    if "torch" in sys.modules:
+        log.info("torch is imported already: oneDNN's primitive caches keep their sizes")
+        return False
+    for variable in ONEDNN_CACHE_VARIABLES:
+        os.environ.setdefault(variable, str(entries))
+    return True
 
 
 def set_torch_threads(threads: int | None) -> None:

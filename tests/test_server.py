@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -1248,6 +1249,35 @@ def test_the_engine_waits_up_to_max_wait_for_more_queries(index: Path) -> None:
     assert sizes == [2]  # one batch of both, answered as soon as it was full (not after the 10 s)
 
 
+def test_a_batch_smaller_than_the_last_waits_up_to_fill_wait_for_the_rest(index: Path) -> None:
+    """fill_wait: after a batch of 3, a job taken alone waits for 2 more (they come 0.2 s later, well within the
+    3 s); after it, a job alone waits in vain, once, and then one job alone (the last batch held one) does not
+    wait at all."""
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    sizes: list[int] = []
+    batcher = Batcher(lambda: searcher, max_batch=8, fill_wait=3.0, on_batch=lambda s: sizes.append(s.queries))
+
+    def submit(n: int) -> list:
+        return [batcher.submit_search([f"document number {i}"], SearchParams(k=1)) for i in range(n)]
+
+    waited = submit(3)  # queued before the engine starts: one batch of 3, which sets the target
+    batcher.start()
+    try:
+        [f.result(10) for f in waited]
+        alone = submit(1)
+        time.sleep(0.2)  # the engine has taken it and waits for two more
+        [f.result(10) for f in alone + submit(2)]
+        began = time.monotonic()
+        [f.result(10) for f in submit(1)]  # waits the 3 s: the last batch took 3
+        assert time.monotonic() - began > 2.9
+        began = time.monotonic()
+        [f.result(10) for f in submit(1)]  # the last batch took 1: no wait
+        assert time.monotonic() - began < 1.5
+    finally:
+        batcher.stop(timeout=10)
+    assert sizes == [3, 3, 1, 1]
+
+
 @pytest.mark.parametrize("error", [ValueError("the tokenizer choked"), ConfigError("the query is too long", "query")])
 def test_a_request_error_of_one_job_fails_only_that_job(index: Path, error: Exception) -> None:
     """A ConfigError raised for one request's text is that request's fault too: the others are answered."""
@@ -1330,7 +1360,9 @@ def test_the_watcher_reloads_a_replaced_directory_once_and_a_refused_one_not_aga
 
 
 # ----- engine settings and batch statistics (each kills a mutant the tests above let through) -----------------
-@pytest.mark.parametrize("bad", [{"max_batch": 0}, {"max_wait": -0.001}, {"max_queue": 0}, {"workers": 0}])
+@pytest.mark.parametrize(
+    "bad", [{"max_batch": 0}, {"max_wait": -0.001}, {"fill_wait": -0.001}, {"max_queue": 0}, {"workers": 0}]
+)
 def test_the_engine_refuses_settings_it_cannot_work_with(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="must be positive"):
         Batcher(lambda: pytest.fail("never called"), **bad)
@@ -1362,16 +1394,18 @@ def test_batch_results_name_their_version_and_stats_time_the_oldest_job(index: P
 
 # ----- the service's options ---------------------------------------------------------------------------------
 def test_serve_options_defaults_are_the_measured_ones() -> None:
-    """`serve` takes its defaults from ServeOptions: B = 32 and T = 0 ms (measured, see its comments), a reload
-    fully checked, at most 100 hits a query."""
+    """`serve` takes its defaults from ServeOptions: B = 32, T = 0 ms and a fill wait of 2 ms (measured, see its
+    comments), a reload fully checked, at most 100 hits a query."""
     options = ServeOptions()
-    assert (options.max_batch, options.max_wait_ms, options.verify, options.max_k) == (32, 0.0, "full", 100)
+    assert (options.max_batch, options.max_wait_ms, options.fill_wait_ms) == (32, 0.0, 2.0)
+    assert (options.verify, options.max_k) == ("full", 100)
 
 
 @pytest.mark.parametrize(
     ("options", "name"),
     [
         ({"max_wait_ms": 3600.5}, "max_wait_ms"),
+        ({"fill_wait_ms": -1}, "fill_wait_ms"),
         ({"watch_interval": 3601}, "watch_interval"),
         ({"max_rescore": -1}, "max_rescore"),
         ({"verify": "fast"}, "verify"),
@@ -1387,9 +1421,10 @@ def test_serve_options_refuse_each_bad_value_by_name(options: dict[str, Any], na
 
 
 def test_the_service_hands_its_options_to_the_engine(tmp_path: Path) -> None:
-    options = ServeOptions(max_batch=3, max_wait_ms=250, max_queue=7, engine_workers=2, torch_threads=1)
+    options = ServeOptions(max_batch=3, max_wait_ms=250, fill_wait_ms=5, max_queue=7, engine_workers=2, torch_threads=1)
     batcher = Service(tmp_path, options).batcher  # nothing loaded before start()
-    assert (batcher.max_batch, batcher.max_wait, batcher.max_queue, batcher.workers) == (3, 0.25, 7, 2)
+    assert (batcher.max_batch, batcher.max_wait, batcher.fill_wait) == (3, 0.25, 0.005)
+    assert (batcher.max_queue, batcher.workers) == (7, 2)
 
 
 def test_stop_ends_the_watcher_too(index: Path) -> None:
@@ -1451,3 +1486,37 @@ def test_not_ready_says_why_the_index_could_not_be_loaded(tmp_path: Path) -> Non
         assert str(refused.value) == service.last_error
     finally:
         service.stop(timeout=5)
+
+
+# ----- oneDNN's caches -----------------------------------------------------------------------------------------
+def test_serving_caps_onednn_caches_before_torch_is_imported(tmp_path: Path, monkeypatch) -> None:
+    """server.run caps them before its Service can import torch; a value in the environment is the user's."""
+    from retrieval import server, service
+
+    for variable in service.ONEDNN_CACHE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # as in a fresh `retrieval serve`; restored after
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def service_seen(directory, options):
+        seen.update({v: os.environ.get(v) for v in service.ONEDNN_CACHE_VARIABLES})
+        raise Started
+
+    monkeypatch.setattr(server, "Service", service_seen)
+    with pytest.raises(Started):
+        server.run(tmp_path, ServeOptions())
+    assert seen == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(service.ONEDNN_CACHE_ENTRIES), "LRU_CACHE_CAPACITY": "512"}
+
+
+def test_onednn_caches_are_left_alone_once_torch_is_imported(monkeypatch) -> None:
+    from retrieval import service
+
+    for variable in service.ONEDNN_CACHE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setitem(sys.modules, "torch", object())
+    assert service.bound_onednn_caches() is False
+    assert not any(v in os.environ for v in service.ONEDNN_CACHE_VARIABLES)
