@@ -105,7 +105,7 @@ class Batcher:
         self.max_batch = max_batch
         self.max_wait = max_wait
         self.fill_wait = fill_wait
-        self._last_size = 1  # queries the last batch took: what ``fill_wait`` waits for
+        self._last_size = 1  # queries the last batch took: with those waiting, what ``fill_wait`` waits for
         self.max_queue = max_queue
         self._setup = setup
         self._on_batch = on_batch
@@ -179,14 +179,18 @@ class Batcher:
 
     def _take(self) -> list[_Job]:
         """The next batch: the first waiting job, then more while they fit, waiting at most max_wait for them, and
-        while the batch holds fewer queries than the last one took, at most fill_wait.
+        while the batch holds fewer queries than were in flight when the last one ended, at most fill_wait.
 
         The fill wait is for closed-loop clients (each sends its next request when the last is answered): the
         clients answered by one batch send again while the engine starts the next with the few that arrived
         during the last, and batches alternate between a few queries and many, each paying a forward pass and a
-        search. Waiting a moment for as many as the last batch took lets them join. A single client never
-        waits (its batches hold one query, as the last did); when the load drops, one batch waits in vain."""
+        search. Waiting a moment for the queries in flight when the last batch ended (those it answered, which
+        come back, and those already waiting) lets them join: the batches settle at the number of clients. A
+        single client never waits (its batches hold one query, as the last did); when the load drops, one batch
+        waits in vain."""
         with self._cond:
+            # the queries in flight when the last batch ended: those it answered and those already waiting
+            target = min(self._last_size + self._queued, self.max_batch)
             while not self._jobs:
                 if self._stopping:
                     return []
@@ -194,7 +198,6 @@ class Batcher:
             jobs = [self._jobs.popleft()]
             size = len(jobs[0].texts)
             first = time.perf_counter()
-            target = min(self._last_size, self.max_batch)
             while size < self.max_batch:
                 if self._jobs:
                     if size + len(self._jobs[0].texts) > self.max_batch:

@@ -1278,6 +1278,38 @@ def test_a_batch_smaller_than_the_last_waits_up_to_fill_wait_for_the_rest(index:
     assert sizes == [3, 3, 1, 1]
 
 
+def test_the_fill_target_counts_the_queries_that_waited_during_the_last_batch(index: Path) -> None:
+    """Closed-loop clients: one query is being answered while two more wait. The next batch takes the two and
+    waits for a third (the answered client's next query), so the batches settle at the number of clients; a
+    target of the last batch's size alone (one) would split them into 2 + 1."""
+    gate = threading.Event()
+
+    class Gated(FakeEncoder):
+        def encode(self, texts: list[str]) -> np.ndarray:
+            if "slow" in texts:
+                assert gate.wait(10)
+            return super().encode(texts)
+
+    searcher = Searcher.load(index, encoder=Gated())
+    sizes: list[int] = []
+    batcher = Batcher(lambda: searcher, max_batch=8, fill_wait=3.0, on_batch=lambda s: sizes.append(s.queries))
+    batcher.start()
+    try:
+        slow = batcher.submit_search(["slow"], SearchParams(k=1))
+        deadline = time.monotonic() + 10
+        while batcher.queued and time.monotonic() < deadline:  # the engine has taken it and is encoding
+            time.sleep(0.01)
+        waiting = [batcher.submit_search([f"document number {i}"], SearchParams(k=1)) for i in range(2)]
+        gate.set()
+        slow.result(10)
+        time.sleep(0.2)  # the engine has taken the two and waits for one more
+        last = batcher.submit_search(["document number 5"], SearchParams(k=1))
+        [f.result(10) for f in waiting + [last]]
+    finally:
+        batcher.stop(timeout=10)
+    assert sizes == [1, 3]
+
+
 @pytest.mark.parametrize("error", [ValueError("the tokenizer choked"), ConfigError("the query is too long", "query")])
 def test_a_request_error_of_one_job_fails_only_that_job(index: Path, error: Exception) -> None:
     """A ConfigError raised for one request's text is that request's fault too: the others are answered."""
