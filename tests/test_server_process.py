@@ -15,7 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,14 @@ class Server:
         except urllib.error.HTTPError as err:
             return err.code, json.loads(err.read())
 
+    def stop(self, clients: Iterable[threading.Thread] = ()) -> None:
+        """Kill the process if a test left it running, then wait for it and for the test's client threads."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        for client in clients:
+            client.join(30)
+
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -148,9 +156,7 @@ def served(tiny_index: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         server.wait_ready()
         yield server, index
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-        server.proc.wait(10)
+        server.stop()
 
 
 def test_the_server_answers_then_follows_an_add_under_load(
@@ -303,9 +309,7 @@ def test_sigterm_past_the_shutdown_timeout_answers_503_json(tiny_index: Path, tm
         assert server.proc.wait(30) == 0
         assert "Traceback" not in server.log.read_text()
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-        server.proc.wait(10)
+        server.stop()
 
 
 def test_a_reload_loading_at_the_shutdown_timeout_answers_503_json(tiny_index: Path, tmp_path: Path) -> None:
@@ -336,9 +340,7 @@ def test_a_reload_loading_at_the_shutdown_timeout_answers_503_json(tiny_index: P
         log = server.log.read_text()
         assert log.count("slow load") == 1 and "Traceback" not in log, log  # the waiting three loaded nothing
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-        server.proc.wait(10)
+        server.stop()
 
 
 def test_a_second_ctrl_c_quits_at_once_without_a_traceback(tiny_index: Path, tmp_path: Path) -> None:
@@ -368,11 +370,7 @@ def test_a_second_ctrl_c_quits_at_once_without_a_traceback(tiny_index: Path, tmp
         log = server.log.read_text()
         assert "Traceback" not in log and "CancelledError" not in log, log
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-        server.proc.wait(10)
-        for client in clients:
-            client.join(30)
+        server.stop(clients)
 
 
 def test_a_ctrl_c_after_the_server_finished_changes_nothing(tiny_index: Path, tmp_path: Path) -> None:
@@ -409,8 +407,4 @@ def test_a_ctrl_c_after_the_server_finished_changes_nothing(tiny_index: Path, tm
         assert "Traceback" not in log and "Exception ignored" not in log, log
         assert log.count("Application shutdown complete") == 1, log
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-        server.proc.wait(10)
-        for client in clients:
-            client.join(30)
+        server.stop(clients)
