@@ -4,6 +4,7 @@ only where it is timed faster and the model takes it."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -58,6 +59,17 @@ def test_chunked_attention_matches_a_float64_one_shot(batch: int, mask: str, mon
     np.testing.assert_allclose(got.numpy(), reference(q, k, v, allowed), rtol=1e-5, atol=1e-6)
 
 
+def test_sequences_whose_scores_exceed_the_chunk_go_one_at_a_time(monkeypatch) -> None:
+    """One sequence's scores can be more than CHUNK_SCORES (12 heads x 512 x 512 for a 512-token model, twice it):
+    each chunk then holds one sequence, never none (a step of 0, which range() refuses)."""
+    monkeypatch.setattr(attention, "CHUNK_SCORES", 3 * 11 * 11 // 2)
+    q, k, v = states(3)
+    allowed = padding(3)
+    got = attention.chunked_attention(None, q, k, v, allowed)[0]
+    # float32 products and softmax over 8-dim heads, as above
+    np.testing.assert_allclose(got.numpy(), reference(q, k, v, allowed), rtol=1e-5, atol=1e-6)
+
+
 def test_chunked_attention_in_bf16_is_as_close_as_the_fused_kernel() -> None:
     q, k, v = states(6, heads=4, length=64, dim=32, dtype=torch.bfloat16)
     allowed = padding(6, 64)
@@ -106,6 +118,57 @@ def test_only_a_model_on_sdpa_takes_chunked_attention(tiny_bert: Path) -> None:
     assert not attention.takes_chunked(model)
     assert not attention.faster_here(model, 16)
     assert not attention.takes_chunked(torch.nn.Linear(2, 2))
+
+
+def test_a_model_that_cannot_switch_is_neither_timed_nor_switched(monkeypatch) -> None:
+    """Only a model on SDPA whose class switches through transformers' attention interface is timed: not one set
+    to another implementation (flex attention, chosen by someone), not one with its own attention code (its class
+    cannot switch), not one from a transformers without the switch. faster_here says False for those without
+    timing, so a timing that favours chunked cannot switch them."""
+    timed = []
+    monkeypatch.setattr(attention, "_FASTER", {})
+    monkeypatch.setattr(attention, "_time", lambda *shape: timed.append(shape) or True)
+
+    def model(implementation: str, can_set: bool | None = True) -> SimpleNamespace:
+        config = SimpleNamespace(_attn_implementation=implementation, num_attention_heads=2, hidden_size=32)
+        if can_set is None:  # transformers before set_attn_implementation
+            return SimpleNamespace(config=config)
+        return SimpleNamespace(config=config, _can_set_attn_implementation=lambda: can_set)
+
+    for refused in (model("flex_attention"), model("sdpa", can_set=False), model("sdpa", can_set=None)):
+        assert not attention.takes_chunked(refused)
+        assert not attention.faster_here(refused, 16)
+    assert not timed
+    assert attention.faster_here(model("sdpa"), 16)  # the same shape on SDPA that can switch: timed
+    assert timed == [(2, 16, 16, 4)]
+
+
+@pytest.mark.parametrize(
+    ("chunked", "sdpa", "faster"),
+    [
+        ([9.0, 2.0, 3.0, 2.0], [1.0, 3.0, 4.0, 3.0], True),  # chunked's first run slow (its products set up)
+        ([1.0, 3.0, 3.0, 3.0], [9.0, 2.0, 2.5, 2.0], False),  # SDPA's first run slow
+    ],
+)
+def test_the_timing_keeps_the_faster_best_of_the_timed_rounds(monkeypatch, chunked, sdpa, faster) -> None:
+    """_time runs each candidate once to warm up, then three times interleaved, and chooses chunked only where its
+    best timed run beats SDPA's. A fake clock that each candidate advances by its scripted milliseconds: counting
+    the warm-up run would choose the other in both cases."""
+    now = [0.0]
+
+    def advancing(costs: list[float]):
+        runs = iter(costs)
+
+        def run(*args, **kwargs):
+            now[0] += next(runs) / 1e3
+            return torch.zeros(1, 1, 1, 1)  # the SDPA candidate transposes what it gets
+
+        return run
+
+    monkeypatch.setattr(attention, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(attention, "chunked_attention", advancing(chunked))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", advancing(sdpa))
+    assert attention._time(2, 4, 8, 2) is faster
 
 
 def test_the_timing_is_made_once_per_shape(tiny_bert: Path, monkeypatch) -> None:

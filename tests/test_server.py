@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -1115,6 +1116,26 @@ def test_serve_refuses_bad_options_in_one_line_before_starting(
     assert result.exit_code == 1 and message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_serve_hands_the_batching_options_typed_to_the_server(index: Path, monkeypatch) -> None:
+    """`retrieval serve --max-batch --max-wait-ms --fill-wait-ms`: the values typed are the ones served (the
+    server's run is replaced: nothing listens)."""
+    from typer.testing import CliRunner
+
+    from retrieval import server
+    from retrieval.cli import app
+
+    served: list[ServeOptions] = []
+    monkeypatch.setattr(server, "run", lambda directory, options, **kwargs: served.append(options))
+    argv = ["serve", str(index), "--max-batch", "5", "--max-wait-ms", "1.5", "--fill-wait-ms", "7"]
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        result = CliRunner().invoke(app, argv)
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # served, the command ignores Ctrl-C for the interpreter's exit
+    assert result.exit_code == 0, result.stderr
+    assert [(options.max_batch, options.max_wait_ms, options.fill_wait_ms) for options in served] == [(5, 1.5, 7.0)]
+
+
 def test_a_request_without_k_gets_the_default_or_the_server_s_max_k_when_lower(index: Path) -> None:
     """With --max-k below 10, leaving k out was refused ("`k` must be between 1 and 7 (got 10)")."""
     test_client, _ = serve(index, max_k=7)
@@ -1278,10 +1299,12 @@ def test_a_batch_smaller_than_the_last_waits_up_to_fill_wait_for_the_rest(index:
     assert sizes == [3, 3, 1, 1]
 
 
-def test_the_fill_target_counts_the_queries_that_waited_during_the_last_batch(index: Path) -> None:
+@pytest.mark.parametrize("requests", [[1, 1], [2]], ids=["two requests", "one request of two queries"])
+def test_the_fill_target_counts_the_queries_that_waited_during_the_last_batch(index: Path, requests: list[int]) -> None:
     """Closed-loop clients: one query is being answered while two more wait. The next batch takes the two and
     waits for a third (the answered client's next query), so the batches settle at the number of clients; a
-    target of the last batch's size alone (one) would split them into 2 + 1."""
+    target of the last batch's size alone (one) would split them into 2 + 1. The two are counted as queries,
+    whether two requests or one request of two (counting requests, the latter made a target of two)."""
     gate = threading.Event()
 
     class Gated(FakeEncoder):
@@ -1299,7 +1322,9 @@ def test_the_fill_target_counts_the_queries_that_waited_during_the_last_batch(in
         deadline = time.monotonic() + 10
         while batcher.queued and time.monotonic() < deadline:  # the engine has taken it and is encoding
             time.sleep(0.01)
-        waiting = [batcher.submit_search([f"document number {i}"], SearchParams(k=1)) for i in range(2)]
+        waiting = [
+            batcher.submit_search([f"document number {i}"] * n, SearchParams(k=1)) for i, n in enumerate(requests)
+        ]
         gate.set()
         slow.result(10)
         time.sleep(0.2)  # the engine has taken the two and waits for one more
@@ -1308,6 +1333,50 @@ def test_the_fill_target_counts_the_queries_that_waited_during_the_last_batch(in
     finally:
         batcher.stop(timeout=10)
     assert sizes == [1, 3]
+
+
+def test_the_fill_target_counts_the_queries_of_the_last_batch_not_its_requests(index: Path) -> None:
+    """After a batch of one request of three queries, a request of one query waits for two more queries (one
+    request each, 0.2 s apart, well within the 3 s fill wait): the batches hold what the clients send, three
+    queries. Counting the last batch's requests (one) sent the single query alone."""
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    sizes: list[int] = []
+    batcher = Batcher(lambda: searcher, max_batch=8, fill_wait=3.0, on_batch=lambda s: sizes.append(s.queries))
+    batcher.start()
+    try:
+        batcher.submit_search(["document number 1"] * 3, SearchParams(k=1)).result(10)
+        deadline = time.monotonic() + 10
+        while not sizes and time.monotonic() < deadline:  # the engine is done with the batch of three
+            time.sleep(0.01)
+        futures = []
+        for i in range(3):
+            if i:
+                time.sleep(0.2)  # the engine has taken the first and waits for more
+            futures.append(batcher.submit_search([f"document number {i}"], SearchParams(k=1)))
+        [f.result(10) for f in futures]
+    finally:
+        batcher.stop(timeout=10)
+    assert sizes == [3, 3]
+
+
+def test_the_fill_wait_never_shortens_max_wait(index: Path) -> None:
+    """A batch smaller than the last waits the longer of max_wait and fill_wait: an operator's 10 s max wait
+    holds even while the (1 ms) fill wait applies, and the second query, 0.2 s later, joins the first."""
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    sizes: list[int] = []
+    batcher = Batcher(
+        lambda: searcher, max_batch=2, max_wait=10.0, fill_wait=0.001, on_batch=lambda s: sizes.append(s.queries)
+    )
+    batcher.start()
+    try:
+        batcher.submit_search(["document number 1"] * 2, SearchParams(k=1)).result(10)  # full: no wait
+        first = batcher.submit_search(["document number 1 about topic 1"], SearchParams(k=1))
+        time.sleep(0.2)  # the engine has taken it and waits (up to 10 s) for a second query
+        second = batcher.submit_search(["document number 2 about topic 2"], SearchParams(k=1))
+        assert [f.result(10).hits[0][0].id for f in (first, second)] == ["doc1", "doc2"]
+    finally:
+        batcher.stop(timeout=10)
+    assert sizes == [2, 2]  # answered as soon as the batch was full (not after the 10 s)
 
 
 @pytest.mark.parametrize("error", [ValueError("the tokenizer choked"), ConfigError("the query is too long", "query")])
@@ -1459,6 +1528,18 @@ def test_the_service_hands_its_options_to_the_engine(tmp_path: Path) -> None:
     assert (batcher.max_queue, batcher.workers) == (7, 2)
 
 
+def test_info_shows_the_batching_settings_served(index: Path) -> None:
+    """/info says how the engine batches, as the operator set it: max batch, max wait and fill wait."""
+    options = ServeOptions(max_batch=5, max_wait_ms=1.5, fill_wait_ms=7.0, watch_interval=0)
+    service = Service(index, options, encoder=FakeEncoder())
+    with TestClient(create_app(service, manage=False)) as client:  # never started: the settings are known
+        assert client.get("/info").json()["server"]["batching"] == {
+            "max_batch": 5,
+            "max_wait_ms": 1.5,
+            "fill_wait_ms": 7.0,
+        }
+
+
 def test_stop_ends_the_watcher_too(index: Path) -> None:
     service = Service(index, ServeOptions(watch_interval=0.01), encoder=FakeEncoder())
     service.start(background=False)
@@ -1541,7 +1622,7 @@ def test_serving_caps_onednn_caches_before_torch_is_imported(tmp_path: Path, mon
     monkeypatch.setattr(server, "Service", service_seen)
     with pytest.raises(Started):
         server.run(tmp_path, ServeOptions())
-    assert seen == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(service.ONEDNN_CACHE_ENTRIES), "LRU_CACHE_CAPACITY": "512"}
+    assert seen == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "512"}  # 64: the measured cap
 
 
 def test_onednn_caches_are_left_alone_once_torch_is_imported(monkeypatch) -> None:
