@@ -105,7 +105,7 @@ class Batcher:
         self.max_batch = max_batch
         self.max_wait = max_wait
         self.fill_wait = fill_wait
-        self._last_size = 1  # queries the last batch took: with those waiting, what ``fill_wait`` waits for
+        self._last_size = 0  # queries the last batch took: with those waiting, what ``fill_wait`` waits for
         self.max_queue = max_queue
         self._setup = setup
         self._on_batch = on_batch

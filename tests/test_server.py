@@ -1271,8 +1271,9 @@ def test_the_engine_waits_up_to_max_wait_for_more_queries(index: Path) -> None:
 
 
 def test_a_batch_smaller_than_the_last_waits_up_to_fill_wait_for_the_rest(index: Path) -> None:
-    """fill_wait: after a batch of 3, a job taken alone waits for 2 more (they come 0.2 s later, well within the
-    3 s); after it, a job alone waits in vain, once, and then one job alone (the last batch held one) does not
+    """fill_wait: the first batch takes the 3 queued before the engine started without waiting (no client has
+    been answered yet); after it, a job taken alone waits for 2 more (they come 0.2 s later, well within the
+    3 s); after that, a job alone waits in vain, once, and then one job alone (the last batch held one) does not
     wait at all."""
     searcher = Searcher.load(index, encoder=FakeEncoder())
     sizes: list[int] = []
@@ -1282,9 +1283,11 @@ def test_a_batch_smaller_than_the_last_waits_up_to_fill_wait_for_the_rest(index:
         return [batcher.submit_search([f"document number {i}"], SearchParams(k=1)) for i in range(n)]
 
     waited = submit(3)  # queued before the engine starts: one batch of 3, which sets the target
+    began = time.monotonic()
     batcher.start()
     try:
         [f.result(10) for f in waited]
+        assert time.monotonic() - began < 1.5  # all there is: no batch answered yet, so nothing to wait for
         alone = submit(1)
         time.sleep(0.2)  # the engine has taken it and waits for two more
         [f.result(10) for f in alone + submit(2)]
