@@ -1093,6 +1093,7 @@ def test_concurrent_http_requests_are_batched(index: Path) -> None:
         (["serve", "{index}", "--port", "70000"], "--port"),
         (["serve", "{index}", "--max-batch", "0"], "--max-batch"),
         (["serve", "{index}", "--max-wait-ms", "-1"], "--max-wait-ms"),
+        (["serve", "{index}", "--fill-wait-ms", "-1"], "--fill-wait-ms"),
         (["serve", "{index}", "--engine-workers", "0"], "--engine-workers"),
         (["serve", "{index}", "--blas-threads", "-2"], "--blas-threads"),
         (["serve", "{index}", "--torch-threads", "many"], "--torch-threads"),
@@ -1105,14 +1106,24 @@ def test_concurrent_http_requests_are_batched(index: Path) -> None:
     ],
 )
 def test_serve_refuses_bad_options_in_one_line_before_starting(
-    index: Path, tmp_path: Path, args: list[str], message: str
+    index: Path, tmp_path: Path, args: list[str], message: str, monkeypatch
 ) -> None:
+    """Refused before the server starts. The server's run is replaced, so that an option let through fails this
+    test instead of starting a real server on port 8000 that never stops."""
     from typer.testing import CliRunner
 
+    from retrieval import server
     from retrieval.cli import app
 
+    started: list[ServeOptions] = []
+    monkeypatch.setattr(server, "run", lambda directory, options, **kwargs: started.append(options))
     argv = [a.format(index=index, missing=tmp_path / "missing") for a in args]
-    result = CliRunner().invoke(app, argv)
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        result = CliRunner().invoke(app, argv)
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # served, the command ignores Ctrl-C for the interpreter's exit
+    assert not started
     assert result.exit_code == 1 and message in result.stderr and "Traceback" not in result.stderr
 
 
