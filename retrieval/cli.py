@@ -1099,7 +1099,8 @@ def serve(
     fill_wait_ms: Annotated[
         float,
         typer.Option(
-            help="Micro-batching: while a batch holds fewer queries than the last one, wait this long for the rest."
+            help="Micro-batching: while a batch holds fewer queries than were in flight when the last one ended "
+            "(those it answered and those waiting), wait this long for the rest."
         ),
     ] = DefaultServe.fill_wait_ms,
     torch_threads: Annotated[

@@ -42,7 +42,8 @@ class ServeOptions:
     # B: see README "Serving" (B = 1, no batching, to 64; 16 and 64 clients).
     max_batch: int = 32
     max_wait_ms: float = 0.0
-    # While a batch holds fewer queries than the last one took, wait up to this long for the rest (``Batcher``):
+    # While a batch holds fewer queries than were in flight when the last one ended (those it answered and those
+    # waiting), wait up to this long for the rest (``Batcher``):
     # closed-loop clients otherwise split into alternating batches of a few and many queries. HNSW 100k, bf16
     # machine, 16 clients: see README "Micro-batching" for the measurements behind the value.
     fill_wait_ms: float = 2.0
