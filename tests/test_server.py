@@ -1264,12 +1264,16 @@ def test_stop_ends_every_idle_worker_at_once(index: Path, workers: int) -> None:
     assert not any(thread.is_alive() for thread in batcher._threads)
 
 
+def recording_batcher(searcher: Searcher, **options: Any) -> tuple[Batcher, list[int]]:
+    """A Batcher over one searcher, and the query count of each batch it ran, in order."""
+    sizes: list[int] = []
+    return Batcher(lambda: searcher, on_batch=lambda stats: sizes.append(stats.queries), **options), sizes
+
+
 def test_the_engine_waits_up_to_max_wait_for_more_queries(index: Path) -> None:
     """max_wait: a job taken alone waits for more; one arriving meanwhile joins its batch. (Whenever the second
     job comes, within the 10 s, the two are one batch; without the wait they are only when it comes first.)"""
-    searcher = Searcher.load(index, encoder=FakeEncoder())
-    sizes: list[int] = []
-    batcher = Batcher(lambda: searcher, max_batch=2, max_wait=10.0, on_batch=lambda s: sizes.append(s.queries))
+    batcher, sizes = recording_batcher(Searcher.load(index, encoder=FakeEncoder()), max_batch=2, max_wait=10.0)
     batcher.start()
     try:
         first = batcher.submit_search(["document number 1 about topic 1"], SearchParams(k=1))
@@ -1286,9 +1290,7 @@ def test_a_batch_smaller_than_the_last_waits_up_to_fill_wait_for_the_rest(index:
     been answered yet); after it, a job taken alone waits for 2 more (they come 0.2 s later, well within the
     3 s); after that, a job alone waits in vain, once, and then one job alone (the last batch held one) does not
     wait at all."""
-    searcher = Searcher.load(index, encoder=FakeEncoder())
-    sizes: list[int] = []
-    batcher = Batcher(lambda: searcher, max_batch=8, fill_wait=3.0, on_batch=lambda s: sizes.append(s.queries))
+    batcher, sizes = recording_batcher(Searcher.load(index, encoder=FakeEncoder()), max_batch=8, fill_wait=3.0)
 
     def submit(n: int) -> list:
         return [batcher.submit_search([f"document number {i}"], SearchParams(k=1)) for i in range(n)]
@@ -1327,9 +1329,7 @@ def test_the_fill_target_counts_the_queries_that_waited_during_the_last_batch(in
                 assert gate.wait(10)
             return super().encode(texts)
 
-    searcher = Searcher.load(index, encoder=Gated())
-    sizes: list[int] = []
-    batcher = Batcher(lambda: searcher, max_batch=8, fill_wait=3.0, on_batch=lambda s: sizes.append(s.queries))
+    batcher, sizes = recording_batcher(Searcher.load(index, encoder=Gated()), max_batch=8, fill_wait=3.0)
     batcher.start()
     try:
         slow = batcher.submit_search(["slow"], SearchParams(k=1))
@@ -1353,9 +1353,7 @@ def test_the_fill_target_counts_the_queries_of_the_last_batch_not_its_requests(i
     """After a batch of one request of three queries, a request of one query waits for two more queries (one
     request each, 0.2 s apart, well within the 3 s fill wait): the batches hold what the clients send, three
     queries. Counting the last batch's requests (one) sent the single query alone."""
-    searcher = Searcher.load(index, encoder=FakeEncoder())
-    sizes: list[int] = []
-    batcher = Batcher(lambda: searcher, max_batch=8, fill_wait=3.0, on_batch=lambda s: sizes.append(s.queries))
+    batcher, sizes = recording_batcher(Searcher.load(index, encoder=FakeEncoder()), max_batch=8, fill_wait=3.0)
     batcher.start()
     try:
         batcher.submit_search(["document number 1"] * 3, SearchParams(k=1)).result(10)
@@ -1376,10 +1374,8 @@ def test_the_fill_target_counts_the_queries_of_the_last_batch_not_its_requests(i
 def test_the_fill_wait_never_shortens_max_wait(index: Path) -> None:
     """A batch smaller than the last waits the longer of max_wait and fill_wait: an operator's 10 s max wait
     holds even while the (1 ms) fill wait applies, and the second query, 0.2 s later, joins the first."""
-    searcher = Searcher.load(index, encoder=FakeEncoder())
-    sizes: list[int] = []
-    batcher = Batcher(
-        lambda: searcher, max_batch=2, max_wait=10.0, fill_wait=0.001, on_batch=lambda s: sizes.append(s.queries)
+    batcher, sizes = recording_batcher(
+        Searcher.load(index, encoder=FakeEncoder()), max_batch=2, max_wait=10.0, fill_wait=0.001
     )
     batcher.start()
     try:
@@ -1433,9 +1429,7 @@ def test_a_search_that_fails_fails_only_its_own_group_and_the_engine_goes_on(ind
 
 
 def test_a_cancelled_job_is_skipped_and_the_others_are_answered(index: Path) -> None:
-    searcher = Searcher.load(index, encoder=FakeEncoder())
-    sizes: list[int] = []
-    batcher = Batcher(lambda: searcher, max_batch=8, on_batch=lambda s: sizes.append(s.queries))
+    batcher, sizes = recording_batcher(Searcher.load(index, encoder=FakeEncoder()), max_batch=8)
     futures = [batcher.submit_search([f"document number {i} about topic {i % 7}"], SearchParams(k=1)) for i in range(3)]
     assert futures[1].cancel()  # the client went away while its job waited
     batcher.start()
