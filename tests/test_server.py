@@ -1270,19 +1270,25 @@ def recording_batcher(searcher: Searcher, **options: Any) -> tuple[Batcher, list
     return Batcher(lambda: searcher, on_batch=lambda stats: sizes.append(stats.queries), **options), sizes
 
 
-def test_the_engine_waits_up_to_max_wait_for_more_queries(index: Path) -> None:
+@pytest.mark.parametrize("fill_wait", [0.0, 0.001])
+def test_the_engine_waits_up_to_max_wait_for_more_queries(index: Path, fill_wait: float) -> None:
     """max_wait: a job taken alone waits for more; one arriving meanwhile joins its batch. (Whenever the second
-    job comes, within the 10 s, the two are one batch; without the wait they are only when it comes first.)"""
-    batcher, sizes = recording_batcher(Searcher.load(index, encoder=FakeEncoder()), max_batch=2, max_wait=10.0)
+    job comes, within the 10 s, the two are one batch; without the wait they are only when it comes first.)
+    After a full batch of 2, the lone job is smaller than the last, so the fill wait applies too: the longer of
+    the two is waited (an operator's 10 s max wait holds while a 1 ms fill wait applies)."""
+    batcher, sizes = recording_batcher(
+        Searcher.load(index, encoder=FakeEncoder()), max_batch=2, max_wait=10.0, fill_wait=fill_wait
+    )
     batcher.start()
     try:
+        batcher.submit_search(["document number 1"] * 2, SearchParams(k=1)).result(10)  # full: no wait
         first = batcher.submit_search(["document number 1 about topic 1"], SearchParams(k=1))
         time.sleep(0.2)  # the engine has taken it and waits (up to 10 s) for a second query
         second = batcher.submit_search(["document number 2 about topic 2"], SearchParams(k=1))
         assert [f.result(10).hits[0][0].id for f in (first, second)] == ["doc1", "doc2"]
     finally:
         batcher.stop(timeout=10)
-    assert sizes == [2]  # one batch of both, answered as soon as it was full (not after the 10 s)
+    assert sizes == [2, 2]  # one batch of both, answered as soon as it was full (not after the 10 s)
 
 
 def test_a_batch_smaller_than_the_last_waits_up_to_fill_wait_for_the_rest(index: Path) -> None:
@@ -1369,24 +1375,6 @@ def test_the_fill_target_counts_the_queries_of_the_last_batch_not_its_requests(i
     finally:
         batcher.stop(timeout=10)
     assert sizes == [3, 3]
-
-
-def test_the_fill_wait_never_shortens_max_wait(index: Path) -> None:
-    """A batch smaller than the last waits the longer of max_wait and fill_wait: an operator's 10 s max wait
-    holds even while the (1 ms) fill wait applies, and the second query, 0.2 s later, joins the first."""
-    batcher, sizes = recording_batcher(
-        Searcher.load(index, encoder=FakeEncoder()), max_batch=2, max_wait=10.0, fill_wait=0.001
-    )
-    batcher.start()
-    try:
-        batcher.submit_search(["document number 1"] * 2, SearchParams(k=1)).result(10)  # full: no wait
-        first = batcher.submit_search(["document number 1 about topic 1"], SearchParams(k=1))
-        time.sleep(0.2)  # the engine has taken it and waits (up to 10 s) for a second query
-        second = batcher.submit_search(["document number 2 about topic 2"], SearchParams(k=1))
-        assert [f.result(10).hits[0][0].id for f in (first, second)] == ["doc1", "doc2"]
-    finally:
-        batcher.stop(timeout=10)
-    assert sizes == [2, 2]  # answered as soon as the batch was full (not after the 10 s)
 
 
 @pytest.mark.parametrize("error", [ValueError("the tokenizer choked"), ConfigError("the query is too long", "query")])
