@@ -16,8 +16,9 @@ accept (BERT and most encoders are; MPNet has its own attention code and keeps i
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
+
+from retrieval.timing import best_times
 
 log = logging.getLogger(__name__)
 
@@ -129,13 +130,8 @@ def _time(heads: int, dim: int, length: int, rows: int) -> bool:
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2).contiguous(),
         "chunked": lambda: chunked_attention(None, q, k, v, additive),
     }
-    best = dict.fromkeys(candidates, float("inf"))
     with torch.inference_mode():
-        for _ in range(4):  # the first round warms up
-            for name, run in candidates.items():
-                start = time.perf_counter()
-                run()
-                best[name] = min(best[name], time.perf_counter() - start) if _ else best[name]
+        best = best_times(candidates, rounds=3, warm_up=1)
     faster = best["chunked"] < best["sdpa"]
     log.info(
         "attention for bf16 rows of %d tokens: %s (chunked %.2f ms, SDPA %.2f ms)",

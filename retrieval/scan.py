@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import faiss
 import numpy as np
+
+from retrieval.timing import best_times
 
 # Fewer queries than this: sliced scans. Each query is one pass over the matrix (memory-bound), so from a few
 # queries on one matrix product is cheaper: a served 100k x 128 index (mapped), nq 1/2/3/4/8/16: sliced
@@ -97,12 +98,8 @@ class FlatScan:
 
     def _faster_batch_path(self, sample: np.ndarray, k: int) -> str:
         """Each batch path twice on ``sample``, interleaved (the first run of either pays for warming up)."""
-        seconds: dict[str, float] = {"faiss": np.inf, "numpy": np.inf}
-        for path in ("faiss", "numpy", "faiss", "numpy"):
-            run = self._faiss if path == "faiss" else self._numpy
-            start = time.perf_counter()
-            run(sample, k)
-            seconds[path] = min(seconds[path], time.perf_counter() - start)
+        paths = {"faiss": lambda: self._faiss(sample, k), "numpy": lambda: self._numpy(sample, k)}
+        seconds = best_times(paths, rounds=2)
         return min(seconds, key=seconds.__getitem__)
 
     def _faiss(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -12,6 +12,8 @@ version keeps serving, and ``last_error`` says why.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -346,9 +348,6 @@ ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY
 def bound_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> bool:
     """Cap both caches for this process, unless the environment already sets them. Both read their variable once,
     at first use, so this works only before torch is imported; False (and a log line) after."""
-    import os
-    import sys
-
     if "torch" in sys.modules:
         log.info("torch is imported already: oneDNN's primitive caches keep their sizes")
         return False

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from retrieval import attention  # noqa: E402
+from retrieval import attention, timing  # noqa: E402
 from retrieval import encoder as encoder_module  # noqa: E402
 from retrieval.encoder import TransformerEncoder  # noqa: E402
 
@@ -165,7 +165,7 @@ def test_the_timing_keeps_the_faster_best_of_the_timed_rounds(monkeypatch, chunk
 
         return run
 
-    monkeypatch.setattr(attention, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(attention, "chunked_attention", advancing(chunked))
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", advancing(sdpa))
     assert attention._time(2, 4, 8, 2) is faster
