@@ -9,7 +9,7 @@ import sys
 
 def main() -> None:
     try:
-        from retrieval.cli import run
+        from retrieval.cli.app import run
 
         run()
     except KeyboardInterrupt:  # while the CLI is imported or typer builds its commands: no command has run

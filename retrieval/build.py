@@ -20,7 +20,7 @@ import numpy as np
 from retrieval import files
 from retrieval.calibrate import Calibration
 from retrieval.corpus import Corpus, CorpusReport, CorpusSpec
-from retrieval.encoder import POOLINGS, Encoder, EncoderInfo
+from retrieval.encode.transformer import POOLINGS, Encoder, EncoderInfo
 from retrieval.errors import ConfigError, IndexDirError, RetrievalError
 from retrieval.index import (
     IndexSpec,

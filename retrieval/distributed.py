@@ -49,7 +49,7 @@ import numpy as np
 
 from retrieval import errors
 from retrieval.corpus import Corpus, CorpusReport, Tally, repeated_values
-from retrieval.encoder import Encoder, EncoderInfo, EncoderSpec
+from retrieval.encode.transformer import Encoder, EncoderInfo, EncoderSpec
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.ingest import Ingest
 from retrieval.moments import RunningMoments

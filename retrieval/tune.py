@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.encoder import EncoderSpec, MultiPoolingEncoder, from_info
+from retrieval.encode.transformer import EncoderSpec, MultiPoolingEncoder, from_info
 from retrieval.errors import ConfigError
 from retrieval.evaluate import Pairs, Queries, check_judged_in, moments_of, sts_result, to_run
 from retrieval.indexdir import IndexDir

@@ -66,7 +66,7 @@ def encode_texts(path: Path, index: Path) -> np.ndarray:
     """A parquet file's texts (title prepended where there is one), encoded by ``index``'s own encoder; cached."""
     import pyarrow.parquet as pq
 
-    from retrieval.encoder import from_info
+    from retrieval.encode.transformer import from_info
     from retrieval.indexdir import IndexDir
 
     info = IndexDir(index).manifest().encoder

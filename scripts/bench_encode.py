@@ -78,7 +78,7 @@ def load_texts(kind: str, n: int, seed: int) -> list[str]:
 def token_budget_encoder(base: type, budget: int, max_rows: int = 256) -> type:
     """The encoder with batches formed by a token budget: as many rows as fit ``budget`` once padded (a power of
     two, so the shapes stay bounded), long texts in small batches and short ones in large."""
-    from retrieval.encoder import padded_length
+    from retrieval.encode.transformer import padded_length
 
     class TokenBudget(base):  # type: ignore[misc, valid-type]
         def batches(self, lengths: list[int]) -> list[tuple[np.ndarray, int]]:
@@ -114,7 +114,7 @@ class Runner:
     def __init__(self, model: str):
         from sentence_transformers import SentenceTransformer
 
-        from retrieval.encoder import TransformerEncoder, resolve_model
+        from retrieval.encode.transformer import TransformerEncoder, resolve_model
 
         folder = resolve_model(model)
         if folder is None:
@@ -331,7 +331,7 @@ def summarise(rows: list[dict], min_cos: float, default_batch: int, ours: str = 
 def memory_worker(bucketed: bool, seconds: float, seed: int, model: str, precision: str = "bf16") -> dict[str, object]:
     """One encoder, as a long-lived server holds it, fed batches of 1-32 texts of 1-200 words for ``seconds``;
     RSS sampled every few seconds. Runs in its own process (``--memory-worker``) so the RSS is its own."""
-    from retrieval.encoder import TransformerEncoder
+    from retrieval.encode.transformer import TransformerEncoder
 
     words = " ".join(load_texts("passages", 2000, seed)).split()
     rng = np.random.default_rng(seed)
@@ -500,7 +500,7 @@ def main() -> None:
 
     import torch
 
-    from retrieval.encoder import EncoderSpec
+    from retrieval.encode.transformer import EncoderSpec
 
     default_batch = EncoderSpec().batch_size
     torch.set_num_threads(max(args.threads))

@@ -22,7 +22,7 @@ import benchlib
 import faiss
 import numpy as np
 
-from retrieval.encoder import TransformerEncoder
+from retrieval.encode.transformer import TransformerEncoder
 from retrieval.evaluate import read_queries
 from retrieval.index import IndexSpec, create_index, set_search_params, train
 from retrieval.indexdir import IndexDir

@@ -2,7 +2,7 @@
 
 Batches of real queries (SciFact test claims and STS-B test sentences: what the server's engine encodes) and a
 corpus of short real sentences (STS-B train), all-MiniLM-L6-v2 on one torch thread, three ways in the same run,
-cells interleaved: packed (the default: ``retrieval.encoder.PACK_TOKENS``), padded (``encoder.packing = False``:
+cells interleaved: packed (the default: ``encode.transformer.PACK_TOKENS``), padded (``encoder.packing = False``:
 length-sorted batches, each padded to a length bucket of its longest text), and one text at a time (the traced
 single-text path a lone query takes). Reported: milliseconds per text, median over repeats, and the largest
 difference between the packed and the padded vectors.
@@ -52,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from retrieval.encoder import PACK_TOKENS, EncoderSpec
+    from retrieval.encode.transformer import PACK_TOKENS, EncoderSpec
 
     torch.set_num_threads(1)
     info = benchlib.machine()

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import basket  # noqa: E402
 import benchlib  # noqa: E402
 
-from retrieval.encoder import POOLINGS, resolve_model
+from retrieval.encode.transformer import POOLINGS, resolve_model
 from retrieval.indexdir import RESCORE_DEPTH
 from retrieval.moments import RunningMoments
 from retrieval.tune import (

@@ -142,7 +142,7 @@ def encode_queries(index: Path, queries: Path, work: Path) -> np.ndarray:
         return np.load(path)
     import pyarrow.parquet as pq
 
-    from retrieval.encoder import from_info
+    from retrieval.encode.transformer import from_info
     from retrieval.indexdir import IndexDir
 
     table = pq.read_table(queries)

@@ -245,7 +245,7 @@ def gil(args: argparse.Namespace) -> dict[str, Any]:
     """How much a pure-Python thread (the event loop, in the server) is slowed by each stage of a batch running
     in another thread: tokenising holds the GIL; the forward pass and FAISS release it."""
     from retrieval.search import Searcher, SearchParams
-    from retrieval.service import set_torch_threads
+    from retrieval.serve.service import set_torch_threads
 
     set_torch_threads(1)
     searcher = Searcher.load(args.work / "serve-flat", verify="none")

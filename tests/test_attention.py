@@ -11,9 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from retrieval import attention, timing  # noqa: E402
-from retrieval import encoder as encoder_module  # noqa: E402
-from retrieval.encoder import TransformerEncoder  # noqa: E402
+from retrieval import timing  # noqa: E402
+from retrieval.encode import attention  # noqa: E402
+from retrieval.encode import transformer as encoder_module  # noqa: E402
+from retrieval.encode.transformer import TransformerEncoder  # noqa: E402
 
 TEXTS = ["whitening vectors", "the index of a corpus is fast", "a", "search query about the model", "topic 3"]
 

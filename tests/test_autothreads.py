@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from retrieval.autothreads import (
+from retrieval.serve.autothreads import (
     EXPLORE_MAX_S,
     EXPLORE_S,
     SAMPLES,

@@ -34,7 +34,7 @@ from retrieval.calibrate import (
     recall_with_ties,
     search_with,
 )
-from retrieval.cli import app
+from retrieval.cli.app import app
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError
 from retrieval.index import IndexSpec, describe, search_parameters

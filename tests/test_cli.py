@@ -17,7 +17,7 @@ import typer
 from conftest import write_corpus
 from typer.testing import CliRunner, Result
 
-from retrieval.cli import app, safe
+from retrieval.cli.app import app, safe
 
 runner = CliRunner()
 
@@ -99,7 +99,7 @@ def test_a_narrow_terminal_shows_whole_scores_and_ids(built: Path, monkeypatch: 
 
     from rich.console import Console
 
-    import retrieval.cli as cli
+    import retrieval.cli.app as cli
 
     narrow = Console(width=30, file=io.StringIO(), highlight=False)
     monkeypatch.setattr(cli, "out", narrow)
@@ -445,10 +445,10 @@ def test_serve_without_the_server_extra_says_how_to_install_it(monkeypatch: pyte
     """The advice was `pip install -e '.[server]'`, which works only inside a checkout."""
     import sys
 
-    import retrieval
+    import retrieval.serve
 
-    monkeypatch.delattr(retrieval, "server", raising=False)
-    monkeypatch.delitem(sys.modules, "retrieval.server", raising=False)
+    monkeypatch.delattr(retrieval.serve, "app", raising=False)
+    monkeypatch.delitem(sys.modules, "retrieval.serve.app", raising=False)
     monkeypatch.setitem(sys.modules, "fastapi", None)
     assert_one_clear_error(
         run("serve", tmp_path),

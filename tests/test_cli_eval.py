@@ -15,8 +15,8 @@ import pytest
 from conftest import write_corpus
 from typer.testing import CliRunner, Result
 
-from retrieval.cli import app
-from retrieval.encoder import TransformerEncoder
+from retrieval.cli.app import app
+from retrieval.encode.transformer import TransformerEncoder
 from retrieval.indexdir import RESCORE_DEPTH, Manifest
 from retrieval.search import Searcher, SearchParams
 
@@ -32,7 +32,7 @@ def run(*args: str | Path | int) -> Result:
 def fp32_for_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     """Precision "auto" times bf16 against fp32, and on the tiny model the two are close enough to flip from run to
     run: the tests here compare runs (an index's encoder with `--model`), so auto settles on fp32 throughout."""
-    monkeypatch.setattr("retrieval.encoder.cpu_supports_bf16", lambda: False)
+    monkeypatch.setattr("retrieval.encode.transformer.cpu_supports_bf16", lambda: False)
 
 
 def ok(result: Result) -> Result:
@@ -96,7 +96,7 @@ def built(tiny_bert: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     root = tmp_path_factory.mktemp("cli-eval")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RETRIEVAL_INDEX_ROOT", str(root / "indexes"))
-        mp.setattr("retrieval.encoder.cpu_supports_bf16", lambda: False)  # see fp32_for_auto
+        mp.setattr("retrieval.encode.transformer.cpu_supports_bf16", lambda: False)  # see fp32_for_auto
         corpus = write_corpus(root / "corpus.parquet", n=200)
         ok(run("index", corpus, "--model", tiny_bert, "--extra-pooling", "cls", "--out", root / "idx"))
     dev_q, dev_r = write_split(root, "dev", list(range(0, 60, 5)))

@@ -39,7 +39,7 @@ from retrieval import files
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
 from retrieval.build import BuildOptions, build_index  # noqa: E402
-from retrieval.cli import app  # noqa: E402
+from retrieval.cli.app import app  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
 from retrieval.distributed import (  # noqa: E402
     LOCAL_RAY_ENV,
@@ -50,7 +50,7 @@ from retrieval.distributed import (  # noqa: E402
     plan,
     window_rows,
 )
-from retrieval.encoder import EncoderSpec  # noqa: E402
+from retrieval.encode.transformer import EncoderSpec  # noqa: E402
 from retrieval.errors import ConfigError, CorpusError, ModelError  # noqa: E402
 from retrieval.index import IndexSpec  # noqa: E402
 from retrieval.indexdir import STASH, IndexDir  # noqa: E402
@@ -392,7 +392,7 @@ LOOPBACK_CHILD = """
 import json, sys
 import ray  # imported first, as a program using the library may have: RAY_* variables set later change nothing
 from retrieval.distributed import RayEngine, RayOptions
-from retrieval.encoder import EncoderSpec
+from retrieval.encode.transformer import EncoderSpec
 engine = RayEngine(EncoderSpec("unused"), RayOptions())
 engine.connect()
 print(json.dumps({"folder": str(engine._started)}), flush=True)
@@ -403,9 +403,9 @@ engine.close()
 
 SIGTERM_CHILD = """
 import os, signal, sys, time
-from retrieval.cli import sigterm_exits
+from retrieval.cli.app import sigterm_exits
 from retrieval.distributed import RayEngine, RayOptions
-from retrieval.encoder import EncoderSpec
+from retrieval.encode.transformer import EncoderSpec
 from retrieval.errors import Terminated
 with sigterm_exits():
     with RayEngine(EncoderSpec("unused"), RayOptions()) as engine:

@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from retrieval import encoder as encoder_module  # noqa: E402
-from retrieval.encoder import (  # noqa: E402
+from retrieval.encode import transformer as encoder_module  # noqa: E402
+from retrieval.encode.transformer import (  # noqa: E402
     INSTALL_DEFAULT,
     Encoder,
     EncoderInfo,
@@ -717,7 +717,7 @@ def test_tracing_prints_no_transformers_warning(tiny_bert: Path) -> None:
     "`loss_type=None` was set in the config but it is unrecognized", on every server start. A fresh process:
     transformers warns once per process."""
     code = (
-        "import sys; from retrieval.encoder import EncoderSpec\n"
+        "import sys; from retrieval.encode.transformer import EncoderSpec\n"
         "encoder = EncoderSpec(sys.argv[1], precision='fp32').load(); encoder.warm_up()\n"
         "assert encoder._traced, 'not traced'\n"
         "import logging\n"

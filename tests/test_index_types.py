@@ -19,7 +19,7 @@ import retrieval.index
 import retrieval.search
 import retrieval.update
 from retrieval.build import build_index
-from retrieval.cli import app
+from retrieval.cli.app import app
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError
 from retrieval.index import (

@@ -25,7 +25,7 @@ SCIFACT = SHARED_DATA / "scifact" / "corpus.parquet"
 
 @pytest.fixture(scope="session")
 def minilm():
-    from retrieval.encoder import TransformerEncoder
+    from retrieval.encode.transformer import TransformerEncoder
 
     # max_length 64 (the title and the start of the abstract) keeps the build fast on 2 cores;
     # queries get the same value from the manifest.

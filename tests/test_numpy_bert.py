@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from conftest import ROOT, needs_minilm, write_corpus
 
-from retrieval import numpy_bert
-from retrieval.encoder import POOLINGS, EncoderInfo, EncoderSpec
+from retrieval.encode import numpy_bert
+from retrieval.encode.transformer import POOLINGS, EncoderInfo, EncoderSpec
 
 pytest.importorskip("torch")
 

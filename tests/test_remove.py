@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from retrieval import update
 from retrieval.build import BuildOptions, build_index
-from retrieval.cli import app
+from retrieval.cli.app import app
 from retrieval.corpus import CorpusSpec
 from retrieval.docs import Docs
 from retrieval.errors import CorpusError, IndexDirError

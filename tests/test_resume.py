@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from retrieval import docs, files
 from retrieval.build import BuildOptions, build_index
-from retrieval.cli import app
+from retrieval.cli.app import app
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.index import load_index
@@ -269,7 +269,7 @@ def test_a_resumed_build_keeps_the_precision_auto_chose(tiny_bert: Path, tmp_pat
     """Precision "auto" is decided by timing, so a second run could decide otherwise: the stash records the
     choice before the first window, and a resumed build takes it, so one index never mixes fp32 and bf16
     vectors. Simulated bf16 CPU: the first run's timing picks bf16, the resumed run's would pick fp32."""
-    from retrieval import encoder as enc
+    from retrieval.encode import transformer as enc
 
     monkeypatch.setattr(enc, "cpu_supports_bf16", lambda: True)
     faster = {"bf16": True}

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from conftest import FakeEncoder, mapped_rss_kib, write_corpus
 
-from retrieval import home, update
+from retrieval import update
 from retrieval.build import build_index
+from retrieval.cli import home
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.index import IndexSpec, flat_vectors, load_index, search_parameters

@@ -24,16 +24,16 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from retrieval import update  # noqa: E402
-from retrieval.autothreads import ThreadChooser  # noqa: E402
-from retrieval.batching import Batcher, BatchStats, Overloaded  # noqa: E402
 from retrieval.build import build_index  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
 from retrieval.errors import ConfigError  # noqa: E402
 from retrieval.indexdir import INDEX  # noqa: E402
 from retrieval.info import describe_index  # noqa: E402
 from retrieval.search import Searcher, SearchParams  # noqa: E402
-from retrieval.server import create_app  # noqa: E402
-from retrieval.service import NotReady, ServeOptions, Service  # noqa: E402
+from retrieval.serve.app import create_app  # noqa: E402
+from retrieval.serve.autothreads import ThreadChooser  # noqa: E402
+from retrieval.serve.batching import Batcher, BatchStats, Overloaded  # noqa: E402
+from retrieval.serve.service import NotReady, ServeOptions, Service  # noqa: E402
 from retrieval.whitening import DEFAULT_GAMMA, TransformSpec  # noqa: E402
 
 QUERY = "document number 5 about topic 5"  # the exact text of doc5: the fake encoder puts it first
@@ -981,9 +981,9 @@ def test_auto_threads_warm_every_count_in_the_engine_thread_before_ready(
     setting and its threads live), before the version is ready; a reload that keeps the encoder does not."""
     import torch
 
-    from retrieval import service as service_module
     from retrieval.build import BuildOptions
-    from retrieval.encoder import EncoderSpec
+    from retrieval.encode.transformer import EncoderSpec
+    from retrieval.serve import service as service_module
 
     index = tmp_path / "idx"
     corpus = write_corpus(tmp_path / "corpus.parquet", n=60)
@@ -1027,7 +1027,7 @@ def test_a_new_version_with_another_encoder_is_served_with_its_own(tiny_bert: Pa
     """The serving encoder is reused while the new version's record matches it; a version rebuilt with another
     pooling gets its own encoder, loaded from its record (queries must be pooled as its documents were)."""
     from retrieval.build import BuildOptions
-    from retrieval.encoder import EncoderSpec
+    from retrieval.encode.transformer import EncoderSpec
 
     index = tmp_path / "idx"
     corpus = write_corpus(tmp_path / "corpus.parquet", n=40)
@@ -1112,8 +1112,8 @@ def test_serve_refuses_bad_options_in_one_line_before_starting(
     test instead of starting a real server on port 8000 that never stops."""
     from typer.testing import CliRunner
 
-    from retrieval import server
-    from retrieval.cli import app
+    from retrieval.cli.app import app
+    from retrieval.serve import app as server
 
     started: list[ServeOptions] = []
     monkeypatch.setattr(server, "run", lambda directory, options, **kwargs: started.append(options))
@@ -1132,8 +1132,8 @@ def test_serve_hands_the_batching_options_typed_to_the_server(index: Path, monke
     server's run is replaced: nothing listens)."""
     from typer.testing import CliRunner
 
-    from retrieval import server
-    from retrieval.cli import app
+    from retrieval.cli.app import app
+    from retrieval.serve import app as server
 
     served: list[ServeOptions] = []
     monkeypatch.setattr(server, "run", lambda directory, options, **kwargs: served.append(options))
@@ -1600,7 +1600,8 @@ def test_not_ready_says_why_the_index_could_not_be_loaded(tmp_path: Path) -> Non
 # ----- oneDNN's caches -----------------------------------------------------------------------------------------
 def test_serving_caps_onednn_caches_before_torch_is_imported(tmp_path: Path, monkeypatch) -> None:
     """server.run caps them before its Service can import torch; a value in the environment is the user's."""
-    from retrieval import server, service
+    from retrieval.serve import app as server
+    from retrieval.serve import service
 
     for variable in service.ONEDNN_CACHE_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
@@ -1622,7 +1623,7 @@ def test_serving_caps_onednn_caches_before_torch_is_imported(tmp_path: Path, mon
 
 
 def test_onednn_caches_are_left_alone_once_torch_is_imported(monkeypatch) -> None:
-    from retrieval import service
+    from retrieval.serve import service
 
     for variable in service.ONEDNN_CACHE_VARIABLES:
         monkeypatch.delenv(variable, raising=False)

@@ -25,8 +25,8 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 from retrieval.build import build_index  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
-from retrieval.server import create_app  # noqa: E402
-from retrieval.service import ServeOptions, Service  # noqa: E402
+from retrieval.serve.app import create_app  # noqa: E402
+from retrieval.serve.service import ServeOptions, Service  # noqa: E402
 from retrieval.whitening import TransformSpec  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

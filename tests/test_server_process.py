@@ -28,7 +28,7 @@ pytest.importorskip("uvicorn")
 from retrieval import update  # noqa: E402
 from retrieval.build import build_index  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
-from retrieval.encoder import EncoderSpec  # noqa: E402
+from retrieval.encode.transformer import EncoderSpec  # noqa: E402
 from retrieval.whitening import TransformSpec  # noqa: E402
 
 SLOW = "a deliberately slow query"
@@ -42,14 +42,14 @@ SLOW_SERVER = (
     "        time.sleep(2.0)\n"
     "    return encode(self, texts)\n"
     "Searcher.encode = slow\n"
-    "from retrieval.cli import run\n"
+    "from retrieval.cli.app import run\n"
     "run()\n"
 )
 
 # The same, with every load after the first made slow: a POST /reload certain to be loading at a signal.
 SLOW_RELOAD_SERVER = SLOW_SERVER.replace(
-    "from retrieval.cli import run\n",
-    "from retrieval.service import Service\n"
+    "from retrieval.cli.app import run\n",
+    "from retrieval.serve.service import Service\n"
     "load = Service._load\n"
     "def slow_load(self):\n"
     "    if self._searcher is not None:\n"
@@ -57,7 +57,7 @@ SLOW_RELOAD_SERVER = SLOW_SERVER.replace(
     "        time.sleep(2.0)\n"
     "    return load(self)\n"
     "Service._load = slow_load\n"
-    "from retrieval.cli import run\n",
+    "from retrieval.cli.app import run\n",
 )
 
 

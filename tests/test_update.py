@@ -18,10 +18,10 @@ from typer.testing import CliRunner
 
 from retrieval import files, update
 from retrieval.build import BuildOptions, build_index
-from retrieval.cli import app
+from retrieval.cli.app import app
 from retrieval.corpus import CorpusSpec
 from retrieval.docs import Docs
-from retrieval.encoder import EncoderInfo
+from retrieval.encode.transformer import EncoderInfo
 from retrieval.errors import ConfigError, CorpusError, IndexDirError
 from retrieval.index import IndexSpec, load_index
 from retrieval.indexdir import DOCS, INDEX, MANIFEST, MOMENTS, STASH, TRANSFORM, IndexDir, Manifest
@@ -123,7 +123,7 @@ def test_refit_to_another_pooling_streams_the_stash(tmp_path, monkeypatch):
 def test_refit_to_a_stashed_pooling_fits_and_records_that_pooling(tmp_path, corpus, tiny_bert):
     """A build that stashed cls beside mean, refitted to cls: the kernel comes from the cls vectors (one float64
     pass over the stash), queries are pooled with cls, and the re-scoring scorer is recorded for cls too."""
-    from retrieval.encoder import TransformerEncoder
+    from retrieval.encode.transformer import TransformerEncoder
 
     encoder = TransformerEncoder(str(tiny_bert), max_length=48, precision="fp32")
     directory = tmp_path / "idx"

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.autothreads import ThreadChooser
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.search import Hit, Searcher, SearchParams
+from retrieval.serve.autothreads import ThreadChooser
 
 log = logging.getLogger(__name__)
 

@@ -41,11 +41,11 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import retrieval
-from retrieval.batching import BatchStats, Overloaded, Stopped
 from retrieval.errors import ConfigError, RetrievalError, render
 from retrieval.search import SearchParams
-from retrieval.service import NotReady, ServeOptions, Service, bound_onednn_caches
-from retrieval.telemetry import Counter, Gauge, Histogram, Registry
+from retrieval.serve.batching import BatchStats, Overloaded, Stopped
+from retrieval.serve.service import NotReady, ServeOptions, Service, bound_onednn_caches
+from retrieval.serve.telemetry import Counter, Gauge, Histogram, Registry
 from retrieval.text import blank, valid_unicode
 
 log = logging.getLogger(__name__)

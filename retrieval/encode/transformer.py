@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-from retrieval import attention
+from retrieval.encode import attention
 from retrieval.errors import ConfigError, ModelError
 from retrieval.files import sha256
 
@@ -370,8 +370,8 @@ class TransformerEncoder:
         self._single_calls = 0
         self._traced: Any = None  # (traced module, bf16) for single texts; False once no trace passed its check
         self._model_bf16: Any = None  # the bf16 copy of the model, made when bf16 is first needed
-        # The bf16 copy's attention: chunked products (``retrieval.attention``) where the model takes them and they
-        # are faster on this CPU than its own SDPA kernel; False keeps the model's own.
+        # The bf16 copy's attention: chunked products (``retrieval.encode.attention``) where the model takes them
+        # and they are faster on this CPU than its own SDPA kernel; False keeps the model's own.
         self.chunked_attention = True
         self.bucketed = True  # batches take shapes from a bounded set (``shape_batches``)
         self.packing: bool | None = None  # short texts packed (``pack_rows``); None: checked on first use

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retrieval.autothreads import ThreadChooser
-from retrieval.batching import Batcher, BatchStats
-from retrieval.encoder import Encoder
+from retrieval.encode.transformer import Encoder
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.indexdir import IndexDir, Verify, check_verify, now
 from retrieval.search import MAX_K, Searcher
+from retrieval.serve.autothreads import ThreadChooser
+from retrieval.serve.batching import Batcher, BatchStats
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class ServeOptions:
     # closed-loop clients otherwise split into alternating batches of a few and many queries. HNSW 100k, bf16
     # machine, 16 clients: see README "Micro-batching" for the measurements behind the value.
     fill_wait_ms: float = 2.0
-    # Threads of torch's intra-op pool (process-wide): "auto" measures (retrieval/autothreads.py). Neither fixed
+    # Threads of torch's intra-op pool (process-wide): "auto" measures (``autothreads``). Neither fixed
     # count wins everywhere: on the quiet 2-core machine two threads answered more (HNSW 100k: 16 clients 161 vs
     # 130 QPS), with three other busy processes far less (1 client 13 vs 32 QPS; at load average 10-12 on the
     # shared machine: 6 vs 50). "auto" needs one engine worker (the setting is the whole process's).

@@ -26,16 +26,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from retrieval import files, home
+from retrieval import files
 from retrieval.build import BuildOptions, build_index, check_target
+from retrieval.cli import home
 from retrieval.corpus import Corpus, CorpusSpec
-from retrieval.encoder import POOLINGS, PRECISIONS, EncoderSpec, model_dim
+from retrieval.encode.transformer import POOLINGS, PRECISIONS, EncoderSpec, model_dim
 from retrieval.errors import ConfigError, Interrupted, RetrievalError, Terminated, render
 from retrieval.files import not_utf8
 from retrieval.index import IndexSpec
 from retrieval.indexdir import RESCORE_DEPTH, Manifest, trained_on_rows
 from retrieval.search import SearchParams
-from retrieval.service import ServeOptions
+from retrieval.serve.service import ServeOptions
 from retrieval.stash import DTYPES
 from retrieval.tune import AUTO_QUERIES, DEFAULT_GAMMAS
 from retrieval.whitening import DEFAULT_GAMMA, TransformSpec
@@ -482,7 +483,7 @@ def show_hits(hits: Sequence[Any], as_json: bool, title: str, query_id: str | No
 def one_query_encoder(directory: Path) -> Any:
     """The encoder for one query: a BERT model in numpy (``numpy_bert``; importing torch and transformers took
     ~3 s of CPU, most of a one-shot search), or None where it does not apply: Searcher loads the index's own."""
-    from retrieval import numpy_bert
+    from retrieval.encode import numpy_bert
 
     try:
         return numpy_bert.load(Manifest.load(directory).encoder)
@@ -730,7 +731,7 @@ def demo(
     k: Annotated[int, typer.Option("-k", help="Hits per query.")] = 3,
 ) -> None:
     """Index the Python standard library's docstrings (built here, no download) and run a few searches."""
-    from retrieval.demo import DEMO_QUERIES, write_demo_corpus
+    from retrieval.cli.demo import DEMO_QUERIES, write_demo_corpus
 
     TransformSpec(dim=dim).check(model_dim(DefaultEncoder.model))  # before the demo corpus is written
     SearchParams(k=k).check()
@@ -833,7 +834,7 @@ def eval_sts(
     Without --index the transform is fitted on "target": every sentence of the given pair files (and
     --fit-file files), no labels. With --index, the index's own transform (fitted on its corpus) is used.
     """
-    from retrieval.encoder import Encoder
+    from retrieval.encode.transformer import Encoder
     from retrieval.evaluate import evaluate_sts, read_pairs
     from retrieval.search import Searcher
     from retrieval.whitening import RawTransform, Whitening
@@ -1127,7 +1128,7 @@ def serve(
     from retrieval.indexdir import IndexDir
 
     try:
-        from retrieval import server
+        from retrieval.serve import app as server
     except ImportError as exc:
         raise RetrievalError(
             f"the server needs its extra ({exc.name} is missing): pip install 'retrieval[server]' "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.encoder import POOLINGS, EncoderInfo, resolve_model, weights_sha256
+from retrieval.encode.transformer import POOLINGS, EncoderInfo, resolve_model, weights_sha256
 
 log = logging.getLogger(__name__)
 
