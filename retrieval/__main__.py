@@ -9,6 +9,9 @@ import sys
 
 def main() -> None:
     try:
+        from retrieval import runtime
+
+        runtime.tune_process()  # before the CLI imports FAISS (and a command torch)
         from retrieval.cli.app import run
 
         run()

@@ -31,7 +31,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import signal
@@ -49,7 +48,7 @@ import numpy as np
 
 from retrieval import errors
 from retrieval.corpus import Corpus, CorpusReport, Tally, repeated_values
-from retrieval.encode.transformer import Encoder, EncoderInfo, EncoderSpec
+from retrieval.encode.spec import Encoder, EncoderInfo, EncoderSpec
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.ingest import Ingest
 from retrieval.moments import RunningMoments
@@ -58,7 +57,6 @@ from retrieval.whitening import RawTransform, Whitening
 
 log = logging.getLogger(__name__)
 
-RAY_WINDOW_ROWS = (512, 65536)  # rows per window (stash part, retry step) of a Ray build: see ``window_rows``
 CPUS_PER_WORKER = 0.5  # Ray CPUs reserved per encoding actor; a whole CPU each left no CPU for other tasks on a
 # 2-CPU cluster and the pipeline hung (ray-project/ray#44687). Each actor runs torch with one thread either way.
 JOIN_TIMEOUT_S = 5.0  # a cluster address that does not accept a connection within this is refused
@@ -73,18 +71,6 @@ FILL_ROWS = 100_000_000  # IVF indexes of at least this many rows are filled in 
 # the shards' I/O; at 1B rows, ~3 h to minutes. Below 100M the gain is seconds, and on one machine FAISS's own
 # threads already use every core (docs/scale.md).
 OBJECT_STORE_BYTES = 512 << 20  # a local cluster's object store: only metadata passes through it
-
-
-def window_rows(rows: int) -> int:
-    """Rows per window for a Ray build of ``rows`` rows: a power of two near rows / 2048, within RAY_WINDOW_ROWS.
-
-    Small enough that a small corpus gives every worker several windows (5,183 SciFact passages: 11 windows of
-    512 where the local default of 2,048 gives 3, one worker idle a third of the time), large enough that a big
-    one stays at a few thousand stash parts (100M rows: 1,526 of 65,536; each part is files, a registration and a
-    d x d moments matrix on the driver). It depends on the corpus alone, so a resumed build cuts the same windows.
-    """
-    low, high = RAY_WINDOW_ROWS
-    return min(high, max(low, 1 << max(0, math.ceil(math.log2(max(rows, 1) / 2048)))))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from retrieval.corpus import is_id_type
 from retrieval.docs import Docs
-from retrieval.encode.transformer import Encoder
+from retrieval.encode.spec import Encoder
 from retrieval.errors import ConfigError, CorpusError
 from retrieval.metrics import EvalResult, Qrels, Run, evaluate_run, sts_scores
 from retrieval.moments import RunningMoments

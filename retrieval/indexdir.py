@@ -30,7 +30,7 @@ from typing import Any, Literal
 from retrieval import files
 from retrieval.calibrate import Calibration
 from retrieval.docs import Docs
-from retrieval.encode.transformer import EncoderInfo
+from retrieval.encode.spec import EncoderInfo
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.index import IndexSpec
 from retrieval.moments import RunningMoments

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from retrieval.corpus import Batch
-from retrieval.encode.transformer import Encoder, MultiPoolingEncoder
+from retrieval.encode.spec import Encoder, MultiPoolingEncoder
 from retrieval.errors import ConfigError, CorpusError
 from retrieval.moments import RunningMoments
 from retrieval.progress import Progress, no_progress

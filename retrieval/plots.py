@@ -1,10 +1,14 @@
-"""Plots of a tuning sweep: quality vs dimension (one line per gamma) and quality vs search latency."""
+"""A tuning sweep's outputs: its plot (quality vs dimension, one line per gamma, and quality vs search latency) and
+the pair of files a run leaves, tune.json and tune.png, written together or not at all."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from pathlib import Path
 
+from retrieval import files
 from retrieval.tune import TuneResult
 
 log = logging.getLogger(__name__)
@@ -61,3 +65,29 @@ def plot_tuning(result: TuneResult, path: Path, split: str = "test", title: str 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def write_results(result: TuneResult, folder: Path) -> Path | None:
+    """``tune.json`` and ``tune.png`` (when matplotlib is installed) into ``folder``: both new, or, failed or
+    interrupted, neither touched (each is written under a temporary name, then both renamed) and a folder made
+    for them removed again. Returns the plot's path."""
+    split = "test" if result.best.test else "dev"
+    made = not folder.exists()
+    temporary = [folder / f".tune.{os.getpid()}.png", folder / f".tune.{os.getpid()}.json"]
+    with files.output_errors(folder):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            png = plot_tuning(result, temporary[0], split=split, title=f"{result.metric} ({split})")
+            files.write_atomic(temporary[1], json.dumps(result.to_dict(), indent=1).encode())
+            if png is None:
+                (folder / "tune.png").unlink(missing_ok=True)  # an earlier run's plot would belong to other results
+            else:
+                os.replace(png, folder / "tune.png")
+            os.replace(temporary[1], folder / "tune.json")
+        except BaseException:
+            for path in temporary:
+                path.unlink(missing_ok=True)
+            if made and folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+            raise
+    return None if png is None else folder / "tune.png"

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import faiss
 import numpy as np
 
-from retrieval.timing import best_times
+from retrieval import timing
 
 # Fewer queries than this: sliced scans. Each query is one pass over the matrix (memory-bound), so from a few
 # queries on one matrix product is cheaper: a served 100k x 128 index (mapped), nq 1/2/3/4/8/16: sliced
@@ -97,10 +97,10 @@ class FlatScan:
         return self._numpy(queries, k) if self.batch_path == "numpy" else self._faiss(queries, k)
 
     def _faster_batch_path(self, sample: np.ndarray, k: int) -> str:
-        """Each batch path twice on ``sample``, interleaved (the first run of either pays for warming up)."""
+        """Each batch path twice on ``sample``, interleaved (the first run of either pays for warming up), as the
+        timing policy says (``timing.policy``: site ``scan``, FAISS when untimed)."""
         paths = {"faiss": lambda: self._faiss(sample, k), "numpy": lambda: self._numpy(sample, k)}
-        seconds = best_times(paths, rounds=2)
-        return min(seconds, key=seconds.__getitem__)
+        return timing.policy().fastest("scan", paths, default="faiss", rounds=2)
 
     def _faiss(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return faiss.knn(queries, self.matrix, k, faiss.METRIC_INNER_PRODUCT)

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.encode.transformer import Encoder, from_info
+from retrieval.encode.spec import Encoder
+from retrieval.encode.transformer import from_info
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.files import available_memory, touch_pages
 from retrieval.index import FaissProduct, flat_vectors, list_count, one_query_twin, search_parameters

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.encode.transformer import EncoderSpec, MultiPoolingEncoder, from_info
+from retrieval.encode.spec import EncoderSpec, MultiPoolingEncoder
+from retrieval.encode.transformer import from_info
 from retrieval.errors import ConfigError
 from retrieval.evaluate import Pairs, Queries, check_judged_in, moments_of, sts_result, to_run
 from retrieval.indexdir import IndexDir
@@ -407,3 +408,44 @@ def tune_sts(
         if on_trial:
             on_trial(trial)
     return choose(trials, metric)
+
+
+def check_request(
+    *,
+    index: bool,
+    pairs: bool,
+    queries: bool = False,
+    qrels: bool = False,
+    test_pairs: bool = False,
+    auto: bool = False,
+    apply: bool = False,
+    auto_queries: int = AUTO_QUERIES,
+    seed: int = 0,
+) -> None:
+    """Refuse a tuning request whose parts do not go together, before anything is read or encoded (each flag says
+    whether that input is given): an index (IR, on ``queries`` + ``qrels`` or on pseudo-queries with ``auto``) or
+    ``pairs`` (STS), not both; ``apply`` needs the index; test pairs go with dev pairs. The index's splits are
+    checked by ``check_ir_splits``."""
+    if index == pairs:
+        raise ConfigError("give an INDEX_DIR with `queries`/`qrels` or `auto` (IR), or `pairs` (STS)")
+    if apply and not index:  # before any encoding, not after the whole sweep
+        raise ConfigError("`apply` re-fits an index: it needs INDEX_DIR", "apply")
+    if auto and (not index or queries or qrels):
+        raise ConfigError("`auto` tunes an INDEX_DIR on pseudo-queries: give it without `queries` and `qrels`", "auto")
+    if not MIN_AUTO_QUERIES <= auto_queries <= 100_000:
+        raise ConfigError(
+            f"`auto_queries` must be between {MIN_AUTO_QUERIES} and 100,000 (got {auto_queries})", "auto_queries"
+        )
+    if seed < 0:
+        raise ConfigError(f"`seed` must be 0 or more (got {seed})", "seed")
+    if test_pairs and not pairs:
+        raise ConfigError("`test_pairs` goes with `pairs` (STS); for an index, give `test_queries`/`test_qrels`")
+
+
+def check_ir_splits(queries: bool, qrels: bool, test_queries: bool, test_qrels: bool, auto: bool) -> None:
+    """Refuse an index's tuning without its dev split (``queries`` + ``qrels``, or ``auto``) or with half a test
+    split (each flag says whether that file is given)."""
+    if not auto and not (queries and qrels):
+        raise ConfigError("IR tuning needs `queries` and `qrels` (the dev split), or `auto`", "queries")
+    if test_queries != test_qrels:
+        raise ConfigError("`test_queries` and `test_qrels` go together: give both or neither", "test_qrels")

@@ -29,7 +29,8 @@ from retrieval import files
 from retrieval.build import WINDOW_ROWS, index_record, input_dim, write_version
 from retrieval.calibrate import Calibration, Served, calibrate, check_target, query_sample
 from retrieval.corpus import Corpus, CorpusSpec, id_hashes
-from retrieval.encode.transformer import Encoder, from_info
+from retrieval.encode.spec import Encoder
+from retrieval.encode.transformer import from_info
 from retrieval.errors import BusyError, ConfigError, CorpusError
 from retrieval.index import IndexSpec, check_buildable, set_search_params
 from retrieval.indexdir import (

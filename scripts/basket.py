@@ -23,7 +23,8 @@ import numpy as np
 
 from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
-from retrieval.encode.transformer import POOLINGS, TransformerEncoder
+from retrieval.encode.spec import POOLINGS
+from retrieval.encode.transformer import TransformerEncoder
 from retrieval.evaluate import Pairs, Queries, moments_of, read_pairs, read_qrels, read_queries, sts_result, to_run
 from retrieval.indexdir import IndexDir
 from retrieval.metrics import Qrels, evaluate_run
@@ -83,7 +84,7 @@ def stdlib_docstrings() -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from retrieval.cli.demo import docstring_paragraphs
+    from retrieval.cli.demo_corpus import docstring_paragraphs
 
     path = WORK / "stdlib-docstrings.parquet"
     if not path.is_file():

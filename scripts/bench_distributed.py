@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
-from retrieval.encode.transformer import cpu_supports_bf16  # noqa: E402
+from retrieval.encode.precision import cpu_supports_bf16  # noqa: E402
 
 HERE = Path(__file__).resolve()
 SCIFACT = benchlib.REPO.parent / "shared" / "data" / "scifact" / "corpus.parquet"
@@ -127,7 +127,7 @@ def child(args: argparse.Namespace) -> None:
     from retrieval.build import BuildOptions, build_index
     from retrieval.corpus import CorpusSpec
     from retrieval.distributed import RayEngine, RayOptions
-    from retrieval.encode.transformer import EncoderSpec
+    from retrieval.encode.spec import EncoderSpec
     from retrieval.whitening import TransformSpec
 
     engine_name, window = VARIANTS[args.child]

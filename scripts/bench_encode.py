@@ -78,7 +78,7 @@ def load_texts(kind: str, n: int, seed: int) -> list[str]:
 def token_budget_encoder(base: type, budget: int, max_rows: int = 256) -> type:
     """The encoder with batches formed by a token budget: as many rows as fit ``budget`` once padded (a power of
     two, so the shapes stay bounded), long texts in small batches and short ones in large."""
-    from retrieval.encode.transformer import padded_length
+    from retrieval.encode.shapes import padded_length
 
     class TokenBudget(base):  # type: ignore[misc, valid-type]
         def batches(self, lengths: list[int]) -> list[tuple[np.ndarray, int]]:
@@ -114,7 +114,8 @@ class Runner:
     def __init__(self, model: str):
         from sentence_transformers import SentenceTransformer
 
-        from retrieval.encode.transformer import TransformerEncoder, resolve_model
+        from retrieval.encode.models import resolve_model
+        from retrieval.encode.transformer import TransformerEncoder
 
         folder = resolve_model(model)
         if folder is None:
@@ -500,7 +501,7 @@ def main() -> None:
 
     import torch
 
-    from retrieval.encode.transformer import EncoderSpec
+    from retrieval.encode.spec import EncoderSpec
 
     default_batch = EncoderSpec().batch_size
     torch.set_num_threads(max(args.threads))

@@ -52,7 +52,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from retrieval.encode.transformer import PACK_TOKENS, EncoderSpec
+    from retrieval.encode.shapes import PACK_TOKENS
+    from retrieval.encode.spec import EncoderSpec
 
     torch.set_num_threads(1)
     info = benchlib.machine()

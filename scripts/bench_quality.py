@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import basket  # noqa: E402
 import benchlib  # noqa: E402
 
-from retrieval.encode.transformer import POOLINGS, resolve_model
+from retrieval.encode.models import resolve_model
+from retrieval.encode.spec import POOLINGS
 from retrieval.indexdir import RESCORE_DEPTH
 from retrieval.moments import RunningMoments
 from retrieval.tune import (

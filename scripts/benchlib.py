@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.encode.transformer import cpu_model
+from retrieval.encode.precision import cpu_model
 from retrieval.progress import Timer
 
 REPO = Path(__file__).resolve().parent.parent

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import basket  # noqa: E402
 import benchlib  # noqa: E402
 
-from retrieval.encode.transformer import resolve_model
+from retrieval.encode.models import resolve_model
 from retrieval.whitening import TransformSpec
 
 GAMMAS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0)

@@ -24,7 +24,7 @@ install script puts what comes from PyPI, npm and apt's package descriptions:
 * ``scifact``: SciFact abstracts (BEIR corpus), ``../shared/data/scifact/corpus.parquet``. CC BY-NC 2.0.
 * ``sts``: STS Benchmark + SemEval STS 2012-2016 sentences, ``../shared/data/sts/*.parquet``. STS-B CC BY-SA 4.0,
   texts under their original sources' terms; research use.
-* ``stdlib``: docstring paragraphs of this Python's standard library (``retrieval.cli.demo``). PSF-2.0.
+* ``stdlib``: docstring paragraphs of this Python's standard library (``retrieval.cli.demo_corpus``). PSF-2.0.
 * ``gcide``: GNU Collaborative International Dictionary of English (Webster 1913 + WordNet + additions), one
   entry per passage; ``apt-get install dict-gcide``. GPL-2+.
 * ``wordnet``: WordNet 3.0 entries (all senses of a word, glosses and examples); ``apt-get install dict-wn``.
@@ -943,7 +943,7 @@ def api_docs_source(package: str, member: str, key: str) -> Iterator[Raw]:
 
 def docstring_source(package: str) -> Iterator[Raw]:
     """Docstring paragraphs of a wheel's modules (tests and doctest examples dropped)."""
-    from retrieval.cli.demo import documented  # the standard library and pyarrow only: no torch
+    from retrieval.cli.demo_corpus import documented  # the standard library and pyarrow only: no torch
 
     with zipfile.ZipFile(wheel(package)) as archive:
         for name in sorted(archive.namelist()):
@@ -990,7 +990,7 @@ def sts_source() -> Iterator[Raw]:
 def stdlib_source() -> Iterator[Raw]:
     """Docstring paragraphs of the standard library, as ``retrieval demo`` indexes them."""
     sys.path.insert(0, str(REPO))
-    from retrieval.cli.demo import docstring_paragraphs  # pyarrow and the standard library only: no torch
+    from retrieval.cli.demo_corpus import docstring_paragraphs  # pyarrow and the standard library only: no torch
 
     yield from docstring_paragraphs(min_words=1)
 

@@ -133,7 +133,7 @@ class Replay:
     text stashed with the vector. Its identity is theirs (the same model, pooling and max length)."""
 
     def __init__(self, directories: Sequence[Path]):
-        from retrieval.encode.transformer import EncoderInfo
+        from retrieval.encode.spec import EncoderInfo
         from retrieval.indexdir import IndexDir
 
         manifests = [IndexDir(d).manifest() for d in directories]

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from retrieval import timing  # noqa: E402
 from retrieval.encode import attention  # noqa: E402
-from retrieval.encode import transformer as encoder_module  # noqa: E402
+from retrieval.encode.precision import BF16_MIN_COSINE  # noqa: E402
 from retrieval.encode.transformer import TransformerEncoder  # noqa: E402
 
 TEXTS = ["whitening vectors", "the index of a corpus is fast", "a", "search query about the model", "topic 3"]
@@ -195,7 +195,7 @@ def test_the_bf16_encoder_takes_chunked_attention_where_it_times_faster(tiny_ber
     assert fp32.model.config._attn_implementation == "sdpa"  # the fp32 model (and the traces) keep their own
     want = fp32.encode(TEXTS)
     cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
-    assert cos.min() > encoder_module.BF16_MIN_COSINE
+    assert cos.min() > BF16_MIN_COSINE
 
 
 def test_an_encoder_told_not_to_keeps_the_models_attention(tiny_bert: Path, monkeypatch) -> None:

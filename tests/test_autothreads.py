@@ -145,3 +145,15 @@ def test_empty_batches_and_negative_timings_are_not_recorded() -> None:
     assert chooser.describe()["ms_per_query"] == {}
     chooser.record(4, 1, 0.008)
     assert chooser.describe()["ms_per_query"] == {"4-7": {"1": 2.0}}
+
+
+def test_a_deterministic_policy_keeps_every_core_and_an_injected_one_its_answer(monkeypatch) -> None:
+    """RETRIEVAL_DETERMINISTIC=1: the count does not follow timings (two runs under different loads compute alike)."""
+    from retrieval import timing
+
+    machine = Machine({1: 0.010, 4: 0.030})  # one thread faster: a timed chooser would take it
+    monkeypatch.setenv(timing.DETERMINISTIC_ENV, "1")
+    chooser = chooser_on(machine, (1, 4))
+    assert {machine.batch(chooser, 8) for _ in range(20)} == {4} and machine.applied == [4]
+    with timing.use(timing.Policy(answers={"threads": "1"})):
+        assert machine.batch(chooser, 8) == 1

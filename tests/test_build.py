@@ -707,3 +707,13 @@ def test_replacing_an_index_whose_manifest_cannot_be_read_starts_the_count_at_on
         IndexDir(out).manifest()
     manifest = build(corpus, out, options=BuildOptions(overwrite=True))
     assert manifest.generation == 1 and IndexDir(out).manifest().generation == 1
+
+
+def test_windows_are_sized_for_the_corpus_and_the_engine() -> None:
+    """Distributed: a power of two near rows / 2048 in [512, 65536]; local: 2,048 until that grows past it, so a
+    100M-row build stays at a few thousand stash parts either way (each part's registration rewrites stash.json)."""
+    from retrieval.build import WINDOW_ROWS, window_rows
+
+    assert window_rows(5183) == 512 and window_rows(5183, distributed=False) == WINDOW_ROWS == 2048
+    assert window_rows(10_000_000, distributed=False) == window_rows(10_000_000) == 8192
+    assert window_rows(10**9, distributed=False) == 65536

@@ -17,7 +17,8 @@ import typer
 from conftest import write_corpus
 from typer.testing import CliRunner, Result
 
-from retrieval.cli.app import app, safe
+from retrieval.cli.app import app
+from retrieval.cli.shell import safe
 
 runner = CliRunner()
 
@@ -99,7 +100,7 @@ def test_a_narrow_terminal_shows_whole_scores_and_ids(built: Path, monkeypatch: 
 
     from rich.console import Console
 
-    import retrieval.cli.app as cli
+    import retrieval.cli.search as cli
 
     narrow = Console(width=30, file=io.StringIO(), highlight=False)
     monkeypatch.setattr(cli, "out", narrow)

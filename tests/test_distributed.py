@@ -38,7 +38,7 @@ from retrieval import files
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
-from retrieval.build import BuildOptions, build_index  # noqa: E402
+from retrieval.build import BuildOptions, build_index, window_rows  # noqa: E402
 from retrieval.cli.app import app  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
 from retrieval.distributed import (  # noqa: E402
@@ -48,9 +48,8 @@ from retrieval.distributed import (  # noqa: E402
     init_local,
     on_loopback,
     plan,
-    window_rows,
 )
-from retrieval.encode.transformer import EncoderSpec  # noqa: E402
+from retrieval.encode.spec import EncoderSpec  # noqa: E402
 from retrieval.errors import ConfigError, CorpusError, ModelError  # noqa: E402
 from retrieval.index import IndexSpec  # noqa: E402
 from retrieval.indexdir import STASH, IndexDir  # noqa: E402
@@ -392,7 +391,7 @@ LOOPBACK_CHILD = """
 import json, sys
 import ray  # imported first, as a program using the library may have: RAY_* variables set later change nothing
 from retrieval.distributed import RayEngine, RayOptions
-from retrieval.encode.transformer import EncoderSpec
+from retrieval.encode.spec import EncoderSpec
 engine = RayEngine(EncoderSpec("unused"), RayOptions())
 engine.connect()
 print(json.dumps({"folder": str(engine._started)}), flush=True)
@@ -403,9 +402,9 @@ engine.close()
 
 SIGTERM_CHILD = """
 import os, signal, sys, time
-from retrieval.cli.app import sigterm_exits
+from retrieval.cli.shell import sigterm_exits
 from retrieval.distributed import RayEngine, RayOptions
-from retrieval.encode.transformer import EncoderSpec
+from retrieval.encode.spec import EncoderSpec
 from retrieval.errors import Terminated
 with sigterm_exits():
     with RayEngine(EncoderSpec("unused"), RayOptions()) as engine:

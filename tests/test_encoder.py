@@ -14,19 +14,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from retrieval import timing  # noqa: E402
+from retrieval.encode import models as models_module  # noqa: E402
+from retrieval.encode import precision as precision_module  # noqa: E402
 from retrieval.encode import transformer as encoder_module  # noqa: E402
-from retrieval.encode.transformer import (  # noqa: E402
-    INSTALL_DEFAULT,
-    Encoder,
-    EncoderInfo,
-    MultiPoolingEncoder,
-    TransformerEncoder,
-    from_info,
-    narrowest_rows,
-    pack_rows,
-    padded_length,
-    shape_batches,
-)
+from retrieval.encode.models import INSTALL_DEFAULT  # noqa: E402
+from retrieval.encode.shapes import narrowest_rows, pack_rows, padded_length, shape_batches  # noqa: E402
+from retrieval.encode.spec import Encoder, EncoderInfo, MultiPoolingEncoder  # noqa: E402
+from retrieval.encode.transformer import TransformerEncoder, from_info  # noqa: E402
 from retrieval.errors import ConfigError, ModelError  # noqa: E402
 
 TEXTS = [
@@ -216,17 +211,17 @@ def test_single_texts_take_the_faster_of_the_fp32_and_bf16_traces(
     tiny_bert: Path, monkeypatch: pytest.MonkeyPatch, faster: bool
 ) -> None:
     """Unless precision is fp32, a bf16-autocast trace competes; the faster that agrees with fp32 serves queries."""
-    monkeypatch.setattr(TransformerEncoder, "_time_single", lambda self, c, ids: 0.0 if c[1] == faster else 1.0)
+    monkeypatch.setattr(timing, "_chosen", timing.Policy(answers={"trace": "bf16" if faster else "fp32"}))
     enc = TransformerEncoder(str(tiny_bert), pooling="first-last-avg", max_length=48, precision="bf16")
     assert single_trace(enc)[1] is faster
     for text in (*TEXTS, LONG):
         got = enc.encode([text])[0]
-        assert cosines(got, reference(enc, text)["first-last-avg"]) >= encoder_module.BF16_MIN_COSINE
+        assert cosines(got, reference(enc, text)["first-last-avg"]) >= precision_module.BF16_MIN_COSINE
 
 
 def test_a_bf16_trace_that_strays_from_fp32_is_not_taken(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(TransformerEncoder, "_time_single", lambda self, c, ids: 0.0 if c[1] else 1.0)  # bf16 faster
-    monkeypatch.setattr(encoder_module, "BF16_MIN_COSINE", 1.01)  # but no cosine reaches the bar
+    monkeypatch.setattr(timing, "_chosen", timing.Policy(answers={"trace": "bf16"}))  # bf16 faster
+    monkeypatch.setattr(precision_module, "BF16_MIN_COSINE", 1.01)  # but no cosine reaches the bar
     enc = TransformerEncoder(str(tiny_bert), max_length=48, precision="bf16")
     assert single_trace(enc)[1] is False
     np.testing.assert_allclose(enc.encode([LONG])[0], reference(enc, LONG)["mean"], atol=ATOL)
@@ -300,7 +295,7 @@ def test_auto_precision_never_takes_bf16_that_disagrees_with_fp32(
     tiny_bert: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: True)
-    monkeypatch.setattr(encoder_module, "BF16_MIN_COSINE", 1.01)  # no cosine reaches it, however fast bf16 is
+    monkeypatch.setattr(precision_module, "BF16_MIN_COSINE", 1.01)  # no cosine reaches it, however fast bf16 is
     enc = TransformerEncoder(str(tiny_bert), max_length=48)
     enc.encode(TEXTS)
     assert enc.info().precision_used == "fp32"
@@ -387,7 +382,7 @@ def test_unknown_hub_model_offline_gives_the_install_hint() -> None:
 
 
 def test_default_model_missing_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setitem(encoder_module.OFFLINE_PACKAGES, "all-MiniLM-L6-v2", ("no_such_package_here", "model"))
+    monkeypatch.setitem(models_module.OFFLINE_PACKAGES, "all-MiniLM-L6-v2", ("no_such_package_here", "model"))
     monkeypatch.setenv("RETRIEVAL_MODELS", str(tmp_path / "models"))
     monkeypatch.chdir(tmp_path)  # so no folder called all-MiniLM-L6-v2 can be picked up
     with pytest.raises(ModelError, match=rf"install the default with `{INSTALL_DEFAULT}`"):

@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, needs_minilm, write_corpus
 
 from retrieval.encode import numpy_bert
-from retrieval.encode.transformer import POOLINGS, EncoderInfo, EncoderSpec
+from retrieval.encode.spec import POOLINGS, EncoderInfo, EncoderSpec
 
 pytest.importorskip("torch")
 

@@ -35,9 +35,11 @@ from typer.testing import CliRunner, Result
 from retrieval import build as build_module
 from retrieval import files, indexdir, update
 from retrieval.build import BuildOptions, build_index
-from retrieval.cli.app import app, sigterm_exits
+from retrieval.cli.app import app
+from retrieval.cli.shell import sigterm_exits
 from retrieval.corpus import CorpusSpec
-from retrieval.encode.transformer import DEFAULT_MODEL, model_dim
+from retrieval.encode.models import model_dim
+from retrieval.encode.spec import DEFAULT_MODEL
 from retrieval.errors import ConfigError, IndexDirError, Terminated
 from retrieval.evaluate import Queries
 from retrieval.index import IndexSpec
@@ -582,7 +584,7 @@ def test_an_interrupted_demo_continues_when_run_again(isolated_home: Path, monke
     paragraphs = [
         (f"mod.f{i}", f"mod.f{i}", f"paragraph {i} of a small demo corpus about topic {i % 9}") for i in range(60)
     ]
-    monkeypatch.setattr("retrieval.cli.demo.docstring_paragraphs", lambda: iter(paragraphs))
+    monkeypatch.setattr("retrieval.cli.demo_corpus.docstring_paragraphs", lambda: iter(paragraphs))
     fill = build_module.fill_index
 
     def interrupted(*args: Any, **kwargs: Any) -> None:

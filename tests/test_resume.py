@@ -269,11 +269,12 @@ def test_a_resumed_build_keeps_the_precision_auto_chose(tiny_bert: Path, tmp_pat
     """Precision "auto" is decided by timing, so a second run could decide otherwise: the stash records the
     choice before the first window, and a resumed build takes it, so one index never mixes fp32 and bf16
     vectors. Simulated bf16 CPU: the first run's timing picks bf16, the resumed run's would pick fp32."""
+    from retrieval import timing
     from retrieval.encode import transformer as enc
 
     monkeypatch.setattr(enc, "cpu_supports_bf16", lambda: True)
-    faster = {"bf16": True}
-    monkeypatch.setattr(enc.TransformerEncoder, "_bf16_is_faster", lambda self, batch: faster["bf16"])
+    answers = {"precision": "bf16"}
+    monkeypatch.setattr(timing, "_chosen", timing.Policy(answers=answers))
     corpus = write_corpus(tmp_path / "c.parquet", n=120)
 
     def build(out: Path, resume: bool = False, stop_after: int | None = None) -> None:
@@ -296,7 +297,7 @@ def test_a_resumed_build_keeps_the_precision_auto_chose(tiny_bert: Path, tmp_pat
     with pytest.raises(KeyboardInterrupt):
         build(tmp_path / "idx", stop_after=3)
     assert VectorStash.open(files.work_dir(tmp_path / "idx") / STASH).meta["encoder"]["precision_used"] == "bf16"
-    faster["bf16"] = False  # this run's timing would choose fp32
+    answers["precision"] = "fp32"  # this run's timing would choose fp32
     monkeypatch.setattr(enc, "cpu_model", lambda: "another CPU")  # and it runs on another machine: still resumable
     build(tmp_path / "idx", resume=True)
     assert IndexDir(tmp_path / "idx").manifest().encoder.precision_used == "bf16"

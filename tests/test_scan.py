@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -93,18 +89,6 @@ def test_small_matrices_are_one_slice_and_bad_matrices_are_refused() -> None:
         FlatScan(np.zeros(100, dtype=np.float32))  # one vector is not a matrix
 
 
-def test_importing_retrieval_shortens_the_openmp_spin_unless_the_user_set_it() -> None:
-    """torch's and FAISS's OpenMP threads must not spin ~15 ms after each region while the other one works."""
-    code = "import os, retrieval; print(os.environ['GOMP_SPINCOUNT'])"
-    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-    default = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert default.stdout.strip() == "20000"
-    mine = subprocess.run(
-        [sys.executable, "-c", code], env=env | {"GOMP_SPINCOUNT": "7"}, capture_output=True, text=True, check=True
-    )
-    assert mine.stdout.strip() == "7"
-
-
 def misaligned(matrix: np.ndarray) -> np.ndarray:
     """The same values one byte off alignment, as FAISS's header leaves a flat index mapped from its file."""
     raw = np.zeros(matrix.nbytes + 1, dtype=np.uint8)
@@ -178,3 +162,18 @@ def test_topk_ties_across_blocks_keep_the_lower_row() -> None:
     for first in (4, 0, 2):  # blocks need not come in row order
         top.push(np.ones((1, 2)), first)
     assert top.result()[1].tolist() == [[0, 1]]
+
+
+@pytest.mark.parametrize(
+    ("policy", "path"), [({"scan": "numpy"}, "numpy"), ({"scan": "faiss"}, "faiss"), ({}, "faiss")]
+)
+def test_the_batch_path_follows_the_timing_policy(monkeypatch, policy: dict[str, str], path: str) -> None:
+    """An injected answer is taken untimed; a deterministic policy ({} here, untimed) takes FAISS."""
+    from retrieval import timing
+
+    rng = np.random.default_rng(3)
+    scan = FlatScan(unit(rng, 5000, 16), threads=1)
+    monkeypatch.setattr(scan_module.FlatScan, "_numpy", lambda self, q, k: pytest.fail("timed"), raising=True)
+    monkeypatch.setattr(scan_module.FlatScan, "_faiss", lambda self, q, k: pytest.fail("timed"), raising=True)
+    with timing.use(timing.Policy(timed=False, answers=policy)):
+        assert scan._faster_batch_path(unit(rng, 64, 16), 10) == path

@@ -982,7 +982,7 @@ def test_auto_threads_warm_every_count_in_the_engine_thread_before_ready(
     import torch
 
     from retrieval.build import BuildOptions
-    from retrieval.encode.transformer import EncoderSpec
+    from retrieval.encode.spec import EncoderSpec
     from retrieval.serve import service as service_module
 
     index = tmp_path / "idx"
@@ -1027,7 +1027,7 @@ def test_a_new_version_with_another_encoder_is_served_with_its_own(tiny_bert: Pa
     """The serving encoder is reused while the new version's record matches it; a version rebuilt with another
     pooling gets its own encoder, loaded from its record (queries must be pooled as its documents were)."""
     from retrieval.build import BuildOptions
-    from retrieval.encode.transformer import EncoderSpec
+    from retrieval.encode.spec import EncoderSpec
 
     index = tmp_path / "idx"
     corpus = write_corpus(tmp_path / "corpus.parquet", n=40)
@@ -1600,10 +1600,10 @@ def test_not_ready_says_why_the_index_could_not_be_loaded(tmp_path: Path) -> Non
 # ----- oneDNN's caches -----------------------------------------------------------------------------------------
 def test_serving_caps_onednn_caches_before_torch_is_imported(tmp_path: Path, monkeypatch) -> None:
     """server.run caps them before its Service can import torch; a value in the environment is the user's."""
+    from retrieval import runtime
     from retrieval.serve import app as server
-    from retrieval.serve import service
 
-    for variable in service.ONEDNN_CACHE_VARIABLES:
+    for variable in runtime.ONEDNN_CACHE_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")
     monkeypatch.delitem(sys.modules, "torch", raising=False)  # as in a fresh `retrieval serve`; restored after
@@ -1613,20 +1613,10 @@ def test_serving_caps_onednn_caches_before_torch_is_imported(tmp_path: Path, mon
         pass
 
     def service_seen(directory, options):
-        seen.update({v: os.environ.get(v) for v in service.ONEDNN_CACHE_VARIABLES})
+        seen.update({v: os.environ.get(v) for v in runtime.ONEDNN_CACHE_VARIABLES})
         raise Started
 
     monkeypatch.setattr(server, "Service", service_seen)
     with pytest.raises(Started):
         server.run(tmp_path, ServeOptions())
     assert seen == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "512"}  # 64: the measured cap
-
-
-def test_onednn_caches_are_left_alone_once_torch_is_imported(monkeypatch) -> None:
-    from retrieval.serve import service
-
-    for variable in service.ONEDNN_CACHE_VARIABLES:
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setitem(sys.modules, "torch", object())
-    assert service.bound_onednn_caches() is False
-    assert not any(v in os.environ for v in service.ONEDNN_CACHE_VARIABLES)

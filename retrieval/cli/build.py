@@ -1,0 +1,313 @@
+"""Commands that write an index: ``index`` (build), ``add``, ``remove``, ``refit``."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from retrieval import files
+from retrieval.build import BuildOptions, build_index, check_target, window_rows
+from retrieval.cli import home
+from retrieval.cli.options import (
+    AS_BUILT,
+    CorpusArg,
+    DefaultBuild,
+    DefaultEncoder,
+    DefaultIndex,
+    DefaultTransform,
+    IdOption,
+    IndexDirArg,
+    SkipEmptyOption,
+    TextOption,
+    TitleOption,
+)
+from retrieval.cli.shell import choice, err, progress_bars, safe, sigterm_exits, summary_line, user_errors
+from retrieval.corpus import Corpus, CorpusSpec
+from retrieval.encode.models import model_dim
+from retrieval.encode.spec import POOLINGS, PRECISIONS, EncoderSpec
+from retrieval.errors import ConfigError, Interrupted
+from retrieval.index import IndexSpec
+from retrieval.indexdir import Manifest
+from retrieval.stash import DTYPES
+from retrieval.whitening import DEFAULT_GAMMA, TransformSpec
+
+ENGINES = ("local", "ray")
+
+if TYPE_CHECKING:
+    from retrieval.distributed import RayOptions
+
+
+@user_errors
+def index(
+    corpus: CorpusArg,
+    dim: Annotated[
+        int | None,
+        typer.Option(help="Output dimension k: whitens down to k \\[default: the encoder's own, raw vectors]."),
+    ] = None,
+    gamma: Annotated[
+        float | None,
+        typer.Option(
+            help=f"Eigenvalue power: W = U_k diag(lambda^(-gamma/2)); 1 whitens, 0 only rotates; given, it whitens "
+            f"\\[default: {DEFAULT_GAMMA:g} with --dim]."
+        ),
+    ] = DefaultTransform.gamma,
+    epsilon: Annotated[
+        float, typer.Option(help="Added to eigenvalues, relative to the largest.")
+    ] = DefaultTransform.epsilon,
+    no_whiten: Annotated[bool, typer.Option("--no-whiten", help="Raw baseline: L2-normalised encoder output.")] = False,
+    center: Annotated[
+        bool | None,
+        typer.Option(
+            "--center/--no-center",
+            help="Fit the kernel on x - mean (the paper) or on x as it is (the second moment) "
+            "\\[default: centred at full dimension, uncentred with --dim].",
+        ),
+    ] = DefaultTransform.center,
+    model: Annotated[
+        str, typer.Option(help="Local folder, installed offline model, or hub name.")
+    ] = DefaultEncoder.model,
+    pooling: Annotated[str, typer.Option(help=f"Token pooling: {', '.join(POOLINGS)}.")] = DefaultEncoder.pooling,
+    extra_pooling: Annotated[
+        list[str] | None, typer.Option(help="Also stash this pooling (repeatable), for `retrieval tune`.")
+    ] = None,
+    text_column: TextOption = "text",
+    id_column: IdOption = None,
+    title_column: TitleOption = None,
+    vectors_column: Annotated[
+        str | None, typer.Option(help="Column of precomputed embeddings (list of floats): skip encoding.")
+    ] = None,
+    skip_empty: SkipEmptyOption = False,
+    max_length: Annotated[int | None, typer.Option(help="Tokens per text \\[default: the model's].")] = None,
+    batch_size: Annotated[int, typer.Option(help="Texts per forward pass.")] = DefaultEncoder.batch_size,
+    precision: Annotated[
+        str,
+        typer.Option(
+            help=f"{', '.join(PRECISIONS)}: auto is fp32, or on a CPU with native bf16 the faster of the two on "
+            "the first batch."
+        ),
+    ] = DefaultEncoder.precision,
+    index_type: Annotated[
+        str, typer.Option(help="flat, hnsw, ivf, or a FAISS index_factory string (HNSW32, IVF1024,SQ8, ...).")
+    ] = DefaultIndex.kind,
+    m: Annotated[int, typer.Option("--m", help="HNSW: neighbours per node.")] = DefaultIndex.m,
+    ef_construction: Annotated[int, typer.Option(help="HNSW: build-time beam width.")] = DefaultIndex.ef_construction,
+    ef_search: Annotated[int, typer.Option(help="HNSW: default search beam width.")] = DefaultIndex.ef_search,
+    nlist: Annotated[int | None, typer.Option(help="IVF: lists \\[default: ~4 sqrt(N), at most N/39].")] = None,
+    nprobe: Annotated[int | None, typer.Option(help="IVF: lists probed per query \\[default: ~sqrt(nlist)].")] = None,
+    train_size: Annotated[int | None, typer.Option(help="IVF/PQ: training sample rows.")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Index directory \\[default: indexes/<stem>].")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing index (only once the new one is done).")] = False,
+    keep_vectors: Annotated[
+        bool, typer.Option(help="Keep the raw-vector stash (for refit/tune/rescore).")
+    ] = DefaultBuild.keep_vectors,
+    stash_dtype: Annotated[str, typer.Option(help=f"Stash precision: {', '.join(DTYPES)}.")] = DefaultBuild.stash_dtype,
+    resume: Annotated[
+        bool, typer.Option(help="Continue an interrupted build of the same corpus and settings.")
+    ] = False,
+    engine: Annotated[
+        str, typer.Option(help="Where texts are encoded: local (this process) or ray (Ray Data workers).")
+    ] = "local",
+    address: Annotated[
+        str | None,
+        typer.Option(help="Ray: a running cluster (auto, host:port, ray://host:port) \\[default: start a local Ray]."),
+    ] = None,
+    workers: Annotated[int | None, typer.Option(help="Ray: encoding workers \\[default: one per CPU].")] = None,
+) -> None:
+    """Build a whitened FAISS index from a parquet corpus (a file, a folder or a glob) or a .npy of vectors."""
+    from retrieval.distributed import RayOptions
+
+    choice("pooling", pooling, POOLINGS)
+    choice("precision", precision, PRECISIONS)
+    choice("stash_dtype", stash_dtype, DTYPES)
+    choice("engine", engine, ENGINES)
+    if engine == "local" and (address is not None or workers is not None):
+        raise ConfigError("`address` and `workers` are for `engine` ray", "engine")
+    transform = TransformSpec(dim=dim, gamma=gamma, epsilon=epsilon, whiten=False if no_whiten else None, center=center)
+    index_spec = IndexSpec(index_type, m, ef_construction, ef_search, nlist, nprobe, train_size)
+    transform.check()  # every value checked before a model is loaded; dim against d once it is known
+    index_spec.check()
+    given = {"nlist": nlist, "nprobe": nprobe, "train_size": train_size}  # None unless given; the rest, unless changed
+    given |= {
+        name: value
+        for name, value in (("m", m), ("ef_construction", ef_construction), ("ef_search", ef_search))
+        if value != getattr(DefaultIndex, name)
+    }
+    index_spec.check_given(given)
+    run_build(
+        CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty),
+        EncoderSpec(model, pooling, max_length, batch_size, precision),
+        out_dir or home.default_out(corpus),
+        transform,
+        index_spec,
+        BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume),
+        RayOptions(address, workers) if engine == "ray" else None,
+    )
+
+
+def run_build(
+    spec: CorpusSpec,
+    encoder_spec: EncoderSpec,
+    target: Path,
+    transform: TransformSpec,
+    index_spec: IndexSpec,
+    options: BuildOptions,
+    ray_options: RayOptions | None = None,
+) -> Manifest:
+    """Check every value before a model is loaded, build with progress bars (pass 1 on Ray with ``ray_options``),
+    make the index the default one and print its summary line. The windows are sized for the corpus."""
+    from retrieval.distributed import RayEngine
+
+    transform.check()
+    index_spec.check()
+    if ray_options is not None:
+        ray_options.check()
+    check_target(target, options.overwrite)
+    source = Corpus(spec)  # the file(s) and their columns, before seconds go into loading a model
+    if not source.precomputed:
+        transform.check(model_dim(encoder_spec.model))  # a local model's config knows d: refused now, not after a load
+    options = replace(options, window_rows=window_rows(source.num_rows, distributed=ray_options is not None))
+    options.check()
+    encoder = None if source.precomputed else encoder_spec.load()
+    try:
+        with ExitStack() as stack:
+            stack.enter_context(sigterm_exits())  # the lock is released; a Ray started for the build is shut down
+            ray = None if ray_options is None else stack.enter_context(RayEngine(encoder_spec, ray_options))
+            update = stack.enter_context(progress_bars())
+            manifest = build_index(spec, encoder, target, transform, index_spec, options, progress=update, engine=ray)
+    except KeyboardInterrupt as stop:
+        raise Interrupted.by(
+            stop,
+            ": the parts encoded so far are kept; rerun the same command with --resume to continue"
+            if files.work_dir(files.resolved(target)).exists()
+            else "; nothing was written",
+        ) from None
+    home.remember(target)
+    err.print(summary_line(target, manifest, "built"), markup=False)
+    return manifest
+
+
+@user_errors
+def add(
+    index_dir: IndexDirArg,
+    corpus: CorpusArg,
+    text_column: Annotated[str | None, typer.Option(help=f"Column with the document text {AS_BUILT}.")] = None,
+    id_column: Annotated[
+        str | None, typer.Option(help=f"Column with document ids, '' for row numbers {AS_BUILT}.")
+    ] = None,
+    title_column: Annotated[
+        str | None, typer.Option(help=f"Column prepended to the text, '' for none {AS_BUILT}.")
+    ] = None,
+    vectors_column: Annotated[str | None, typer.Option(help=f"Column of precomputed embeddings {AS_BUILT}.")] = None,
+    skip_empty: Annotated[
+        bool | None, typer.Option("--skip-empty/--no-skip-empty", help=f"Leave out empty texts {AS_BUILT}.")
+    ] = None,
+) -> None:
+    """Encode new documents and add them to an index with its existing kernel (see `info` for drift)."""
+    from retrieval.update import add as add_rows
+    from retrieval.update import read_like_build
+
+    spec = read_like_build(
+        index_dir, corpus, text_column=text_column, id_column=id_column, title_column=title_column,
+        vectors_column=vectors_column, skip_empty=skip_empty,
+    )  # fmt: skip
+    with sigterm_exits(), progress_bars() as update:
+        manifest = add_rows(index_dir, spec, progress=update)
+    rows = manifest.corpus.added[-1]["rows"]
+    err.print(f"added {rows:,} rows to {safe(str(index_dir))}: now {manifest.n:,}", markup=False)
+
+
+@user_errors
+def remove(
+    index_dir: IndexDirArg,
+    ids: Annotated[list[str] | None, typer.Argument(help="Ids of the documents to remove.", show_default=False)] = None,
+    ids_from: Annotated[
+        Path | None,
+        typer.Option(help="A file of ids to remove, one per line ('-': standard input).", dir_okay=False),
+    ] = None,
+    missing_ok: Annotated[
+        bool, typer.Option("--missing-ok", help="Skip ids the index does not hold instead of refusing them all.")
+    ] = False,
+) -> None:
+    """Remove documents by id, from the index and its stash, with its existing kernel: nothing is encoded."""
+    from retrieval.update import remove as remove_rows
+
+    wanted = [*(ids or []), *(read_ids(ids_from) if ids_from is not None else [])]
+    if not wanted:
+        raise ConfigError("no ids to remove: give them as arguments or with --ids-from FILE (one per line)", "ids")
+    with sigterm_exits(), progress_bars() as update:
+        manifest = remove_rows(index_dir, wanted, missing_ok=missing_ok, progress=update)
+    if manifest is None:
+        err.print(f"none of the {len(set(wanted)):,} ids is in {safe(str(index_dir))}: nothing changed", markup=False)
+        return
+    rows = manifest.corpus.removed[-1]["rows"]
+    err.print(f"removed {rows:,} rows from {safe(str(index_dir))}: now {manifest.n:,}", markup=False)
+    faiss_info = manifest.index.faiss
+    if faiss_info.get("empty_lists", 0) * 2 > faiss_info.get("nlist", 0):
+        from retrieval.info import lists_line
+
+        err.print(f"IVF lists: {lists_line(faiss_info)}", markup=False)
+
+
+def read_ids(path: Path) -> list[str]:
+    """Ids from a text file (or standard input for ``-``), one per ``\n``-ended line (``\r\n`` too); empty
+    lines skipped, nothing else stripped (an id may hold spaces, and any character but a newline: ``\f``,
+    U+2028 and U+0085 are not line ends here, as they are to ``str.splitlines``); a leading BOM is dropped."""
+    try:
+        data = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path} is not UTF-8 text ({error.reason}); write one id per line", "ids_from") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read {path}: {error.strerror or error}", "ids_from") from None
+    lines = (line.removesuffix("\r") for line in text.split("\n"))
+    return [line for line in lines if line]  # "  " is an id like any other: looked for, not dropped
+
+
+@user_errors
+def refit(
+    index_dir: IndexDirArg,
+    dim: Annotated[int | None, typer.Option(help="Output dimension k \\[default: keep].")] = None,
+    gamma: Annotated[
+        float | None, typer.Option(help="Eigenvalue power: 1 whitens, 0 rotates \\[default: keep].")
+    ] = None,
+    epsilon: Annotated[float | None, typer.Option(help="Added to eigenvalues, relative \\[default: keep].")] = None,
+    whiten: Annotated[
+        bool | None, typer.Option("--whiten/--no-whiten", help="Whiten, or the raw baseline \\[default: keep].")
+    ] = None,
+    center: Annotated[
+        bool | None,
+        typer.Option(
+            "--center/--no-center",
+            help="Fit on x - mean, or on x as it is \\[default: keep; with a new --dim, that dim's default].",
+        ),
+    ] = None,
+    pooling: Annotated[str | None, typer.Option(help="Stashed pooling to fit on \\[default: keep].")] = None,
+    index_type: Annotated[
+        str | None, typer.Option(help="flat, hnsw, ivf, or a FAISS index_factory string \\[default: keep].")
+    ] = None,
+    m: Annotated[int | None, typer.Option("--m", help="HNSW: neighbours per node.")] = None,
+    ef_construction: Annotated[int | None, typer.Option(help="HNSW: build-time beam width.")] = None,
+    ef_search: Annotated[int | None, typer.Option(help="HNSW: default search beam width.")] = None,
+    nlist: Annotated[int | None, typer.Option(help="IVF: number of lists.")] = None,
+    nprobe: Annotated[int | None, typer.Option(help="IVF: lists probed per query.")] = None,
+    train_size: Annotated[int | None, typer.Option(help="IVF/PQ: training sample rows.")] = None,
+) -> None:
+    """Re-fit the kernel and rebuild the index from the stash, without re-encoding; unset options keep their values."""
+    from retrieval.update import index_spec, transform_spec
+    from retrieval.update import refit as refit_index
+
+    choice("pooling", pooling, POOLINGS)
+    generation = Manifest.load(index_dir).generation  # first: the settings kept are read from this version or later
+    transform = transform_spec(
+        index_dir, dim=dim, gamma=gamma, epsilon=epsilon, whiten=whiten, center=center, pooling=pooling
+    )
+    knobs = {"m": m, "ef_construction": ef_construction, "ef_search": ef_search, "nlist": nlist, "nprobe": nprobe}
+    spec = index_spec(index_dir, kind=index_type, train_size=train_size, **knobs)
+    with sigterm_exits(), progress_bars() as update:
+        manifest = refit_index(index_dir, transform, spec, progress=update, generation=generation)
+    err.print(summary_line(index_dir, manifest, "refitted"), markup=False)

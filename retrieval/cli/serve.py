@@ -1,0 +1,112 @@
+"""``serve``: the HTTP service over an index (the ``[server]`` extra)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from retrieval.cli import home
+from retrieval.cli.shell import err, safe, user_errors
+from retrieval.errors import ConfigError, RetrievalError
+from retrieval.serve.service import ServeOptions
+
+DefaultServe = ServeOptions()
+
+
+def _threads_option(value: str, name: str) -> int | str:
+    """auto, or a whole number (range checked by ServeOptions)."""
+    value = value.strip().lower()
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"`{name}` must be auto or a positive integer (got {value!r})", name) from None
+
+
+@user_errors
+def serve(
+    index_dir: Annotated[Path | None, typer.Argument(help="Index directory \\[default: the last built].")] = None,
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="RETRIEVAL_API_KEY",
+            show_default=False,
+            help="Require `Authorization: Bearer KEY` on every API route but /health; the page, /docs and "
+            "/openapi.json stay open (or set RETRIEVAL_API_KEY).",
+        ),
+    ] = None,
+    max_batch: Annotated[int, typer.Option(help="Micro-batching: queries per engine batch.")] = DefaultServe.max_batch,
+    max_wait_ms: Annotated[
+        float, typer.Option(help="Micro-batching: wait this long for more queries after the first.")
+    ] = DefaultServe.max_wait_ms,
+    fill_wait_ms: Annotated[
+        float,
+        typer.Option(
+            help="Micro-batching: while a batch holds fewer queries than were in flight when the last one ended "
+            "(those it answered and those waiting), wait this long for the rest."
+        ),
+    ] = DefaultServe.fill_wait_ms,
+    torch_threads: Annotated[
+        str, typer.Option(help="torch intra-op threads, or auto: the engine times its batches and keeps the faster.")
+    ] = str(DefaultServe.torch_threads),
+    blas_threads: Annotated[int, typer.Option(help="numpy BLAS threads (flat scans).")] = DefaultServe.blas_threads,
+    engine_workers: Annotated[
+        int, typer.Option(help="Engine threads, each encoding and searching one batch at a time.")
+    ] = DefaultServe.engine_workers,
+    faiss_threads: Annotated[
+        int, typer.Option(help="FAISS OpenMP threads in the engine.")
+    ] = DefaultServe.faiss_threads,
+    max_queries: Annotated[int, typer.Option(help="Queries in one request.")] = DefaultServe.max_queries,
+    max_query_chars: Annotated[int, typer.Option(help="Characters in one query.")] = DefaultServe.max_query_chars,
+    max_k: Annotated[int, typer.Option(help="Hits per query.")] = DefaultServe.max_k,
+    max_body_bytes: Annotated[int, typer.Option(help="Request body size (413 above).")] = DefaultServe.max_body_bytes,
+    max_queue: Annotated[int, typer.Option(help="Queries waiting before 429.")] = DefaultServe.max_queue,
+    watch_interval: Annotated[
+        float, typer.Option(help="Seconds between looks at the index directory for a new version (0: off).")
+    ] = DefaultServe.watch_interval,
+    shutdown_timeout: Annotated[int, typer.Option(help="On SIGTERM, seconds to let requests in flight finish.")] = 30,
+) -> None:
+    """Serve an index over HTTP (FastAPI): /search, /embed, /info, /health, /ready, /metrics, a page at /."""
+    from retrieval.indexdir import IndexDir
+
+    try:
+        from retrieval.serve import app as server
+    except ImportError as exc:
+        raise RetrievalError(
+            f"the server needs its extra ({exc.name} is missing): pip install 'retrieval[server]' "
+            "(from a checkout: pip install -e '.[server]')"
+        ) from exc
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"`port` must be between 0 and 65535 (got {port})", "port")
+    if shutdown_timeout < 0:
+        raise ConfigError(f"`shutdown_timeout` must be 0 or more seconds (got {shutdown_timeout})", "shutdown_timeout")
+    options = ServeOptions(
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
+        fill_wait_ms=fill_wait_ms,
+        torch_threads=_threads_option(torch_threads, "torch_threads"),
+        faiss_threads=faiss_threads,
+        blas_threads=blas_threads,
+        engine_workers=engine_workers,
+        max_queries=max_queries,
+        max_query_chars=max_query_chars,
+        max_k=max_k,
+        max_body_bytes=max_body_bytes,
+        max_queue=max_queue,
+        watch_interval=watch_interval,
+    )
+    options.check()
+    server.check_api_key(api_key)
+    directory = index_dir or home.default_index("name it: `retrieval serve DIR`")
+    IndexDir(directory).manifest()  # a missing or foreign directory fails here, in one line, not in the server
+    err.print(f"serving {safe(str(directory))} on http://{host}:{port}/ (docs at /docs)", markup=False)
+    try:
+        server.run(directory, options, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout)
+    finally:  # served: what remains is the interpreter's teardown (1-2 s of torch's exit hooks), and a Ctrl-C
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # there died by the signal or printed an exit hook's traceback

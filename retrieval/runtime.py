@@ -1,0 +1,46 @@
+"""Process tuning: the environment the OpenMP runtimes and oneDNN read once, when torch or FAISS loads. Nothing here
+runs on import; the command line and the server call ``tune_process`` first thing, and a library user who wants
+the same settings makes that one call before importing torch or FAISS."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+# torch (the encoder) and FAISS (the search) each bring an OpenMP runtime, and both want the same cores. After a
+# parallel region libgomp spins 300,000 times by default (~15 ms) before its threads sleep, so a query's scan
+# right after its encoding ran at half speed against torch's spinning threads. A short spin keeps both fast
+# (flat 100k x 384 encode + scan: 16.6 -> 11 ms p50; batch encoding unchanged within noise).
+GOMP_SPINCOUNT = "20000"
+# oneDNN (torch's bf16 matrix products) and torch's ideep layer over it each keep an LRU cache of primitives keyed
+# by the input's shape (and thread count), 1,024 entries each by default, ~0.5-1 MB an entry with MiniLM. A server
+# meets a new shape for every query length and batch width, so its heap grew for the whole load test (flat index,
+# bf16 CPU: RssAnon +62%, 523 -> 849 MiB) without serving faster. 64 entries each kept it to +12.5% at the same
+# QPS (scripts/bench_serve.py). Builds see a few dozen shapes and keep the default.
+ONEDNN_CACHE_ENTRIES = 64
+ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def tune_process(serving: bool = False) -> dict[str, str]:
+    """Set the process-wide variables this package is tuned for, unless the environment already sets them (a
+    value the user set wins): ``GOMP_SPINCOUNT``, and oneDNN's cache sizes when ``serving``. Each is read once,
+    when its library loads, so each is set only before then (GOMP_SPINCOUNT before torch and FAISS, the caches
+    before torch); too late, it is left alone and logged. Returns what was set."""
+    wanted: dict[str, str] = {}
+    if _not_loaded("torch", "faiss", what="the OpenMP spin"):
+        wanted["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
+    if serving and _not_loaded("torch", what="oneDNN's primitive caches"):
+        wanted |= dict.fromkeys(ONEDNN_CACHE_VARIABLES, str(ONEDNN_CACHE_ENTRIES))
+    set_now = {name: value for name, value in wanted.items() if name not in os.environ}
+    os.environ.update(set_now)
+    return set_now
+
+
+def _not_loaded(*modules: str, what: str) -> bool:
+    loaded = [name for name in modules if name in sys.modules]
+    if loaded:
+        log.info("%s imported already: %s keep their settings", " and ".join(loaded), what)
+    return not loaded

@@ -1,0 +1,119 @@
+"""Pure ASGI middleware: request metrics, HEAD as GET, the Host header HTTP/1.1 requires, the body size limit."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from retrieval.serve.errors import DOC_ROUTES, DOCS_ASSETS, HTTP_METHODS, error_response
+from retrieval.serve.metrics import Metrics
+
+
+class ObserveRequests:
+    """Pure ASGI middleware: counts every response by route template and status, and times it."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), 500
+
+        async def observed(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed)
+        finally:
+            path = route_label(scope)
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"  # h11 passes any token on
+            self.metrics.requests.inc({"route": path, "method": method, "status": str(status)})
+            self.metrics.latency.observe(time.perf_counter() - start, {"route": path})
+
+
+class HeadAsGet:
+    """Pure ASGI middleware: HEAD is answered as GET would be, without the body (RFC 9110 9.3.2). FastAPI's
+    routes take only the methods they name, so an uptime check's ``HEAD /health`` would otherwise be a 405."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        as_get = {**scope, "method": "GET"}  # a copy: the server's own scope still says HEAD
+        try:
+            await self.app(as_get, receive, headers_only)
+        finally:
+            if "route" in as_get:  # for ObserveRequests, outside this one
+                scope["route"] = as_get["route"]
+
+
+class RequireHost:
+    """Pure ASGI middleware: an HTTP/1.1 request without a ``Host`` header is refused with 400 (RFC 9112 3.2:
+    a server MUST), as JSON like every error; uvicorn passed it on and it was answered."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("http_version") == "1.1":
+            if not any(name == b"host" for name, _ in scope["headers"]):
+                message = "an HTTP/1.1 request needs a Host header (RFC 9112 3.2)"
+                await error_response(400, "missing_host", message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def route_label(scope: Scope) -> str:
+    """A request's route template, one of a bounded set: never the raw path (one label per URL asked for)."""
+    route = scope.get("route")  # set by FastAPI's routes; /openapi.json is Starlette's, and a mount sets none
+    if getattr(route, "path", None):
+        return str(route.path)  # type: ignore[union-attr]
+    if scope["path"] in DOC_ROUTES:
+        return str(scope["path"])
+    return DOCS_ASSETS if scope["path"].startswith(DOCS_ASSETS + "/") else "unmatched"
+
+
+class LimitBody:
+    """Pure ASGI middleware: a request body larger than ``max_bytes`` (by its Content-Length, or as it streams
+    in) ends in 413 before it is parsed. Raised as an HTTPException from ``receive``, which FastAPI passes on to
+    the error handlers, so the 413 has the same JSON shape as every other error."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                raise StarletteHTTPException(413)
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise StarletteHTTPException(413)
+            return message
+
+        await self.app(scope, limited, send)
