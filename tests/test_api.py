@@ -1,0 +1,135 @@
+"""The public API: what ``from retrieval import ...`` offers, and that importing the package does nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import retrieval
+from retrieval import runtime, timing
+
+PUBLIC = [
+    "BuildOptions",
+    "CorpusSpec",
+    "Encoder",
+    "EncoderInfo",
+    "EncoderSpec",
+    "Hit",
+    "IndexSpec",
+    "Manifest",
+    "RetrievalError",
+    "SearchParams",
+    "Searcher",
+    "TransformSpec",
+    "add",
+    "build_index",
+    "calibrate_index",
+    "describe_index",
+    "refit",
+    "remove",
+    "tune_process",
+]
+
+
+def run(code: str, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def test_the_public_api_is_listed_importable_and_documented() -> None:
+    assert sorted(retrieval.__all__) == PUBLIC
+    for name in PUBLIC:
+        value = getattr(retrieval, name)
+        assert (value.__doc__ or "").strip(), f"{name} has no docstring"
+    assert set(PUBLIC) <= set(dir(retrieval))
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        retrieval.nothing_here  # noqa: B018
+
+
+def test_importing_retrieval_loads_nothing_heavy_and_star_imports_the_api() -> None:
+    code = (
+        "import sys, json, retrieval\n"
+        "heavy = sorted(m for m in ('torch', 'faiss', 'pyarrow', 'transformers', 'numpy') if m in sys.modules)\n"
+        "ns = {}\n"
+        "exec('from retrieval import *', ns)\n"
+        "print(json.dumps([heavy, sorted(n for n in ns if not n.startswith('__'))]))"
+    )
+    heavy, star = json.loads(run(code))
+    assert heavy == [] and star == PUBLIC
+
+
+def test_importing_the_package_and_its_modules_leaves_the_environment_alone() -> None:
+    """Process tuning is an opt-in call (``tune_process``): it was done on import, for every library user."""
+    code = (
+        "import os, json, pkgutil, importlib\n"
+        "before = dict(os.environ)\n"
+        "import retrieval\n"
+        "for m in pkgutil.walk_packages(retrieval.__path__, 'retrieval.'):\n"
+        "    if m.name != 'retrieval.__main__':\n"
+        "        importlib.import_module(m.name)\n"
+        "from retrieval import *\n"
+        "after = dict(os.environ)\n"
+        "changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}\n"
+        "print(json.dumps({k: after.get(k) for k in changed}))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", *runtime.ONEDNN_CACHE_VARIABLES)}
+    assert json.loads(run(code, env)) == {}
+
+
+def test_tune_process_shortens_the_openmp_spin_unless_the_user_set_it() -> None:
+    """torch's and FAISS's OpenMP threads must not spin ~15 ms after each region while the other one works."""
+    code = "import os, retrieval; retrieval.tune_process(); print(os.environ['GOMP_SPINCOUNT'])"
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    assert run(code, env) == "20000"
+    assert run(code, env | {"GOMP_SPINCOUNT": "7"}) == "7"
+
+
+def test_tune_process_for_serving_caps_onednn_caches_and_is_too_late_after_torch(monkeypatch) -> None:
+    for variable in ("GOMP_SPINCOUNT", *runtime.ONEDNN_CACHE_VARIABLES):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")  # the user's
+    monkeypatch.setitem(sys.modules, "torch", object())
+    assert runtime.tune_process(serving=True) == {}  # torch is imported: nothing it reads is set any more
+    monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.delitem(sys.modules, "faiss", raising=False)
+    assert runtime.tune_process(serving=True) == {"GOMP_SPINCOUNT": "20000", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+    assert os.environ["LRU_CACHE_CAPACITY"] == "512"
+
+
+def test_the_command_line_tunes_the_process_before_it_imports_the_cli() -> None:
+    code = (
+        "import os, sys\n"
+        "sys.argv = ['retrieval', '--version']\n"
+        "from retrieval.__main__ import main\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(os.environ.get('GOMP_SPINCOUNT'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    assert run(code, env).splitlines()[-1] == "20000"
+
+
+# ----- the timing policy -----------------------------------------------------------------------------------------
+def test_a_deterministic_policy_times_nothing_and_takes_each_default(monkeypatch) -> None:
+    ran = []
+    ways = {"a": lambda: ran.append("a"), "b": lambda: ran.append("b")}
+    monkeypatch.setenv(timing.DETERMINISTIC_ENV, "1")
+    assert timing.policy() == timing.Policy(timed=False)
+    assert timing.policy().fastest("scan", ways, default="b", rounds=3) == "b" and ran == []
+    monkeypatch.delenv(timing.DETERMINISTIC_ENV)
+    assert timing.policy().timed and timing.policy().fastest("scan", ways, default="b", rounds=1) in ("a", "b")
+    assert ran == ["a", "b"]
+
+
+def test_an_injected_policy_answers_for_its_sites_whatever_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv(timing.DETERMINISTIC_ENV, "1")
+    with timing.use(timing.Policy(answers={"scan": "numpy"})):
+        assert timing.policy().fastest("scan", {}, default="faiss", rounds=1) == "numpy"
+        assert timing.policy().fixed("attention", "sdpa") is None  # timed: only the sites it names are fixed
+    assert timing.policy() == timing.Policy(timed=False)
