@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import sys
 import unicodedata
 
 INVISIBLE = "\ufffd"  # dropped by BERT-style tokenizers, with control, format and private-use characters
@@ -26,3 +28,25 @@ def valid_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+@functools.cache
+def visible_pattern() -> str:
+    """A regular expression that finds a character ``blank`` does not drop: a text is searchable exactly when it
+    matches (``re.search``). The server's OpenAPI spec states it as the texts' ``pattern``, so a client that
+    checks its requests against the spec refuses what the server would refuse; built from the same Unicode tables
+    as ``blank``, so the two cannot disagree."""
+    ranges: list[tuple[int, int]] = []
+    for code in range(sys.maxunicode + 1):
+        c = chr(code)
+        if c == INVISIBLE or unicodedata.category(c) in DROPPED:
+            if ranges and ranges[-1][1] == code - 1:
+                ranges[-1] = (ranges[-1][0], code)
+            else:
+                ranges.append((code, code))
+
+    def escape(code: int) -> str:
+        return f"\\u{code:04x}" if code <= 0xFFFF else chr(code)  # astral: the character itself (one code point)
+
+    body = "".join(escape(a) if a == b else f"{escape(a)}-{escape(b)}" for a, b in ranges)
+    return f"[^\\s{body}]"

@@ -34,6 +34,7 @@ from retrieval.serve.app import create_app  # noqa: E402
 from retrieval.serve.autothreads import ThreadChooser  # noqa: E402
 from retrieval.serve.batching import Batcher, BatchStats, Overloaded  # noqa: E402
 from retrieval.serve.service import NotReady, ServeOptions, Service  # noqa: E402
+from retrieval.text import visible_pattern  # noqa: E402
 from retrieval.whitening import DEFAULT_GAMMA, TransformSpec  # noqa: E402
 
 QUERY = "document number 5 about topic 5"  # the exact text of doc5: the fake encoder puts it first
@@ -186,7 +187,8 @@ def test_the_spec_states_the_servers_own_limits(index: Path) -> None:
     search = models["SearchRequest"]["properties"]
     assert {"type": "integer", "minimum": 1, "maximum": 50} in search["k"]["anyOf"] and search["k"]["default"] == 10
     assert {"type": "integer", "minimum": 0, "maximum": 400} in search["rescore"]["anyOf"]
-    assert {"type": "string", "minLength": 1, "maxLength": 300, "pattern": r"\S"} in search["query"]["anyOf"]
+    text = {"type": "string", "minLength": 1, "maxLength": 300, "pattern": visible_pattern()}
+    assert text in search["query"]["anyOf"]
     queries = next(b for b in search["queries"]["anyOf"] if b["type"] == "array")
     assert (queries["maxItems"], queries["items"]["maxLength"]) == (7, 300)
     inputs = {b["type"]: b for b in models["EmbedRequest"]["properties"]["inputs"]["anyOf"]}
@@ -256,6 +258,17 @@ def test_metrics_name_the_draining_version_while_stopping(index: Path) -> None:
         assert info["ready"] is False and info["index"]["generation"] == 1
 
 
+def test_whole_numbers_written_with_a_zero_fraction_are_integers(client: TestClient) -> None:
+    """JSON Schema's `integer` admits 48.0 (and a query string's "2.0"): the spec says integer, so they are taken
+    as 48 and 2. A fraction, a bool or a number in a JSON string stays refused."""
+    assert client.post("/search", json={"query": QUERY, "k": 2.0}).status_code == 200
+    assert len(client.post("/search", json={"query": QUERY, "k": 3.0}).json()["results"][0]["hits"]) == 3
+    assert len(client.get("/search", params={"q": QUERY, "k": "2.0"}).json()["results"][0]["hits"]) == 2
+    assert client.post("/search", json={"query": QUERY, "rescore": 48.0}).status_code == 200
+    for bad in (2.5, True, "2"):
+        assert client.post("/search", json={"query": QUERY, "k": bad}).status_code == 422, bad
+
+
 # ----- bad input: always a 4xx with one JSON error shape, never a 500 or a traceback ---------------------------
 LONG = "x" * 2001
 JSON_TYPE = {"content-type": "application/json"}
@@ -296,12 +309,12 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
     ("post", "/search", {"json": {"queries": ["a", "\x00\ufeff"]}}, 422, "empty_query", "queries"),
     ("post", "/search", {"json": {"queries": ["a", None]}}, 422, "invalid_request", "queries"),
     ("post", "/search", {"json": {"queries": "a"}}, 422, "invalid_request", "queries"),
-    ("post", "/search", {"json": {"queries": ["a"] * 65}}, 413, "too_many_queries", "queries"),
+    ("post", "/search", {"json": {"queries": ["a"] * 65}}, 422, "too_many_queries", "queries"),
     # counted before validation: pydantic reporting each of a million wrong-typed items held the event loop seconds
-    ("post", "/search", {"json": {"queries": [1] * 5000}}, 413, "too_many_queries", "queries"),
-    ("post", "/embed", {"json": {"inputs": [None] * 3000}}, 413, "too_many_queries", "inputs"),
-    # strict as POST is: int() (which FastAPI used) took "+5", " 5", "1_0"; pydantic took "5.0"
-    ("get", "/search", {"params": {"q": "a", "k": "5.0"}}, 422, "invalid_request", "k"),
+    ("post", "/search", {"json": {"queries": [1] * 5000}}, 422, "too_many_queries", "queries"),
+    ("post", "/embed", {"json": {"inputs": [None] * 3000}}, 422, "too_many_queries", "inputs"),
+    # JSON Schema's integers only, as POST: int() (which FastAPI used) took "+5", " 5", "1_0"
+    ("get", "/search", {"params": {"q": "a", "k": "5.5"}}, 422, "invalid_request", "k"),
     ("get", "/search", {"params": {"q": "a", "k": "+5"}}, 422, "invalid_request", "k"),
     ("get", "/search", {"params": {"q": "a", "k": " 5"}}, 422, "invalid_request", "k"),
     ("get", "/search", {"params": {"q": "a", "rescore": "1_0"}}, 422, "invalid_request", "rescore"),
@@ -353,7 +366,7 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
     ("post", "/embed", {"json": {"inputs": 3}}, 422, "invalid_request", "inputs"),
     ("post", "/embed", {"json": {"inputs": []}}, 422, "empty_query", "inputs"),
     ("post", "/embed", {"json": {"inputs": "a", "transformed": "yes"}}, 422, "invalid_request", "transformed"),
-    ("post", "/embed", {"json": {"inputs": ["a"] * 65}}, 413, "too_many_queries", "inputs"),
+    ("post", "/embed", {"json": {"inputs": ["a"] * 65}}, 422, "too_many_queries", "inputs"),
     (
         "post",
         "/search",

@@ -29,6 +29,7 @@ from retrieval.serve.schemas import (
     ReloadResponse,
     SearchRequest,
     SearchResponse,
+    WholeNumberText,
     default_k,
     errors,
 )
@@ -95,11 +96,12 @@ def search_routes(api: APIRouter, service: Service) -> None:
         request: Request,
         q: Annotated[str, Query(description="The query text.")],
         k: Annotated[
-            int | None, Query(description="Hits per query (default 10, or the server's `max_k` when lower).")
+            WholeNumberText | None,
+            Query(description="Hits per query (default 10, or the server's `max_k` when lower)."),
         ] = None,
-        rescore: Annotated[int | None, Query(description="Re-rank this many candidates.")] = None,
-        ef: Annotated[int | None, Query(description="HNSW search beam width.")] = None,
-        nprobe: Annotated[int | None, Query(description="IVF lists probed.")] = None,
+        rescore: Annotated[WholeNumberText | None, Query(description="Re-rank this many candidates.")] = None,
+        ef: Annotated[WholeNumberText | None, Query(description="HNSW search beam width.")] = None,
+        nprobe: Annotated[WholeNumberText | None, Query(description="IVF lists probed.")] = None,
     ) -> JSONResponse:
         check_query_string(request)
         texts = query_texts([q], "q", options)

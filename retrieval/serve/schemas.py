@@ -3,12 +3,32 @@ limits written into the OpenAPI spec."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Annotated, Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from retrieval.serve.service import ServeOptions
+from retrieval.text import visible_pattern
+
+WHOLE_DIGITS = re.compile(r"-?[0-9]+(\.0*)?")  # a query string's whole number: 5, -5, 5.0 (JSON Schema's integer)
+
+
+def _whole(value: Any) -> Any:
+    """JSON Schema's ``integer`` is any number without a fractional part, so 48.0 is one: taken as 48. Everything
+    else goes on to strict validation unchanged (a bool, the string "48", 48.5: refused)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _whole_text(value: Any) -> Any:
+    """A query string's whole number, as digits with at most a zero fraction ("48", "-3", "48.0"): an int; other
+    text is left for validation to refuse (" 5", "+5", "1_0" and "5.5" are not JSON Schema integers)."""
+    return int(value.split(".")[0]) if isinstance(value, str) and WHOLE_DIGITS.fullmatch(value) else value
+
+
+WholeNumber = Annotated[int, BeforeValidator(_whole)]  # in a JSON body
+WholeNumberText = Annotated[int, BeforeValidator(_whole_text)]  # in a query string
 
 
 class SearchRequest(BaseModel):
@@ -17,10 +37,10 @@ class SearchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     query: str | None = Field(None, description="One query text.", examples=["how do whitening transforms work"])
     queries: list[str] | None = Field(None, description="Several query texts, answered in order.")
-    k: int | None = Field(None, description="Hits per query (default 10, or the server's `max_k` when lower).")
-    rescore: int | None = Field(None, description="Re-rank this many candidates by the full stashed vectors.")
-    ef: int | None = Field(None, description="HNSW search beam width (efSearch) for this request.")
-    nprobe: int | None = Field(None, description="IVF lists probed for this request.")
+    k: WholeNumber | None = Field(None, description="Hits per query (default 10, or the server's `max_k` when lower).")
+    rescore: WholeNumber | None = Field(None, description="Re-rank this many candidates by the full stashed vectors.")
+    ef: WholeNumber | None = Field(None, description="HNSW search beam width (efSearch) for this request.")
+    nprobe: WholeNumber | None = Field(None, description="IVF lists probed for this request.")
 
 
 class EmbedRequest(BaseModel):
@@ -87,7 +107,7 @@ class ErrorResponse(BaseModel):
 ERROR_TEXTS = {
     401: "Missing or wrong API key",
     409: "The new version was refused; the old one serves on",
-    413: "Body or batch too large",
+    413: "Body too large",
     415: "Body not sent as JSON (Content-Type), or compressed (Content-Encoding)",
     422: "Invalid request",
     429: "Too many queries waiting",
@@ -130,8 +150,9 @@ def param_bounds(options: ServeOptions) -> dict[str, tuple[int, int]]:
 def document_limits(app: FastAPI, options: ServeOptions) -> None:
     """Write the limits the handlers enforce into the OpenAPI spec (they are this server's options, not fixed in
     the models): k, rescore, ef and nprobe bounds, text lengths, batch sizes."""
-    # Refused as empty too: a text of whitespace alone (a pattern is searched for anywhere in the string)
-    text = {"minLength": 1, "maxLength": options.max_query_chars, "pattern": r"\S"}
+    # Refused as empty too: a text of whitespace or of characters the tokenizer drops alone (a pattern is searched
+    # for anywhere in the string: it finds one character that is kept)
+    text = {"minLength": 1, "maxLength": options.max_query_chars, "pattern": visible_pattern()}
     bounds: dict[str, dict[str, Any]] = {
         **{name: {"minimum": low, "maximum": high} for name, (low, high) in param_bounds(options).items()},
         "q": text,
