@@ -130,6 +130,7 @@ def test_health_ready_info_and_the_page(client: TestClient) -> None:
     assert (index["model"], index["pooling"], index["d"], index["k"], index["n"]) == ("fake", "mean", 16, 8, 300)
     assert index["gamma"] == DEFAULT_GAMMA and index["index_kind"] == "flat" and index["generation"] == 1
     assert "dims" in index["summary"] and index["summary"]["rows (N)"] == "300"
+    assert index["stash"] is True and index["rescore_depth"] == 50  # reduced (8 of 16 dims): re-scored by default
     assert info["server"]["last_reload_error"] is None and info["server"]["limits"]["max_k"] == 100
     threads = info["server"]["threads"]
     assert threads["torch"] == "auto" and threads["torch_auto"]["choices"][0] == 1  # the default: measured

@@ -269,6 +269,7 @@ def describe(service: Service) -> dict[str, Any]:
         "factory": m.index.factory,
         "search_defaults": m.index.search,
         "stash": m.stash is not None,
+        "rescore_depth": m.rescoring.depth,  # candidates re-scored by default; 0: off
         "versions": m.versions,
         **searcher.describe(),  # summary, spectrum, drift: as `retrieval info --json` has them
     }
