@@ -72,6 +72,7 @@ class Batch:
     ids: list[str]
     texts: list[str]
     vectors: np.ndarray | None = None
+    titles: list[str] | None = None  # the title column's values (also the texts' first words); None: no column
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -442,10 +443,13 @@ class Corpus:
             ok = self._usable(texts, rb)
             keep = np.flatnonzero(ok)
             vectors = self._batch_vectors(rb, ok) if self.precomputed else None
+            title = self.spec.title_column
+            titles = None if not title or isinstance(rb, np.ndarray) else self._strings(rb, title, 0)
             yield Batch(
                 ids=[ids[i] for i in keep],
                 texts=[texts[i] or "" for i in keep],
                 vectors=vectors,
+                titles=None if titles is None else [titles[i] or "" for i in keep],
             )
 
     def _batch_vectors(self, rb: pa.RecordBatch | np.ndarray, ok: np.ndarray) -> np.ndarray:

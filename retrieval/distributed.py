@@ -52,7 +52,7 @@ from retrieval.encode.spec import Encoder, EncoderInfo, EncoderSpec
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.ingest import Ingest
 from retrieval.moments import RunningMoments
-from retrieval.stash import BLOCK_ROWS, Part, VectorStash
+from retrieval.stash import BLOCK_ROWS, Part, Titles, VectorStash
 from retrieval.whitening import RawTransform, Whitening
 
 log = logging.getLogger(__name__)
@@ -508,8 +508,8 @@ class EncodeWindows:
         return {"worker": self.worker, "init_s": self.init_s, **seconds}
 
     def _writer(self, window: int) -> Callable[..., Part]:
-        def write(vectors: dict[str, np.ndarray], ids: Any, texts: Any) -> Part:
-            return self.stash.write_part(f"part-{window:05d}", vectors, ids, texts)
+        def write(vectors: dict[str, np.ndarray], ids: Any, texts: Any, *, titles: Titles = None) -> Part:
+            return self.stash.write_part(f"part-{window:05d}", vectors, ids, texts, titles=titles)
 
         return write
 

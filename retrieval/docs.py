@@ -1,4 +1,4 @@
-"""Row -> (id, text) of an index: an uncompressed Arrow IPC file, memory-mapped.
+"""Row -> (id, text[, title]) of an index: an uncompressed Arrow IPC file, memory-mapped.
 
 Any row's id and text is one lookup into the map (no row group to decompress per query, which cost a service
 7 ms of a 13 ms search when the texts were in parquet), threads share it without locks, and it is never read
@@ -20,44 +20,53 @@ from retrieval.errors import IndexDirError
 from retrieval.files import touch_pages
 
 SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string())])
+TITLED = SCHEMA.append(pa.field("title", pa.string()))  # an index built with a title column
 
 
-def write_docs(tables: Iterable[pa.Table], path: Path) -> int:
-    """Write (id, text) tables, in row order, as one Arrow IPC file; returns the number of rows."""
+def write_docs(tables: Iterable[pa.Table], path: Path, titled: bool = False) -> int:
+    """Write (id, text) tables, in row order, as one Arrow IPC file; returns the number of rows. ``titled``: with
+    their title column too (null for a table without one: rows added without a title column)."""
+    schema = TITLED if titled else SCHEMA
     rows = 0
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         for table in tables:
-            writer.write_table(table.select(["id", "text"]).cast(SCHEMA))
+            if titled and "title" not in table.column_names:
+                table = table.append_column("title", pa.nulls(table.num_rows, pa.string()))
+            writer.write_table(table.select(schema.names).cast(schema))
             rows += table.num_rows
     return rows
 
 
 class Docs:
-    """The docs file of an index, memory-mapped; ``id(row)``, ``texts(rows)``."""
+    """The docs file of an index, memory-mapped; ``id(row)``, ``texts(rows)``, ``titles(rows)``."""
 
     def __init__(self, path: Path):
         try:
             table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
         except (OSError, pa.ArrowInvalid) as err:
             raise IndexDirError(f"cannot read {path}: {err}; rebuild the index") from err
-        if table.schema != SCHEMA:
-            raise IndexDirError(f"{path} holds {table.schema.names}, not (id, text); rebuild the index")
+        if table.schema not in (SCHEMA, TITLED):
+            raise IndexDirError(f"{path} holds {table.schema.names}, not (id, text[, title]); rebuild the index")
         self._ids = table.column("id")
         self._texts = table.column("text")
+        self._titles = table.column("title") if table.schema == TITLED else None
         self._starts = np.cumsum([0] + [len(chunk) for chunk in self._ids.chunks])
 
     def __len__(self) -> int:
         return len(self._ids)
 
+    def _columns(self) -> list[pa.ChunkedArray]:
+        return [self._ids, self._texts] + ([] if self._titles is None else [self._titles])
+
     @property
     def nbytes(self) -> int:
-        return int(self._ids.nbytes + self._texts.nbytes)
+        return int(sum(column.nbytes for column in self._columns()))
 
     def prefault(self) -> int:
         """Make every page of the ids and texts resident (hits would bring them in one request at a time)."""
         return sum(
             touch_pages(buffer)
-            for column in (self._ids, self._texts)
+            for column in self._columns()
             for chunk in column.chunks
             for buffer in chunk.buffers()
             if buffer is not None
@@ -78,6 +87,16 @@ class Docs:
         for row in rows:
             chunk, offset = self._locate(int(row))
             out.append(str(self._texts.chunk(chunk)[offset].as_py()))
+        return out
+
+    def titles(self, rows: Sequence[int]) -> list[str | None] | None:
+        """The rows' titles (None for a row without one); None for an index built without a title column."""
+        if self._titles is None:
+            return None
+        out = []
+        for row in rows:
+            chunk, offset = self._locate(int(row))
+            out.append(self._titles.chunk(chunk)[offset].as_py())
         return out
 
     def count_in(self, ids: Collection[str]) -> int:

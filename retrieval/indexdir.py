@@ -581,7 +581,7 @@ def save_faiss_index(work: Path, index: Any) -> None:
 def save_docs(work: Path, stash: VectorStash) -> None:
     from retrieval.docs import write_docs
 
-    write_docs(stash.iter_docs(), work / DOCS)
+    write_docs(stash.iter_docs(), work / DOCS, stash.has_titles())
 
 
 def link_from(work: Path, old: IndexDir, name: str) -> None:

@@ -8,6 +8,7 @@ driver's Ingest then ``adopt``s).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -16,10 +17,15 @@ from retrieval.encode.spec import Encoder, MultiPoolingEncoder
 from retrieval.errors import ConfigError, CorpusError
 from retrieval.moments import RunningMoments
 from retrieval.progress import Progress, no_progress
-from retrieval.stash import Part, VectorStash
+from retrieval.stash import Part, Titles, VectorStash
 
-# write(vectors per pooling, ids, texts) -> the written part
-PartWriter = Callable[[dict[str, np.ndarray], Sequence[str], Sequence[str]], Part]
+
+class PartWriter(Protocol):
+    """write(vectors per pooling, ids, texts, titles=...) -> the written part"""
+
+    def __call__(
+        self, vectors: dict[str, np.ndarray], ids: Sequence[str], texts: Sequence[str], *, titles: Titles = None
+    ) -> Part: ...
 
 
 def poolings_for(encoder: Encoder | None, extra: Sequence[str] = ()) -> list[str]:
@@ -95,7 +101,7 @@ class Ingest:
 
     def __call__(self, batch: Batch, ids: Sequence[str] | None = None) -> np.ndarray:
         vectors = encode_batch(batch, self.encoder, self.stash.poolings, self.stash.dim, self._on_batch)
-        self.parts.append(self._write(vectors, batch.ids if ids is None else ids, batch.texts))
+        self.parts.append(self._write(vectors, batch.ids if ids is None else ids, batch.texts, titles=batch.titles))
         stored = np.asarray(vectors[self.pooling], dtype=self.stash.dtype).astype(np.float32, copy=False)
         self.moments.update(stored)
         return stored

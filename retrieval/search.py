@@ -77,13 +77,15 @@ def _faiss_product(transform: Whitening | RawTransform | None) -> FaissProduct |
 
 @dataclass(frozen=True)
 class Hit:
-    """One ranked result. ``row`` is the document's position in the index."""
+    """One ranked result. ``row`` is the document's position in the index. ``title``: the corpus's title column
+    (which ``text`` begins with), when the index was built with one; else None."""
 
     rank: int
     id: str
     score: float
     text: str
     row: int
+    title: str | None = None
 
 
 class Searcher:
@@ -253,10 +255,11 @@ class Searcher:
         for score_row, row_ids in zip(scores, rows, strict=True):
             keep = [int(r) for r in row_ids if r >= 0]
             texts = self.docs.texts(keep)
+            titles = self.docs.titles(keep) or [None] * len(keep)
             out.append(
                 [
-                    Hit(rank=i + 1, id=self.docs.id(r), score=float(s), text=t, row=r)
-                    for i, (r, s, t) in enumerate(zip(keep, score_row, texts, strict=False))
+                    Hit(rank=i + 1, id=self.docs.id(r), score=float(s), text=t, row=r, title=h)
+                    for i, (r, s, t, h) in enumerate(zip(keep, score_row, texts, titles, strict=False))
                 ]
             )
         return out

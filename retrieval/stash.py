@@ -36,6 +36,12 @@ DTYPES = ("float32", "float16")
 BLOCK_ROWS = 65536  # rows per block when streaming the stash
 PRECISION_LOST = 1e-3  # float16 rounding error, as a share of a part's spread, refused (embeddings: ~1e-7)
 PRECISION_ROWS = (64, 1024)  # parts of fewer rows are not judged; of more, the first 1,024
+Titles = Sequence[str | None] | None  # a part's titles, row by row; None: the corpus had no title column
+
+
+def titles_of(docs: pa.Table) -> list[str | None] | None:
+    """The title column of a part's (id, text[, title]) table, or None without one."""
+    return docs["title"].to_pylist() if "title" in docs.column_names else None
 
 
 @dataclass(frozen=True)
@@ -146,9 +152,17 @@ class VectorStash:
 
     # ----- writing ------------------------------------------------------------------------------------
     def write_part(
-        self, stem: str, vectors: dict[str, np.ndarray], ids: Sequence[str], texts: Sequence[str], source_batches=1
+        self,
+        stem: str,
+        vectors: dict[str, np.ndarray],
+        ids: Sequence[str],
+        texts: Sequence[str],
+        source_batches: int = 1,
+        *,
+        titles: Titles = None,
     ) -> Part:
         """Write one part's files under ``stem`` (unique per writer) without registering it; returns its record.
+        ``titles``: the corpus's title column, kept beside the texts (which begin with them) for hits to show.
 
         Writing the same stem again replaces the files with identical bytes, so a retried writer is harmless."""
         checksums: dict[str, dict[str, Any]] = {}
@@ -164,6 +178,8 @@ class VectorStash:
             names[pooling] = f"{stem}.{pooling}.npy"
             checksums[names[pooling]] = self._write(names[pooling], buffer.getvalue())
         table = pa.table({"id": pa.array(list(ids), pa.string()), "text": pa.array(list(texts), pa.string())})
+        if titles is not None:
+            table = table.append_column("title", pa.array(list(titles), pa.string()))
         buffer = io.BytesIO()
         pq.write_table(table, buffer)
         checksums[f"{stem}.parquet"] = self._write(f"{stem}.parquet", buffer.getvalue())
@@ -220,10 +236,16 @@ class VectorStash:
         self._save_state()
 
     def append(
-        self, vectors: dict[str, np.ndarray], ids: Sequence[str], texts: Sequence[str], source_batches: int = 1
+        self,
+        vectors: dict[str, np.ndarray],
+        ids: Sequence[str],
+        texts: Sequence[str],
+        source_batches: int = 1,
+        *,
+        titles: Titles = None,
     ) -> Part:
         """Write and register the next part. ``source_batches`` counts the corpus record batches it covers."""
-        part = self.write_part(self._next_stem(), vectors, ids, texts, source_batches)
+        part = self.write_part(self._next_stem(), vectors, ids, texts, source_batches, titles=titles)
         self.register([part])
         return part
 
@@ -248,9 +270,10 @@ class VectorStash:
             pooling: np.concatenate([self._map(pooling, n, keep=False) for n in range(first, len(self._parts))])
             for pooling in self.poolings
         }
-        docs = pa.concat_tables(self.iter_docs(first))
-        ids, texts = docs["id"].to_pylist(), docs["text"].to_pylist()
-        part = self.write_part(self._next_stem(), vectors, ids, texts, sum(p.source_batches for p in merged))
+        docs = pa.concat_tables(self.iter_docs(first), promote_options="default")  # parts with titles and without
+        ids, texts, titles = docs["id"].to_pylist(), docs["text"].to_pylist(), titles_of(docs)
+        batches = sum(p.source_batches for p in merged)
+        part = self.write_part(self._next_stem(), vectors, ids, texts, batches, titles=titles)
         with self._maps_lock:
             self._maps = {key: array for key, array in self._maps.items() if key[1] < first}
         self._parts[first:] = [part]
@@ -376,9 +399,14 @@ class VectorStash:
         return moments
 
     def iter_docs(self, first: int = 0) -> Iterator[pa.Table]:
-        """Each part's (id, text) table, in row order, from part ``first`` on."""
+        """Each part's (id, text) table, in row order, from part ``first`` on; (id, text, title) where the corpus
+        had a title column."""
         for part in self._parts[first:]:
             yield pq.read_table(self.root / part.docs)
+
+    def has_titles(self) -> bool:
+        """Whether any part kept a title column (read from the parts' parquet footers only)."""
+        return any("title" in pq.read_schema(self.root / part.docs).names for part in self._parts)
 
     def iter_ids(self) -> Iterator[list[str]]:
         """Each part's ids, in row order: one part's in memory at a time."""

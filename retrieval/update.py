@@ -57,7 +57,7 @@ from retrieval.indexdir import (
 from retrieval.ingest import Ingest
 from retrieval.moments import RunningMoments
 from retrieval.progress import Progress, Timer, no_progress
-from retrieval.stash import STATE_NAME, VectorStash
+from retrieval.stash import STATE_NAME, VectorStash, titles_of
 from retrieval.whitening import TransformSpec, Whitening
 
 log = logging.getLogger(__name__)
@@ -359,8 +359,8 @@ def _stash_without(stash: VectorStash, dropped: list[np.ndarray], root: Path, ta
             vectors = {pooling: stash.read_rows(start + keep, pooling, keep=False) for pooling in stash.poolings}
             docs = docs.take(keep)
             stem = re.sub(r"-g\d+$", "", part.docs.removesuffix(".parquet")) + f"-{tag}"
-            texts = docs["text"].to_pylist()
-            parts.append(kept.write_part(stem, vectors, docs["id"].to_pylist(), texts, part.source_batches))
+            ids, texts = docs["id"].to_pylist(), docs["text"].to_pylist()
+            parts.append(kept.write_part(stem, vectors, ids, texts, part.source_batches, titles=titles_of(docs)))
         start += part.rows
     kept.register(parts)
     return kept

@@ -282,6 +282,31 @@ def test_title_column_is_part_of_what_is_encoded(tmp_path: Path) -> None:
     assert hits[0].id == "doc4" and hits[0].score == pytest.approx(1.0, abs=1e-5)
 
 
+def test_hits_carry_the_title_apart_and_add_and_remove_keep_it(tmp_path: Path) -> None:
+    """The title column is kept beside the text (which begins with it) for hits to show; rows added with titles
+    get theirs, rows added without a title column get None, and parts rewritten by ``remove`` or merged after an
+    ``add`` keep every row's title. An index built without one has no titles at all."""
+    path = write_corpus(tmp_path / "c.parquet", n=30, title=[f"Title {i}" for i in range(30)])
+    out = tmp_path / "idx"
+    build_index(CorpusSpec(path, title_column="title"), FakeEncoder(), out, TransformSpec(dim=4))
+    hit = Searcher.load(out, encoder=FakeEncoder()).search("Title 4 document number 4 about topic 4")[0]
+    assert (hit.id, hit.title, hit.text) == ("doc4", "Title 4", "Title 4 document number 4 about topic 4")
+
+    titled = write_corpus(tmp_path / "t.parquet", n=2, id=["t0", "t1"], title=["New 0", "New 1"])
+    update.add(out, CorpusSpec(titled, title_column="title"), FakeEncoder())
+    update.add(out, CorpusSpec(write_corpus(tmp_path / "u.parquet", n=2, id=["u0", "u1"])), FakeEncoder())
+    update.remove(out, ["doc3", "t1"])
+    docs = Docs(out / "docs.arrow")
+    expected = [f"Title {i}" for i in range(30) if i != 3] + ["New 0", None, None]
+    assert list(docs.ids)[-3:] == ["t0", "u0", "u1"] and docs.titles(range(len(docs))) == expected
+    hit = Searcher.load(out, encoder=FakeEncoder()).search("New 0 document number 0 about topic 0")[0]
+    assert (hit.id, hit.title) == ("t0", "New 0")
+
+    build_index(CorpusSpec(path), FakeEncoder(), tmp_path / "plain", TransformSpec(dim=4))
+    assert Docs(tmp_path / "plain" / "docs.arrow").titles([0, 1]) is None
+    assert Searcher.load(tmp_path / "plain", encoder=FakeEncoder()).search("document number 4")[0].title is None
+
+
 def test_precomputed_vectors_column_needs_no_encoder(tmp_path: Path) -> None:
     x = FakeEncoder().encode([f"t{i}" for i in range(50)])
     path = tmp_path / "v.parquet"

@@ -147,7 +147,8 @@ def cluster() -> Iterator[str]:
 
 
 def split_corpus(folder: Path, sizes: tuple[int, ...] = SIZES) -> Path:
-    """Files part-0.parquet... of ``sizes`` rows (row groups of 20), ids doc0... numbered on across files."""
+    """Files part-0.parquet... of ``sizes`` rows (row groups of 20), ids doc0... numbered on across files, and a
+    title column (read only where a test names it)."""
     folder.mkdir(parents=True, exist_ok=True)
     start = 0
     for n, rows in enumerate(sizes):
@@ -155,6 +156,7 @@ def split_corpus(folder: Path, sizes: tuple[int, ...] = SIZES) -> Path:
             {
                 "id": pa.array([f"doc{i}" for i in range(start, start + rows)], pa.string()),
                 "text": pa.array([f"document number {i} about topic {i % 7}" for i in range(start, start + rows)]),
+                "title": pa.array([f"Title {i}" for i in range(start, start + rows)]),
             }
         )
         pq.write_table(table, folder / f"part-{n}.parquet", row_group_size=20)
@@ -167,21 +169,23 @@ def folder(tmp_path: Path) -> Path:
     return split_corpus(tmp_path / "corpus")
 
 
-def local_build(corpus: Path, out: Path, encoder=None, **kwargs) -> None:  # type: ignore[no-untyped-def]
+def local_build(corpus: Path, out: Path, encoder=None, title=None, **kwargs) -> None:  # type: ignore[no-untyped-def]
     options = BuildOptions(window_rows=WINDOW, **kwargs)
-    build_index(CorpusSpec(corpus), encoder or FakeEncoder(), out, SPEC, options=options)
+    build_index(CorpusSpec(corpus, title_column=title), encoder or FakeEncoder(), out, SPEC, options=options)
 
 
-def ray_build(corpus: Path, out: Path, make, encoder=None, **kwargs) -> None:  # type: ignore[no-untyped-def]
+def ray_build(corpus: Path, out: Path, make, encoder=None, title=None, **kwargs) -> None:  # type: ignore[no-untyped-def]
     options = BuildOptions(window_rows=WINDOW, **kwargs)
+    spec = CorpusSpec(corpus, title_column=title)
     with RayEngine(make, RayOptions(workers=2)) as engine:
-        build_index(CorpusSpec(corpus), encoder or FakeEncoder(), out, SPEC, options=options, engine=engine)
+        build_index(spec, encoder or FakeEncoder(), out, SPEC, options=options, engine=engine)
 
 
 def assert_same_index(a: Path, b: Path, encoder, vectors_atol: float = 0.0) -> None:  # type: ignore[no-untyped-def]
     """Same ids in the same rows, the same moments, kernel and stored vectors, the same search results."""
     da, db = IndexDir(a), IndexDir(b)
     assert da.docs().ids == db.docs().ids
+    assert da.docs().titles(range(sum(SIZES))) == db.docs().titles(range(sum(SIZES)))
     ma, mb = da.moments(), db.moments()
     assert ma.n == mb.n == sum(SIZES)
     # The same float32 vectors folded in the same window order (the workers' per-part moments merged with
@@ -218,9 +222,10 @@ def test_plan_covers_every_window_once() -> None:
 
 
 def test_ray_build_of_a_folder_equals_the_local_build(cluster: str, folder: Path, tmp_path: Path) -> None:
-    local_build(folder, tmp_path / "local")
-    ray_build(folder, tmp_path / "ray", FakeEncoder)
+    local_build(folder, tmp_path / "local", title="title")
+    ray_build(folder, tmp_path / "ray", FakeEncoder, title="title")
     assert_same_index(tmp_path / "local", tmp_path / "ray", FakeEncoder())
+    assert IndexDir(tmp_path / "ray").docs().titles([0, sum(SIZES) - 1]) == ["Title 0", f"Title {sum(SIZES) - 1}"]
     assert not files.work_dir(tmp_path / "ray").exists()
     assert ray.is_initialized()  # the engine left the caller's Ray running
 

@@ -68,7 +68,7 @@ def test_hits_are_typed_ranked_and_json_able(searcher: Searcher) -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         first.score = 0.0  # type: ignore[misc]
     decoded = json.loads(json.dumps([dataclasses.asdict(h) for h in hits]))
-    assert decoded[0] == {"rank": 1, "id": "doc12", "score": first.score, "text": first.text, "row": 12}
+    assert decoded[0] == {"rank": 1, "id": "doc12", "score": first.score, "text": first.text, "row": 12, "title": None}
 
 
 def test_k_larger_than_n_returns_every_document(tmp_path: Path) -> None:
