@@ -102,6 +102,17 @@ def test_post_search_answers_one_query_and_a_batch_as_the_library_does(client: T
     assert [h["id"] for h in single[0]["hits"]] == [h["id"] for h in batch[1]["hits"]]  # scores: float32 rounding
 
 
+def test_hits_name_their_title_where_the_index_has_a_title_column(client: TestClient, tmp_path: Path) -> None:
+    assert client.get("/search", params={"q": QUERY, "k": 1}).json()["results"][0]["hits"][0]["title"] is None
+    corpus = write_corpus(tmp_path / "titled.parquet", n=40, title=[f"Title {i}" for i in range(40)])
+    build_index(CorpusSpec(corpus, title_column="title"), FakeEncoder(), tmp_path / "titled", TransformSpec(dim=8))
+    titled, _ = serve(tmp_path / "titled")
+    with titled:
+        wait_ready(titled)
+        hit = titled.get("/search", params={"q": "Title 5 " + QUERY}).json()["results"][0]["hits"][0]
+    assert (hit["id"], hit["title"], hit["text"]) == ("doc5", "Title 5", "Title 5 " + QUERY)
+
+
 def test_search_knobs_pass_through(client: TestClient) -> None:
     response = client.post("/search", json={"query": QUERY, "k": 2, "rescore": 20})
     assert response.status_code == 200

@@ -77,7 +77,7 @@ def search_routes(api: APIRouter, service: Service) -> None:
         encodes()
         result = await answer(request, service.batcher.submit_search(texts, params))
         results = [
-            {"hits": [{"rank": h.rank, "id": h.id, "score": h.score, "text": h.text} for h in hits]}
+            {"hits": [{"rank": h.rank, "id": h.id, "score": h.score, "text": h.text, "title": h.title} for h in hits]}
             for hits in result.hits
         ]
         took = round((time.perf_counter() - start) * 1000, 3)

@@ -56,6 +56,7 @@ class HitOut(BaseModel):
     id: str
     score: float
     text: str
+    title: str | None = Field(None, description="The title column of an index built with one (`text` starts with it).")
 
 
 class QueryResult(BaseModel):
