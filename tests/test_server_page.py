@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 from conftest import write_corpus
-from page_driver import CHROMIUM, DRIVER, chromium, search, serve_index, wait_for_hits
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
 
+from page_driver import CHROMIUM, DRIVER, chromium, search, serve_index, wait_for_hits  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
