@@ -130,6 +130,20 @@ def test_a_long_text_shows_a_snippet_and_more_opens_the_whole(page_server: str, 
     assert not full.is_displayed() and more.text == "more"
 
 
+def test_a_hit_that_names_its_matched_terms_is_marked_with_those(page_server: str, browser: WebDriver) -> None:
+    """A search that knows which words matched (a stemming lexical side) sends them as the hit's `terms`: those are
+    marked, not the query's own words."""
+    browser.get(page_server)
+    browser.execute_script(
+        "window.fetch = async () => new Response(JSON.stringify({results: [{hits: [{rank: 1, id: 'x', score: 0.5,"
+        " text: 'Run: she was running, he ran, they run.', terms: ['Running', 'ran']}]}], generation: 1,"
+        " took_ms: 1}), {headers: {'Content-Type': 'application/json'}});"
+    )
+    search(browser, "run", 1)
+    marks = [m.text for m in browser.find_elements(By.CSS_SELECTOR, "#hits .snippet mark")]
+    assert marks == ["running", "ran"]
+
+
 def test_odd_ids_are_shown_escaped_and_a_long_one_wraps(page_server: str, browser: WebDriver) -> None:
     """A table's id column did not wrap: a 400-character id made the table 3,520 px wide in a 1,265 px window. And an
     unclosed right-to-left override showed the id "rtl\u202eevil" as "rtllive"."""
@@ -137,8 +151,11 @@ def test_odd_ids_are_shown_escaped_and_a_long_one_wraps(page_server: str, browse
     shown = {i: search(browser, f"document number {i} about topic {i % 7}", 1)[0]["id"] for i in (12, 13, 11)}
     assert shown[12] == "rtl\\u202eevil" and shown[13] == "new\\nline\\tid"
     assert shown[11].replace("\n", "") == LONG_ID  # wrapped over lines, whole
-    wide, window = browser.execute_script("return [document.documentElement.scrollWidth, window.innerWidth]")
-    assert wide <= window, (wide, window)
+    for width in (1200, 400):  # at a phone's width too
+        metrics = {"width": width, "height": 800, "deviceScaleFactor": 1, "mobile": width < 600}
+        browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
+        wide, window = browser.execute_script("return [document.documentElement.scrollWidth, window.innerWidth]")
+        assert wide <= window == width, (wide, window)
 
 
 def test_a_search_lives_in_the_address(page_server: str, browser: WebDriver) -> None:
