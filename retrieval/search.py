@@ -170,6 +170,27 @@ class Searcher:
             )
         return self.encoder.encode(list(queries))
 
+    def project(self, raw: np.ndarray, dims: int | None = None) -> np.ndarray:
+        """Raw encoder vectors in the index's space (the kernel, then L2-normalised), keeping only its first
+        ``dims`` directions, the ones of largest variance (all of them by default): a principled shorter
+        embedding for any encoder. An index of raw vectors has no directions to drop: only its full width."""
+        transform = self.transform
+        if dims is not None and dims != transform.dim_out:
+            if not isinstance(transform, Whitening):
+                raise ConfigError(
+                    f"`dimensions` must be {transform.dim_out}: this index keeps raw vectors, with no whitening "
+                    "kernel to shorten (build it with `dim` to get shorter embeddings)",
+                    "dimensions",
+                )
+            transform = transform.truncated(dims)
+        return transform.transform(raw)
+
+    def token_counts(self, texts: Sequence[str]) -> list[int]:
+        """Tokens the encoder reads of each text (after truncation), special tokens included; an encoder without
+        a tokenizer (a test's, precomputed vectors) counts whitespace-separated words."""
+        count = getattr(self.encoder, "count_tokens", None)
+        return list(count(texts)) if count is not None else [len(text.split()) for text in texts]
+
     def search(self, query: str, params: SearchParams = SearchParams()) -> list[Hit]:
         return self.search_batch([query], params)[0]
 

@@ -38,6 +38,8 @@ def visible_pattern() -> str:
     as ``blank``, so the two cannot disagree."""
     ranges: list[tuple[int, int]] = []
     for code in range(sys.maxunicode + 1):
+        if 0xD800 <= code <= 0xDFFF:  # surrogates: no valid text holds one alone (refused as such), and a range
+            continue  # over them is not a valid class for many regex engines (ECMA-262's among them)
         c = chr(code)
         if c == INVISIBLE or unicodedata.category(c) in DROPPED:
             if ranges and ranges[-1][1] == code - 1:

@@ -254,6 +254,13 @@ class Whitening:
         except (KeyError, ValueError) as err:
             raise IndexDirError(f"{path}: corrupt whitening transform ({err}); rebuild the index") from err
 
+    def truncated(self, k: int) -> Whitening:
+        """The same kernel keeping only its first ``k`` directions (the largest variances): what ``--dim k`` would
+        have fitted from the same moments, gamma and epsilon, without refitting."""
+        if not 1 <= k <= self.dim_out:
+            raise ConfigError(f"`dimensions` must be between 1 and {self.dim_out} (got {k})", "dimensions")
+        return replace(self, kernel=self.kernel[:, :k]) if k < self.dim_out else self
+
     def __repr__(self) -> str:
         return (
             f"Whitening(dim_in={self.dim_in}, dim_out={self.dim_out}, gamma={self.gamma}, "

@@ -163,6 +163,12 @@ class TransformerEncoder:
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         return self.encode_poolings(texts, (self.pooling,))[self.pooling]
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens the model reads of each text: truncated at ``max_length``, special tokens included."""
+        with self._lock:  # the fast tokenizer is not re-entrant
+            tokens = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
+        return [len(ids) for ids in tokens["input_ids"]]
+
     def encode_poolings(
         self,
         texts: Sequence[str],

@@ -32,6 +32,7 @@ from retrieval.errors import ConfigError
 from retrieval.serve.errors import DOCS_ASSETS, install_error_handlers
 from retrieval.serve.metrics import Metrics
 from retrieval.serve.middleware import HeadAsGet, LimitBody, ObserveRequests, RequireHost
+from retrieval.serve.openai_compat import dimension_range
 from retrieval.serve.requests import KeyedRoute
 from retrieval.serve.routes import page_route, search_routes, state_routes
 from retrieval.serve.schemas import document_limits
@@ -74,7 +75,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
         lifespan=lifespan,
         static_url=DOCS_ASSETS,
     )
-    document_limits(app, options)
+    document_limits(app, options, lambda: dimension_range(service))
     app.state.service = service
     app.state.stop_timeout = 30.0  # seconds the engine gets to drain its queue at shutdown; 0 after a forced quit
     app.state.metrics = metrics

@@ -62,6 +62,7 @@ class _Job:
     params: SearchParams | None  # None: an embedding job (or a call)
     transformed: bool
     future: Future[Any]
+    dims: int | None = None  # an embedding in the index's space keeping this many directions (``Searcher.project``)
     enqueued: float = field(default_factory=time.perf_counter)
     call: Callable[[], Any] | None = None  # a function to run in an engine thread (``Batcher.call``)
 
@@ -121,8 +122,11 @@ class Batcher:
     def submit_search(self, texts: Sequence[str], params: SearchParams) -> Future[SearchResult]:
         return self._submit(_Job(list(texts), params, False, Future()))
 
-    def submit_embed(self, texts: Sequence[str], transformed: bool = False) -> Future[EmbedResult]:
-        return self._submit(_Job(list(texts), None, transformed, Future()))
+    def submit_embed(
+        self, texts: Sequence[str], transformed: bool = False, dims: int | None = None
+    ) -> Future[EmbedResult]:
+        """Raw vectors, or (``transformed``) in the index's space, its first ``dims`` directions when given."""
+        return self._submit(_Job(list(texts), None, transformed, Future(), dims=dims))
 
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run ``fn`` in an engine thread, before the next batch there: for what must happen in the thread that
@@ -284,7 +288,7 @@ class Batcher:
     @staticmethod
     def _embed(searcher: Searcher, job: _Job, raw: np.ndarray, generation: int) -> None:
         try:
-            out = searcher.transform.transform(raw) if job.transformed else raw
+            out = searcher.project(raw, job.dims) if job.transformed else raw
             job.future.set_result(EmbedResult(np.asarray(out, dtype=np.float32), generation))
         except BaseException as err:  # noqa: BLE001 - handed to the caller
             job.future.set_exception(err)

@@ -17,6 +17,7 @@ import retrieval
 from retrieval.search import SearchParams
 from retrieval.serve.errors import ApiError, client_closed, shutting_down
 from retrieval.serve.metrics import Metrics
+from retrieval.serve.openai_compat import openai_routes
 from retrieval.serve.requests import check_query_string, disconnected, query_texts, search_params
 from retrieval.serve.schemas import (
     BODY_ERRORS,
@@ -122,6 +123,8 @@ def search_routes(api: APIRouter, service: Service) -> None:
         else:
             texts = query_texts(body.queries or [], "queries", options)
         return await run_search(request, texts, search_params(service, body.k, body.rescore, body.ef, body.nprobe))
+
+    openai_routes(api, service, answer, encodes)
 
     @api.post(
         "/embed",

@@ -4,6 +4,7 @@ limits written into the OpenAPI spec."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import FastAPI
@@ -148,9 +149,13 @@ def param_bounds(options: ServeOptions) -> dict[str, tuple[int, int]]:
     }
 
 
-def document_limits(app: FastAPI, options: ServeOptions) -> None:
+def document_limits(
+    app: FastAPI, options: ServeOptions, dimensions: Callable[[], tuple[int, int] | None] = lambda: None
+) -> None:
     """Write the limits the handlers enforce into the OpenAPI spec (they are this server's options, not fixed in
-    the models): k, rescore, ef and nprobe bounds, text lengths, batch sizes."""
+    the models): k, rescore, ef and nprobe bounds, text lengths, batch sizes; and ``widest()``, the most
+    ``dimensions`` /v1/embeddings offers for the index being served (None while none is: the spec is written
+    again when it changes)."""
     # Refused as empty too: a text of whitespace or of characters the tokenizer drops alone (a pattern is searched
     # for anywhere in the string: it finds one character that is kept)
     text = {"minLength": 1, "maxLength": options.max_query_chars, "pattern": visible_pattern()}
@@ -160,6 +165,7 @@ def document_limits(app: FastAPI, options: ServeOptions) -> None:
         "query": text,
         "queries": {"minItems": 1, "maxItems": options.max_queries, "items": text},
         "inputs": {"minItems": 1, "maxItems": options.max_queries, "items": text} | text,
+        "input": {"minItems": 1, "maxItems": options.max_queries, "items": text} | text,
     }
 
     def constrain(schema: dict[str, Any], limits: dict[str, Any]) -> None:
@@ -173,12 +179,22 @@ def document_limits(app: FastAPI, options: ServeOptions) -> None:
 
     generate = app.openapi
 
+    written_for: list[tuple[int, int] | None] = []  # the ``dimensions()`` the cached spec states
+
     def openapi() -> dict[str, Any]:
+        dims = dimensions()
+        if written_for != [dims]:
+            app.openapi_schema = None
         if app.openapi_schema is None:
-            schema = generate()  # FastAPI's, kept in app.openapi_schema: written into once
-            for model in ("SearchRequest", "EmbedRequest"):
-                for name, prop in schema["components"]["schemas"][model]["properties"].items():
+            schema = generate()  # FastAPI's, kept in app.openapi_schema: written into once per index width
+            written_for[:] = [dims]
+            models = schema["components"]["schemas"]
+            for model in ("SearchRequest", "EmbedRequest", "EmbeddingsRequest"):
+                for name, prop in models.get(model, {}).get("properties", {}).items():
                     constrain(prop, bounds.get(name, {}))
+            if "EmbeddingsRequest" in models:
+                limits = {"minimum": 1} if dims is None else {"minimum": dims[0], "maximum": dims[1]}
+                constrain(models["EmbeddingsRequest"]["properties"]["dimensions"], limits)
             search = schema["components"]["schemas"]["SearchRequest"]
             search["properties"]["k"]["default"] = default_k(options)
             search["oneOf"] = [  # exactly one of the two given, as a text and as a list (null is "not given")
