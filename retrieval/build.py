@@ -310,9 +310,8 @@ def _open_stash(
         log.warning("nothing to resume in %s; starting a fresh build", work)
     elif (stash_dir / STATE_NAME).is_file():
         log.warning("discarding the unfinished build in %s (rerun with `--resume` to continue one)", work)
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    files.remove_tree(work)  # a link at its name is refused (``writing`` checked it already), never followed
+    work.mkdir()
     return VectorStash.create(stash_dir, d, poolings, options.stash_dtype, meta), 0
 
 

@@ -40,6 +40,12 @@ class BusyError(IndexDirError):
     """Another process is writing the index directory."""
 
 
+class PlantedLinkError(IndexDirError):
+    """A symbolic link (or another kind of file) at one of the names retrieval keeps beside an index for itself:
+    a lock file, a work folder, a previous version. Never followed: a link there could make a writer create,
+    lock, rename or delete something outside the index."""
+
+
 class Interrupted(RetrievalError):
     """The user stopped the command (Ctrl-C, or SIGTERM); the message says what was kept and how to continue."""
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.errors import BusyError, IndexDirError
+from retrieval.errors import BusyError, IndexDirError, PlantedLinkError
 
 QUICK_FULL_BELOW = 64 << 20  # files smaller than this are hashed whole even by the quick check
 QUICK_BLOCKS, QUICK_BLOCK_BYTES = 64, 1 << 16  # larger ones: 64 blocks of 64 KiB spread from first byte to last
@@ -133,10 +133,12 @@ def write_atomic(path: Path, data: bytes) -> None:
 
     The temporary name is the writing process's own, so two processes writing the same file (a retried Ray task
     and a dying attempt of it) never interleave their bytes in one temporary file. A failed or interrupted
-    write removes it."""
+    write removes it. A symbolic link at the temporary name is refused, never written through; one at ``path``
+    is replaced by the file, not followed."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as fh:
+        fd = _open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "temporary file", 0o666)
+        with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
@@ -163,6 +165,48 @@ def output_errors(path: Path) -> Iterator[None]:
 # The work directories of updates (``replacing``): never resumed, so any left when a writer takes the lock is a
 # killed writer's, and goes. A build's ("building") is kept for ``--resume``.
 UPDATE_PURPOSES = ("adding", "refitting", "removing", "calibrating")
+# Every hidden sibling a writer makes beside an index ("old": the previous version, renamed aside by ``publish``)
+OWN_PURPOSES = ("building", "old", *UPDATE_PURPOSES)
+
+
+def _own_kind(path: Path) -> str:
+    """What this tool keeps at ``path``, one of its own names beside an index, in words."""
+    name = Path(path).name
+    if name.endswith(".lock"):
+        return "writer's lock file"
+    if name.endswith(".old"):
+        return "previous version of an index"
+    if name.endswith(".tmp"):
+        return "temporary file"
+    return "work folder"
+
+
+def refuse_link(path: Path) -> None:
+    """Refuse a symbolic link at ``path``, one of this tool's own names (a lock file, a work folder, a previous
+    version): followed, it would make a writer create, lock, rename or delete something outside the index."""
+    if os.path.islink(path):
+        raise PlantedLinkError(
+            f"{path} is a symbolic link where retrieval keeps its {_own_kind(path)}, and such links are never "
+            "followed: remove the link (retrieval did not make it), then run again"
+        )
+
+
+def _open_own(path: Path, flags: int, kind: str, mode: int = 0o644) -> int:
+    """``os.open`` of one of this tool's own files without following a symbolic link at its name (refused in
+    one line) and without blocking on a FIFO planted there; anything but a regular file is refused too."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            refuse_link(path)
+        if err.errno in (errno.EISDIR, errno.ENXIO):  # a folder, or a FIFO or socket with no one at the other end
+            raise PlantedLinkError(f"{path} is not a file but retrieval keeps its {kind} there: remove it") from err
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise PlantedLinkError(f"{path} is not a file but retrieval keeps its {kind} there: remove it")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def work_dir(target: Path, purpose: str = "building") -> Path:
@@ -180,7 +224,7 @@ def publish(work: Path, target: Path, own: Collection[str] = ()) -> None:
     puts back).
     """
     old = work_dir(target, "old")
-    if old.exists():
+    if os.path.lexists(old):
         remove_tree(old)
     if target.is_dir():
         for entry in target.iterdir():
@@ -200,12 +244,11 @@ def publish(work: Path, target: Path, own: Collection[str] = ()) -> None:
 
 def remove_tree(path: Path) -> None:
     """``shutil.rmtree`` of a tree this tool left at one of its own names (a previous version, a killed
-    writer's work). A symbolic link there is removed, never followed. A write-protected tree (``chmod -R
-    a-w``) could not be emptied, and every later writer failed on it: its folders are then opened up where this
-    user owns them (only an owner may chmod; a group member of a shared index removes without it)."""
-    if path.is_symlink():
-        path.unlink()
-        return
+    writer's work). A symbolic link there is refused, never followed nor removed. A write-protected tree
+    (``chmod -R a-w``) could not be emptied, and every later writer failed on it: its folders are then opened
+    up where this user owns them (only an owner may chmod; a group member of a shared index removes without
+    it)."""
+    refuse_link(path)
     if not path.exists():
         return
     try:
@@ -283,8 +326,8 @@ def sync_tree(root: Path) -> None:
     for directory, _, names in os.walk(root, topdown=False):
         for name in names:
             path = os.path.join(directory, name)
-            if not os.path.islink(path):
-                fd = os.open(path, os.O_RDONLY)
+            if stat.S_ISREG(os.lstat(path).st_mode):  # a user's link, FIFO or socket carried over: nothing to flush
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
                 try:
                     os.fsync(fd)
                 finally:
@@ -319,9 +362,9 @@ def replacing(target: Path, purpose: str, own: Collection[str] = ()) -> Iterator
     if purpose not in UPDATE_PURPOSES:
         raise ValueError(f"unknown update purpose {purpose!r}; add it to UPDATE_PURPOSES")
     work = work_dir(target, purpose)
-    if work.exists():
+    if os.path.lexists(work):
         remove_tree(work)
-    work.mkdir(parents=True)
+    work.mkdir()  # beside the target, which exists; never through a link planted at the name since
     try:
         yield work
         publish(work, target, own)
@@ -330,17 +373,20 @@ def replacing(target: Path, purpose: str, own: Collection[str] = ()) -> Iterator
         raise
 
 
-def recover(target: Path) -> None:
-    """Undo an interrupted ``publish`` for a reader: restore the previous version if the target is missing.
+def renamed_aside(target: Path) -> Path | None:
+    """The previous version of a missing ``target`` that a ``publish`` interrupted between its two renames left
+    aside (a real folder, not a link), else None. Only looked at: the next writer puts it back (``writing``)."""
+    old = work_dir(target, "old")
+    if os.path.lexists(target) or not stat.S_ISDIR(_lstat_mode(old)):
+        return None
+    return old
 
-    Not while a writer holds the target: there the gap is a publish in progress, not an interrupted one.
-    """
-    if not target.exists() and work_dir(target, "old").is_dir():
-        try:
-            with writing(target):  # taking the writer's lock restores it
-                pass
-        except (BusyError, OSError):  # a writer at work, or a read-only parent: the reader says what it finds
-            pass
+
+def _lstat_mode(path: Path) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return 0
 
 
 @contextmanager
@@ -353,12 +399,17 @@ def writing(target: Path) -> Iterator[None]:
     file beside the target, removed on release (a killed writer leaves the file but not the lock: the kernel
     drops it). Removing a lock file is safe only with a check: a process that opened it just before it was
     removed would lock a dead inode, so the lock counts only if the path still names the inode locked.
+    A symbolic link at the lock's name or at any of the work names (``OWN_PURPOSES``) is refused, not followed.
     """
     path = lock_path(target)
     made = [d for d in [target.parent, *target.parent.parents] if not d.exists()]  # removed again if left empty
     target.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = _open_own(path, os.O_RDWR | os.O_CREAT, "writer's lock file")
+        except BaseException:
+            _remove_empty(made)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -367,14 +418,16 @@ def writing(target: Path) -> Iterator[None]:
                 f"another retrieval process is writing {target}; wait for it to finish, then try again"
             ) from None
         try:
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+            if os.fstat(fd).st_ino == os.lstat(path).st_ino:
                 break
         except FileNotFoundError:
             pass
         os.close(fd)  # a lock file removed under us: try again with a fresh one
     try:
-        old = work_dir(target, "old")
-        if not target.exists() and old.is_dir():
+        for purpose in OWN_PURPOSES:
+            refuse_link(work_dir(target, purpose))
+        old = renamed_aside(target)
+        if old is not None:
             os.rename(old, target)
         for purpose in UPDATE_PURPOSES:  # a killed update's work: gigabytes of a new index nobody will publish
             stale = work_dir(target, purpose)
@@ -385,11 +438,17 @@ def writing(target: Path) -> Iterator[None]:
     finally:
         os.unlink(path)  # before unlocking, so no one can take the lock on a file that is about to vanish
         os.close(fd)
-        for directory in made:  # deepest first: a failed build leaves no empty folders behind
-            try:
-                directory.rmdir()
-            except OSError:
-                break
+        _remove_empty(made)
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """Remove the folders a writer made for its target, deepest first, while they are empty: a failed build
+    leaves no empty folders behind."""
+    for directory in made:
+        try:
+            directory.rmdir()
+        except OSError:
+            break
 
 
 def lock_path(target: Path) -> Path:
@@ -398,12 +457,13 @@ def lock_path(target: Path) -> Path:
 
 
 def link_or_copy(src: Path | str, dst: Path | str) -> None:
-    """Hard-link ``src`` to ``dst`` (no copy, no risk to the source), copying where links are not possible."""
+    """Hard-link ``src`` to ``dst`` (no copy, no risk to the source), copying where links are not possible. A
+    symbolic link at ``src`` is linked or copied as the link itself, never as the file it points to."""
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.link(src, dst)
+        os.link(src, dst, follow_symlinks=False)
     except OSError:
-        shutil.copy2(src, dst)
+        shutil.copy2(src, dst, follow_symlinks=False)
 
 
 PAGE = 4096

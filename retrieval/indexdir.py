@@ -342,8 +342,13 @@ class IndexDir:
     def manifest(self) -> Manifest:
         path = self.path / MANIFEST
         if not self.path.is_dir():
-            files.recover(self.path)  # a publish killed between its two renames: the previous version comes back
-        if not self.path.is_dir():
+            aside = files.renamed_aside(files.resolved(self.path))
+            if aside is not None:  # a reader never moves it back: that is the next writer's job, under the lock
+                raise IndexDirError(
+                    f"no index directory at {self.path}, but its previous version is at {aside}: an update was "
+                    f"stopped while it published; the next `add`, `remove`, `refit` or `calibrate` of {self.path} "
+                    f"puts it back, or move it back yourself (`mv {aside} {self.path}`)"
+                )
             raise IndexDirError(f"no index directory at {self.path}; build one with `retrieval index CORPUS`")
         if not path.is_file():
             raise IndexDirError(f"{self.path} has no {MANIFEST}: it is not a complete index; rebuild it")
@@ -490,7 +495,6 @@ def load(path: Path | str, verify: Verify = "full") -> Loaded:
     real = files.resolved(directory.path)  # a writer's lock and renamed-aside copy sit beside the real directory
     deadline = time.monotonic() + LOAD_RETRY_SECONDS
     while True:
-        files.recover(real)
         before = directory.identity()
         try:
             loaded = _load_once(directory, verify)
@@ -511,7 +515,7 @@ def _raced(directory: IndexDir, real: Path, before: tuple[int, int] | None) -> b
     """A publish in the way: the directory is missing while a writer holds it, or it is another one than at the
     start of the read (replaced, or there again after the moment between a publish's two renames)."""
     now = directory.identity()
-    publishing = now is None and files.lock_path(real).exists()
+    publishing = now is None and os.path.lexists(files.lock_path(real))
     return publishing or (now is not None and now != before)
 
 

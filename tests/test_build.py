@@ -471,10 +471,17 @@ def test_crash_keeps_the_previous_index_and_the_work_for_resume(
     assert resumed.n == N and siblings(out) == ["idx"]
 
 
-def test_interrupted_publish_is_recovered(built: tuple[Path, FakeEncoder, Manifest]) -> None:
+def test_interrupted_publish_is_recovered_by_the_next_writer(built: tuple[Path, FakeEncoder, Manifest]) -> None:
+    """A reader moves nothing: it says where the previous version is; the next writer puts it back."""
     out = built[0]
     before = snapshot(out)
-    out.rename(files.work_dir(out, "old"))  # killed between the two renames of publish()
+    old = files.work_dir(out, "old")
+    out.rename(old)  # killed between the two renames of publish()
+    with pytest.raises(IndexDirError, match=r"previous version is at .*\.idx\.old: .*next `add`"):
+        Searcher.load(out, encoder=FakeEncoder())
+    assert not out.exists() and old.is_dir()
+    with files.writing(out):
+        pass
     searcher = Searcher.load(out, encoder=FakeEncoder())
     assert searcher.manifest.n == N and snapshot(out) == before
 
@@ -522,10 +529,6 @@ def test_one_writer_at_a_time(built: tuple[Path, FakeEncoder, Manifest], corpus:
             with pytest.raises(IndexDirError, match="another retrieval process is writing .*idx; wait for it"):
                 write()
             assert snapshot(out) == before and siblings(out) == [".idx.lock", "idx"]
-        out.rename(files.work_dir(out, "old"))  # a gap a writer's publish leaves for an instant
-        files.recover(out)
-        assert not out.exists()  # a reader does not "recover" a publish in progress
-        files.work_dir(out, "old").rename(out)
     finally:
         holder.communicate(b"")
     assert holder.returncode == 0

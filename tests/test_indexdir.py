@@ -20,7 +20,7 @@ from conftest import ROOT, FakeEncoder, write_corpus
 from retrieval import files, indexdir, update
 from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
-from retrieval.errors import ConfigError, IndexDirError
+from retrieval.errors import ConfigError, IndexDirError, PlantedLinkError
 from retrieval.indexdir import INDEX, MANIFEST, IndexDir, Manifest, checksum, load
 from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import TransformSpec, Whitening
@@ -495,16 +495,19 @@ def test_a_shared_group_index_is_replaced_without_chmod(index: Path, tmp_path: P
 
 
 @pytest.mark.parametrize("name", ["old", "adding"])
-def test_a_link_at_a_work_name_is_removed_not_followed(index: Path, tmp_path: Path, name: str) -> None:
-    """A symbolic link at `.idx.old` made the writer chmod the whole tree it pointed to (and then fail)."""
+def test_a_link_at_a_work_name_is_refused_not_followed(index: Path, tmp_path: Path, name: str) -> None:
+    """A symbolic link at `.idx.old` made the writer chmod the whole tree it pointed to (and then fail); a
+    link at one of the tool's own names is refused in one line naming it, the link and its target untouched."""
     victim = tmp_path / "victim"
     (victim / "sub").mkdir(parents=True)
     for path in (victim / "sub", victim):
         path.chmod(0o555)
-    files.work_dir(index, name).symlink_to(victim)
+    link = files.work_dir(index, name)
+    link.symlink_to(victim)
     try:
-        update.add(index, more_rows(tmp_path), FakeEncoder())
-        assert not files.work_dir(index, name).is_symlink() and not files.work_dir(index, name).exists()
+        with pytest.raises(PlantedLinkError, match=f"^{link} is a symbolic link where retrieval keeps its"):
+            update.add(index, more_rows(tmp_path), FakeEncoder())
+        assert link.is_symlink() and Manifest.load(index).n == 300
         assert {(victim / "sub").stat().st_mode & 0o777, victim.stat().st_mode & 0o777} == {0o555}
     finally:
         for path in (victim, victim / "sub"):

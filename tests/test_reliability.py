@@ -1253,7 +1253,8 @@ def test_sigterm_of_a_writer(fake_index: Path, tmp_path: Path, action: str, paus
     wait_for(marker, process)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 143
-    files.recover(fake_index)  # what any reader or writer does first: puts back a version renamed aside
+    with files.writing(fake_index):  # what any writer does first: puts back a version renamed aside
+        pass
     assert snapshot(fake_index) == before and leftovers(fake_index) == []
 
 

@@ -24,7 +24,7 @@ from retrieval import docs, files
 from retrieval.build import BuildOptions, build_index
 from retrieval.cli.app import app
 from retrieval.corpus import CorpusSpec
-from retrieval.errors import ConfigError, RetrievalError
+from retrieval.errors import ConfigError, IndexDirError, RetrievalError
 from retrieval.index import load_index
 from retrieval.indexdir import INDEX, STASH, IndexDir
 from retrieval.progress import no_progress
@@ -196,7 +196,13 @@ def test_kill_in_the_final_write_or_publish_keeps_the_previous_index(tmp_path, b
     kill_when(start(big_corpus, out, log, "--overwrite", "--pause", point, sleep=0), marker.exists)
     assert encoded_rows(log) == ROWS
 
-    # The previous index is intact and loads (after publish's first rename it is aside; loading puts it back).
+    # The previous index is intact and loads (after publish's first rename it is aside: a reader says so and
+    # moves nothing; the next writer puts it back).
+    if point == "publish":
+        with pytest.raises(IndexDirError, match="its previous version is at"):
+            Searcher.load(out, encoder=FakeEncoder())
+        with files.writing(out):
+            pass
     searcher = Searcher.load(out, encoder=FakeEncoder())
     assert searcher.manifest.n == 120
     IndexDir(out).verify(searcher.manifest, "full")
