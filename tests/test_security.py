@@ -12,7 +12,7 @@ import pytest
 from conftest import FakeEncoder, write_corpus
 from typer.testing import CliRunner, Result
 
-from retrieval import files, update
+from retrieval import files, home, update
 from retrieval.build import BuildOptions, build_index
 from retrieval.cli import app
 from retrieval.corpus import CorpusSpec
@@ -190,3 +190,17 @@ def test_a_copy_across_devices_keeps_a_link_a_link(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(os, "link", cross_device)
     files.link_or_copy(tmp_path / "a", tmp_path / "b")
     assert (tmp_path / "b").is_symlink() and os.readlink(tmp_path / "b") == str(victim)
+
+
+def test_the_default_index_pointer_is_never_written_through_a_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "indexes"
+    root.mkdir()
+    monkeypatch.setenv("RETRIEVAL_INDEX_ROOT", str(root))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    (root / home.LAST_NAME).symlink_to(victim)
+    home.remember(root / "idx")
+    assert victim.read_text() == "mine" and (root / home.LAST_NAME).read_text() == "idx\n"
+    assert not (root / home.LAST_NAME).is_symlink()

@@ -6,6 +6,7 @@ import logging
 import os
 from pathlib import Path
 
+from retrieval import files
 from retrieval.errors import IndexDirError
 
 LAST_NAME = ".last-built"
@@ -29,18 +30,21 @@ def default_out(corpus_path: Path) -> Path:
 
 def remember(directory: Path) -> None:
     """Make ``directory`` the index ``search`` uses by default. A pointer that cannot be written (a read-only
-    working directory, an index root that is a file) is a warning: the index itself is built and complete."""
+    working directory, an index root that is a file) is a warning: the index itself is built and complete.
+    Written atomically, by renaming a new file into place: a symbolic link planted at the pointer's name is
+    replaced, never written through."""
     root = index_root()
     try:
         root.mkdir(parents=True, exist_ok=True)
-        (root / LAST_NAME).write_text(str(_pointer(Path(directory).resolve(), root.resolve())) + "\n")
-    except OSError as err:
+        pointer = str(_pointer(Path(directory).resolve(), root.resolve())) + "\n"
+        files.write_atomic(root / LAST_NAME, os.fsencode(pointer))
+    except (OSError, IndexDirError) as err:
         log.warning(
             "%s is complete, but it could not be recorded as the default index in %s (%s); name it when you "
             "search: `retrieval search --index %s`",
             directory,
             root / LAST_NAME,
-            err.strerror or err,
+            getattr(err, "strerror", None) or err,
             directory,
         )
 
@@ -57,7 +61,13 @@ def default_index(name_it: str = "pass --index DIR") -> Path:
             f"first, or {name_it}"
         )
     # a relative pointer is the root's, an absolute one stands; only the newline goes (a name may start with a space)
-    return index_root() / pointer.read_text().rstrip("\n")
+    directory = index_root() / pointer.read_text().rstrip("\n")
+    if not os.path.lexists(directory) and files.renamed_aside(files.resolved(directory)) is None:
+        raise IndexDirError(
+            f"the default index (the last one built, as recorded in {pointer}) is gone from {directory}: it was "
+            f"moved or deleted; {name_it} to use another index, or build one with `retrieval index CORPUS`"
+        )
+    return directory
 
 
 def _pointer(directory: Path, root: Path) -> Path:
