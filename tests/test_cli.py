@@ -397,6 +397,14 @@ def test_search_with_no_index_built(isolated_home: Path) -> None:
     assert_nothing_written(isolated_home)
 
 
+def test_search_when_the_last_built_index_was_moved_away(isolated_home: Path) -> None:
+    """It said "no index directory at .../lb; build one", as if the user had named that folder."""
+    isolated_home.mkdir(parents=True)
+    (isolated_home / ".last-built").write_text("lb\n")
+    line = assert_one_clear_error(run("search", "anything"), "the default index (the last one built", "is gone from")
+    assert "pass --index DIR to use another index" in line and "retrieval index CORPUS" in line
+
+
 def test_search_a_missing_directory(tmp_path: Path) -> None:
     assert_one_clear_error(run("search", "anything", "--index", tmp_path / "nope"), "no index directory")
 
