@@ -1533,6 +1533,8 @@ def test_serve_options_defaults_are_the_measured_ones() -> None:
         ({"verify": "fast"}, "verify"),
         ({"max_queue": 0}, "max_queue"),
         ({"max_batch": 0}, "max_batch"),
+        ({"engine_workers": 0}, "engine_workers"),  # not "with engine_workers above 1, give torch_threads"
+        ({"engine_workers": -2, "torch_threads": 2}, "engine_workers"),
     ],
 )
 def test_serve_options_refuse_each_bad_value_by_name(options: dict[str, Any], name: str) -> None:

@@ -75,17 +75,6 @@ class ServeOptions:
     verify: Verify = "full"
 
     def check(self) -> None:
-        if self.torch_threads == "auto":
-            if self.engine_workers != 1:
-                raise ConfigError(
-                    "`torch_threads` auto times one engine worker's batches: with `engine_workers` above 1, give "
-                    "`torch_threads` a number (1: one thread per worker)",
-                    "torch_threads",
-                )
-        elif isinstance(self.torch_threads, (str, bool)) or self.torch_threads < 1:
-            raise ConfigError(
-                f"`torch_threads` must be auto or a positive integer (got {self.torch_threads!r})", "torch_threads"
-            )
         positive = {
             "faiss_threads": self.faiss_threads,
             "blas_threads": self.blas_threads,
@@ -101,6 +90,18 @@ class ServeOptions:
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"`{name}` must be a positive integer (got {value!r})", name)
+        # after the counts: `engine_workers` 0 is wrong in itself, not for want of a `torch_threads` number
+        if self.torch_threads == "auto":
+            if self.engine_workers != 1:
+                raise ConfigError(
+                    "`torch_threads` auto times one engine worker's batches: with `engine_workers` above 1, give "
+                    "`torch_threads` a number (1: one thread per worker)",
+                    "torch_threads",
+                )
+        elif isinstance(self.torch_threads, (str, bool)) or self.torch_threads < 1:
+            raise ConfigError(
+                f"`torch_threads` must be auto or a positive integer (got {self.torch_threads!r})", "torch_threads"
+            )
         waits = (("max_wait_ms", self.max_wait_ms), ("fill_wait_ms", self.fill_wait_ms))
         for name, seconds in (*waits, ("watch_interval", self.watch_interval)):
             if not 0 <= seconds <= 3600:
