@@ -382,6 +382,15 @@ def renamed_aside(target: Path) -> Path | None:
     return old
 
 
+def restore(target: Path) -> None:
+    """A writer's first step, before it reads the settings it keeps: put back the previous version that an
+    interrupted ``publish`` left aside (``writing`` does, under the lock, and refuses a link there)."""
+    target = resolved(target)
+    if not os.path.lexists(target) and os.path.lexists(work_dir(target, "old")):
+        with writing(target):
+            pass
+
+
 def _lstat_mode(path: Path) -> int:
     try:
         return os.lstat(path).st_mode

@@ -346,8 +346,8 @@ class IndexDir:
             if aside is not None:  # a reader never moves it back: that is the next writer's job, under the lock
                 raise IndexDirError(
                     f"no index directory at {self.path}, but its previous version is at {aside}: an update was "
-                    f"stopped while it published; the next `add`, `remove`, `refit` or `calibrate` of {self.path} "
-                    f"puts it back, or move it back yourself (`mv {aside} {self.path}`)"
+                    f"stopped while it published; the next `retrieval add`, `retrieval remove` or `retrieval refit` "
+                    f"of {self.path} puts it back, or move it back yourself (`mv {aside} {self.path}`)"
                 )
             raise IndexDirError(f"no index directory at {self.path}; build one with `retrieval index CORPUS`")
         if not path.is_file():

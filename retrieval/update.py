@@ -64,14 +64,22 @@ log = logging.getLogger(__name__)
 
 
 # ----- what to fit, what to build --------------------------------------------------------------------------
+def current(directory: Path) -> Manifest:
+    """The manifest of the version a writer (``add``, ``remove``, ``refit``) starts from, read before it takes
+    the lock (the settings it keeps): a version an interrupted publish left aside is put back first (a reader
+    would only say where it is)."""
+    files.restore(directory)
+    return IndexDir(files.resolved(directory)).manifest()
+
+
 def transform_spec(directory: Path, **changes: Any) -> TransformSpec:
     """The transform spec ``directory`` was fitted with, with ``changes`` applied (None values: keep).
 
     Turning whitening off drops a kept ``dim`` and ``gamma`` unless given (the raw transform keeps every
     dimension and has no kernel; a ``gamma`` given with it is refused by ``TransformSpec.check``).
     """
-    record = IndexDir(directory).manifest().transform
-    current = record.spec
+    record = current(directory).transform
+    fitted = record.spec
     given = {key: value for key, value in changes.items() if value is not None}
     if given.get("whiten") is False and "dim" not in given:
         given["dim"] = None
@@ -82,7 +90,7 @@ def transform_spec(directory: Path, **changes: Any) -> TransformSpec:
     if "whiten" not in given and ("dim" in given or "gamma" in given):
         given["whiten"] = None  # a new `dim` or `gamma` without a word on whitening: the defaults decide
     # (a raw index records no gamma: TransformRecord.of resolves it away, so a raw index gets the default one)
-    spec = dataclasses.replace(current, **given)
+    spec = dataclasses.replace(fitted, **given)
     if "epsilon" in given and not spec.resolve(record.d).whiten:
         raise ConfigError("the raw transform has no eigenvalues to regularise; drop `epsilon`, or whiten", "epsilon")
     return spec
@@ -91,8 +99,8 @@ def transform_spec(directory: Path, **changes: Any) -> TransformSpec:
 def index_spec(directory: Path, **changes: Any) -> IndexSpec:
     """The FAISS index spec ``directory`` was built with, with ``changes`` applied (None values: keep). A knob
     given for a kind that does not read it is refused (``IndexSpec.check_given``)."""
-    current = IndexDir(directory).manifest().index.spec
-    spec = dataclasses.replace(current, **{key: value for key, value in changes.items() if value is not None})
+    kept = current(directory).index.spec
+    spec = dataclasses.replace(kept, **{key: value for key, value in changes.items() if value is not None})
     spec.check_given({key: value for key, value in changes.items() if key != "kind"})
     return spec
 
@@ -197,7 +205,7 @@ def read_like_build(directory: Path, path: Path, **given: Any) -> CorpusSpec:
     built, so rows added later get ids, titles and texts as the first rows did (an index built with
     ``--id-column doc_id --title-column title`` otherwise took row numbers and untitled texts from a new file
     of the same shape). An empty string asks for no id, title or vectors column."""
-    built = IndexDir(files.resolved(directory)).manifest().corpus.settings
+    built = current(directory).corpus.settings
     fields = {field.name for field in dataclasses.fields(CorpusSpec)} - {"path"}
     unknown = set(given) - fields
     if unknown:

@@ -477,7 +477,7 @@ def test_interrupted_publish_is_recovered_by_the_next_writer(built: tuple[Path, 
     before = snapshot(out)
     old = files.work_dir(out, "old")
     out.rename(old)  # killed between the two renames of publish()
-    with pytest.raises(IndexDirError, match=r"previous version is at .*\.idx\.old: .*next `add`"):
+    with pytest.raises(IndexDirError, match=r"previous version is at .*\.idx\.old: .*next `retrieval add`"):
         Searcher.load(out, encoder=FakeEncoder())
     assert not out.exists() and old.is_dir()
     with files.writing(out):

@@ -1205,7 +1205,8 @@ def results(index: Path) -> list[list[str]]:
 @case(
     "faults",
     "SIGKILL of `add`, `refit` or `remove` while encoding, writing, or between publish's two renames",
-    "the old index searches with identical results; the next writer clears the stale work; a rerun works",
+    "the old index searches with identical results (left aside by the publish: the next writer puts it back, a "
+    "search says where it is); the next writer clears the stale work; a rerun works",
 )
 def test_sigkill_of_a_writer(fake_index: Path, tmp_path: Path, action: str, pause: str) -> None:
     before, expected = snapshot(fake_index), results(fake_index)
@@ -1213,7 +1214,11 @@ def test_sigkill_of_a_writer(fake_index: Path, tmp_path: Path, action: str, paus
     wait_for(marker, process)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert results(fake_index) == expected  # a reader restores an index left aside by a killed publish
+    if pause == "publish":  # left aside: a reader says where and moves nothing; a writer's first step restores it
+        with pytest.raises(IndexDirError, match="its previous version is at"):
+            results(fake_index)
+        files.restore(fake_index)
+    assert results(fake_index) == expected
     assert snapshot(fake_index) == before
     if action == "add":
         update.add(fake_index, CorpusSpec(new_docs(tmp_path / "again.parquet", 30)), FakeEncoder())
@@ -1506,9 +1511,10 @@ def test_disk_full_during_a_build(tmp_path: Path) -> None:
     "faults",
     "a publish killed between its two renames (the index moved aside), then `add`, `refit`, `remove` or "
     "`info --verify` before any search",
-    "the previous version is put back and the command works (it said: no index directory, build one)",
+    "a writer puts the previous version back and works; `info` (a reader: it never moves anything) says where the "
+    "previous version is and how to put it back",
 )
-def test_an_index_left_aside_is_restored_by_whichever_command_comes_first(
+def test_an_index_left_aside_is_restored_by_whichever_writer_comes_first(
     fake_index: Path, tmp_path: Path, first: str
 ) -> None:
     before = snapshot(fake_index)
@@ -1528,7 +1534,9 @@ def test_an_index_left_aside_is_restored_by_whichever_command_comes_first(
         else:
             update.remove(fake_index, ["doc3"])
     else:
-        ok(result)
+        one_line(result, "its previous version is at", "the next `retrieval add`, `retrieval remove` or")
+        assert not fake_index.exists()
+        update.current(fake_index)
         assert snapshot(fake_index) == before
     assert leftovers(fake_index) == []
 

@@ -111,7 +111,7 @@ def test_a_reader_leaves_an_interrupted_publish_to_the_writers(index: Path) -> N
     old = files.work_dir(index, "old")
     index.rename(old)
     before = siblings(index)
-    with pytest.raises(IndexDirError, match="its previous version is at .*idx.old: .*next `add`"):
+    with pytest.raises(IndexDirError, match="its previous version is at .*idx.old: .*next `retrieval add`"):
         load(index, "quick")
     assert siblings(index) == before
     with files.writing(index):  # a writer puts it back
