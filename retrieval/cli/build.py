@@ -298,11 +298,11 @@ def refit(
     train_size: Annotated[int | None, typer.Option(help="IVF/PQ: training sample rows.")] = None,
 ) -> None:
     """Re-fit the kernel and rebuild the index from the stash, without re-encoding; unset options keep their values."""
-    from retrieval.update import index_spec, transform_spec
+    from retrieval.update import current, index_spec, transform_spec
     from retrieval.update import refit as refit_index
 
     choice("pooling", pooling, POOLINGS)
-    generation = Manifest.load(index_dir).generation  # first: the settings kept are read from this version or later
+    generation = current(index_dir).generation  # first: the settings kept are read from this version or later
     transform = transform_spec(
         index_dir, dim=dim, gamma=gamma, epsilon=epsilon, whiten=whiten, center=center, pooling=pooling
     )
