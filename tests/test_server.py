@@ -1645,5 +1645,113 @@ def test_serving_caps_onednn_caches_before_torch_is_imported(tmp_path: Path, mon
 
     monkeypatch.setattr(server, "Service", service_seen)
     with pytest.raises(Started):
-        server.run(tmp_path, ServeOptions())
+        server.run(tmp_path, ServeOptions(), port=0)
     assert seen == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "512"}  # 64: the measured cap
+
+
+# ----- start-up: the API key and the socket, before anything is loaded --------------------------------------
+class Loaded(Exception):
+    """Raised where the service would be made: the point a server must not reach when it cannot serve."""
+
+
+@pytest.fixture
+def no_service(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``server.Service`` replaced: it records the directory and stops the run there (nothing loads, nothing
+    listens for long), so a regression that lets a bad start through fails the test rather than serving."""
+    from retrieval import server
+
+    made: list[str] = []
+
+    def service(directory, options):  # type: ignore[no-untyped-def]
+        made.append(str(directory))
+        raise Loaded
+
+    monkeypatch.setattr(server, "Service", service)
+    return made
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_an_empty_api_key_in_the_environment_is_refused(
+    index: Path, value: str, monkeypatch: pytest.MonkeyPatch, no_service: list[str]
+) -> None:
+    """`RETRIEVAL_API_KEY= retrieval serve IDX` served without authentication (while --api-key '' was refused)."""
+    from typer.testing import CliRunner
+
+    from retrieval import server
+    from retrieval.cli import app
+
+    monkeypatch.setenv("RETRIEVAL_API_KEY", value)
+    with pytest.raises(ConfigError, match="RETRIEVAL_API_KEY is set empty, which would leave the API open"):
+        server.run(index, ServeOptions(), port=0)
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        result = CliRunner().invoke(app, ["serve", str(index), "--port", "0"])
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1, result.stderr
+    said = "RETRIEVAL_API_KEY is set empty" if value == "" else "--api-key must be printable ASCII without surrounding"
+    assert said in lines[0] and "serving" not in result.stderr  # typer hands a blank variable over as the option
+    assert no_service == []
+
+
+def test_a_port_in_use_or_an_unknown_host_is_refused_before_anything_loads(index: Path, no_service: list[str]) -> None:
+    """It loaded the model, printed "serving ... on http://...", and only then logged uvicorn's error (exit 3)."""
+    import socket
+
+    from retrieval import server
+
+    announced: list[str] = []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port} .*choose another `port`"):
+            server.run(index, ServeOptions(), port=port, announce=announced.append)
+    with pytest.raises(ConfigError, match="cannot resolve `host` 'no-such-host.invalid'"):
+        server.run(index, ServeOptions(), host="no-such-host.invalid", port=0, announce=announced.append)
+    assert announced == [] and no_service == []
+
+
+def test_port_0_announces_the_port_it_got_once_it_listens(index: Path, no_service: list[str]) -> None:
+    import socket
+
+    from retrieval import server
+
+    reached: list[str] = []
+
+    def announce(url: str) -> None:
+        port = int(url.rstrip("/").rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # listening already
+            reached.append(url)
+
+    with pytest.raises(Loaded):
+        server.run(index, ServeOptions(), port=0, announce=announce)
+    assert len(reached) == 1 and reached[0].startswith("http://127.0.0.1:") and not reached[0].endswith(":0/")
+    assert no_service == [str(index)]  # announced first, then the service made
+
+
+def test_serve_prints_the_port_it_got(index: Path, no_service: list[str]) -> None:
+    """`retrieval serve --port 0` printed "on http://127.0.0.1:0/"."""
+    from typer.testing import CliRunner
+
+    from retrieval.cli import app
+
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        result = CliRunner().invoke(app, ["serve", str(index), "--port", "0"])
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert isinstance(result.exception, Loaded)
+    shown = [line for line in result.stderr.splitlines() if line.startswith("serving ")]
+    assert len(shown) == 1 and "on http://127.0.0.1:" in shown[0] and ":0/" not in shown[0], result.stderr
+
+
+def test_onednn_caches_are_left_alone_once_torch_is_imported(monkeypatch) -> None:
+    from retrieval.serve import service
+
+    for variable in service.ONEDNN_CACHE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setitem(sys.modules, "torch", object())
+    assert service.bound_onednn_caches() is False
+    assert not any(v in os.environ for v in service.ONEDNN_CACHE_VARIABLES)

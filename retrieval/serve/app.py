@@ -15,9 +15,11 @@ Only this package (and the CLI's `serve`) imports fastapi: the core never does.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,20 @@ def check_api_key(key: str | None) -> None:
     """Refuse a key no client could send: it travels in an HTTP header (printable ASCII, no surrounding space)."""
     if key is not None and not (key.isascii() and key.isprintable() and key.strip() == key != ""):
         raise ConfigError("`api_key` must be printable ASCII without surrounding spaces (it travels in an HTTP header)")
+
+
+def api_key_in_use(given: str | None) -> str | None:
+    """The key the server requires: ``given``, else ``RETRIEVAL_API_KEY``. A key set empty or blank, from either
+    source, is refused: it turned authentication off without a word."""
+    key = given if given is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        source = f"{API_KEY_ENV} is set" if given is None else "`api_key` is"
+        raise ConfigError(
+            f"{source} empty, which would leave the API open: give a key, or unset {API_KEY_ENV} to serve without one",
+            "api_key",
+        )
+    check_api_key(key)
+    return key
 
 
 def create_app(service: Service, api_key: str | None = None, manage: bool = True) -> FastAPI:
@@ -96,6 +112,42 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     return app
 
 
+def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A socket listening on ``host``:``port`` (0: any free port), or a one-line ConfigError: an unknown host, a
+    port in use, an address not of this machine. Bound before anything is loaded: a server that cannot listen
+    used to load the model, announce itself, and only then fail in uvicorn's log."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as err:
+        raise ConfigError(
+            f"cannot resolve `host` {host!r} ({err.strerror}): give an address or name of this machine "
+            "(127.0.0.1 for this machine only, 0.0.0.0 for every interface)",
+            "host",
+        ) from err
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        sock.bind(address)
+        sock.listen(backlog)
+    except OSError as err:
+        sock.close()
+        reason = {
+            errno.EADDRINUSE: "choose another `port`, or stop what listens there (0: any free port)",
+            errno.EADDRNOTAVAIL: "it is not an address of this machine: choose another `host`",
+            errno.EACCES: "ports below 1024 need privileges: choose another `port`",
+        }.get(err.errno or 0, "choose another `host` or `port`")
+        raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror}): {reason}", "port") from err
+    return sock
+
+
+def url_of(host: str, sock: socket.socket) -> str:
+    """The address a client uses: the host as given, the port the socket got (``port`` 0 asks for any)."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{sock.getsockname()[1]}/"
+
+
 def run(
     directory: Path,
     options: ServeOptions,
@@ -104,44 +156,53 @@ def run(
     api_key: str | None = None,
     shutdown_timeout: int = 30,
     log_level: str = "info",
+    announce: Callable[[str], None] | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM: uvicorn stops accepting, lets requests in flight finish (up to
-    ``shutdown_timeout`` seconds), then the app's lifespan drains the engine."""
+    ``shutdown_timeout`` seconds), then the app's lifespan drains the engine.
+
+    The API key (``api_key``, else ``RETRIEVAL_API_KEY``) is checked and the socket bound before anything is
+    loaded; then ``announce`` is called with the URL served (the port the socket got, for ``port`` 0)."""
     import uvicorn
 
-    runtime.tune_process(serving=True)  # before the service imports torch
-    service = Service(directory, options)
-    app = create_app(service, api_key=api_key or os.environ.get(API_KEY_ENV) or None)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            service.begin_shutdown()  # from the signal on: not ready, and a request cancelled at the timeout gets 503
-            super().handle_exit(sig, frame)
-
-        async def shutdown(self, sockets: Any = None) -> None:
-            await super().shutdown(sockets)
-            # A second Ctrl-C before uvicorn reached the app's shutdown: it skips it, and the lifespan, cancelled
-            # at exit, logged a traceback. It ends now, the engine's queue dropped (its threads are daemons): a
-            # forced quit does not wait. Not twice: a Ctrl-C during the app's shutdown finds it done.
-            finished = getattr(self.lifespan, "shutdown_event", None)
-            if self.force_exit and finished is not None and not finished.is_set():
-                app.state.stop_timeout = 0.0
-                await self.lifespan.shutdown()
-
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        timeout_graceful_shutdown=shutdown_timeout,
-        access_log=False,
-        server_header=False,
-        ws="none",  # no WebSocket route: an upgrade request is answered as plain HTTP (JSON errors), not 403
-    )
-    server = Server(config)
+    key = api_key_in_use(api_key)
+    sock = listen(host, port)
     try:
-        server.run()
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (``Terminated``), re-raised by uvicorn once it has shut down
-        pass  # the way a server is meant to stop: exit 0
-    if not server.started:  # e.g. the port is taken: uvicorn logged why; its exit status, as uvicorn.run gives
-        raise SystemExit(3)
+        if announce is not None:
+            announce(url_of(host, sock))
+        runtime.tune_process(serving=True)  # before the service imports torch
+        service = Service(directory, options)
+        app = create_app(service, api_key=key)
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                service.begin_shutdown()  # from the signal on: not ready; a request cancelled at the timeout: 503
+                super().handle_exit(sig, frame)
+
+            async def shutdown(self, sockets: Any = None) -> None:
+                await super().shutdown(sockets)
+                # A second Ctrl-C before uvicorn reached the app's shutdown: it skips it, and the lifespan,
+                # cancelled at exit, logged a traceback. It ends now, the engine's queue dropped (its threads are
+                # daemons): a forced quit does not wait. Not twice: a Ctrl-C during the app's shutdown finds it done.
+                finished = getattr(self.lifespan, "shutdown_event", None)
+                if self.force_exit and finished is not None and not finished.is_set():
+                    app.state.stop_timeout = 0.0
+                    await self.lifespan.shutdown()
+
+        config = uvicorn.Config(
+            app,
+            log_level=log_level,
+            timeout_graceful_shutdown=shutdown_timeout,
+            access_log=False,
+            server_header=False,
+            ws="none",  # no WebSocket route: an upgrade request is answered as plain HTTP (JSON errors), not 403
+        )
+        server = Server(config)
+        try:
+            server.run(sockets=[sock])  # the socket bound above: uvicorn serves it as it is
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (``Terminated``), re-raised by uvicorn once it has shut down
+            pass  # the way a server is meant to stop: exit 0
+        if not server.started:  # the app failed to start: uvicorn logged why; its exit status, as uvicorn.run gives
+            raise SystemExit(3)
+    finally:
+        sock.close()
