@@ -105,8 +105,12 @@ def serve(
     server.check_api_key(api_key)
     directory = index_dir or home.default_index("name it: `retrieval serve DIR`")
     IndexDir(directory).manifest()  # a missing or foreign directory fails here, in one line, not in the server
-    err.print(f"serving {safe(str(directory))} on http://{host}:{port}/ (docs at /docs)", markup=False)
+
+    def announce(url: str) -> None:  # once the port is bound (the one it got, for --port 0), before the model loads
+        err.print(f"serving {safe(str(directory))} on {url} (docs at /docs)", markup=False)
+
     try:
-        server.run(directory, options, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout)
+        server.run(directory, options, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout,
+                   announce=announce)  # fmt: skip
     finally:  # served: what remains is the interpreter's teardown (1-2 s of torch's exit hooks), and a Ctrl-C
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # there died by the signal or printed an exit hook's traceback
