@@ -427,6 +427,7 @@ class IndexDir:
             expected = manifest.files.get(name)
             path = self.path / name
             if expected is None or not files.inside(self.path, name):
+                self._refuse_link_out(name)
                 raise IndexDirError(f"{self.path}/{MANIFEST} does not list {name} as an index file; rebuild the index")
             if not path.is_file():
                 raise IndexDirError(f"index file {path} is missing; rebuild the index")
@@ -436,6 +437,18 @@ class IndexDir:
                 raise IndexDirError(f"index file {path} is corrupt or truncated (checksum mismatch); rebuild the index")
         if level == "full" and names is None and self.has_stash():
             self.stash().verify(full=True)
+
+    def _refuse_link_out(self, name: str) -> None:
+        """Refuse an index file (or the folder holding it) that is a symbolic link out of the index, saying so:
+        the manifest lists it, and the message that it did not sent users looking in the wrong place."""
+        parts = Path(name).parts
+        for depth in range(1, len(parts) + 1):
+            path = self.path.joinpath(*parts[:depth])
+            if path.is_symlink():
+                raise IndexDirError(
+                    f"index file {path} is a symbolic link out of the index (to {os.path.realpath(path)}), and an "
+                    "index reads only its own files: put the file itself there, or rebuild the index"
+                )
 
     def identity(self) -> tuple[int, int] | None:
         """Which version of the directory the path names now (inode and change time), or None if absent."""

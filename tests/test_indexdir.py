@@ -312,6 +312,19 @@ def test_verify_refuses_a_manifest_that_lists_a_file_outside_the_index(index: Pa
         directory.verify(directory.manifest(), "full")
 
 
+@pytest.mark.parametrize("level", ["full", "quick"])
+@pytest.mark.parametrize("name", ["docs.arrow", "vectors"])
+def test_an_index_file_replaced_by_a_link_out_of_the_index_is_named_as_one(
+    index: Path, tmp_path: Path, name: str, level: str
+) -> None:
+    """Refused, as before, but the message said the manifest "does not list docs.arrow", which it does."""
+    moved = tmp_path / f"moved-{name}"
+    (index / name).rename(moved)
+    (index / name).symlink_to(moved)
+    with pytest.raises(IndexDirError, match=f"^index file {index / name} is a symbolic link out of the index"):
+        load(index, level)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("level", ["Full", "ful", ""])
 def test_an_unknown_verification_level_is_refused_not_skipped(index: Path, level: str) -> None:
     with pytest.raises(ConfigError, match="`verify` must be one of full, quick, none"):
