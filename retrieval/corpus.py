@@ -390,10 +390,30 @@ class Corpus:
         return self.conclude(tally, min_rows)
 
     def duplicate(self, id_: str) -> CorpusError:
+        """The error for an id seen twice, naming the file or files that hold it when the corpus has several."""
+        where = ""
+        if len(self.files) > 1:
+            holding = self._files_holding(id_)
+            where = f" (twice in {holding[0]})" if len(holding) == 1 else f" (in {holding[0]} and {holding[1]})"
         return CorpusError(
-            f"duplicate id {id_!r} in column {self.id_column!r}; ids must be unique "
+            f"duplicate id {id_!r} in column {self.id_column!r}{where}; ids must be unique "
             "(pick another --id-column, or drop it to use row numbers)"
         )
+
+    def _files_holding(self, id_: str) -> list[str]:
+        """The names of the first two files that hold ``id_`` (one name, when a single file holds it twice): a
+        second pass over the id column alone, made only to word the error."""
+        assert self.id_column is not None
+        holding: list[str] = []
+        for source in self.files:
+            count = 0
+            for rb in _read_rows(source, 0, source.rows, 65536, [self.id_column]):
+                count += rb.column(0).to_pylist().count(id_)
+            if count:
+                holding.append(source.name or str(source.path))
+            if count > 1 or len(holding) == 2:
+                break
+        return holding
 
     def conclude(self, tally: Tally, min_rows: int = 2) -> CorpusReport:
         """The report of a whole pass, or the error for what it found."""
@@ -510,7 +530,9 @@ def _matching_files(path: Path) -> tuple[list[Path], Path | None]:
         found = sorted(
             p
             for p in path.rglob(f"*{PARQUET_SUFFIX}")
-            if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
+            if p.is_file()
+            and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
+            and not _in_an_index(p, path)
         )
         if not found:
             raise CorpusError(f"corpus folder {path} holds no {PARQUET_SUFFIX} files")
@@ -519,10 +541,28 @@ def _matching_files(path: Path) -> tuple[list[Path], Path | None]:
         if not path.exists():
             raise CorpusError(f"corpus file not found: {path}")
         return [path], None
-    matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    root = _glob_root(path)
+    globbed = (Path(p) for p in glob.glob(str(path), recursive=True))
+    matches = sorted(p for p in globbed if p.is_file() and not _in_an_index(p, root))
     if not matches:
         raise CorpusError(f"no file matches the corpus pattern {path}")
-    return matches, _glob_root(path)
+    return matches, root
+
+
+# An index directory holds this file (``indexdir.MANIFEST``); its stash's parts are parquet files, which a corpus
+# folder holding the index (``index data/ --out data/idx``) must not read as corpus files.
+INDEX_MANIFEST = "manifest.json"
+
+
+def _in_an_index(path: Path, root: Path) -> bool:
+    """Whether ``path``, a file found under ``root``, lies inside an index directory kept in the corpus folder."""
+    folder = path.parent
+    while folder != root and root in folder.parents:
+        if (folder / INDEX_MANIFEST).is_file():
+            log.info("leaving out %s: it belongs to the index directory %s", path, folder)
+            return True
+        folder = folder.parent
+    return False
 
 
 def _glob_root(pattern: Path) -> Path:

@@ -354,11 +354,35 @@ def test_any_range_of_windows_reads_what_a_full_pass_reads(tmp_path: Path, rows:
         assert [b.ids for b in source.batches(rows, start, start + 2)] == full[start : start + 2]
 
 
-def test_duplicate_ids_across_files_are_refused(tmp_path: Path) -> None:
+def test_duplicate_ids_across_files_are_refused_naming_the_files(tmp_path: Path) -> None:
+    """The message named neither file: in a folder of hundreds, the user had to search for them."""
     split_corpus(tmp_path / "c", sizes=(5, 5))
     pq.write_table(pa.table({"id": ["doc7"], "text": ["again"]}), tmp_path / "c" / "part-9.parquet")
-    with pytest.raises(CorpusError, match="duplicate id 'doc7'"):
+    with pytest.raises(
+        CorpusError, match=r"duplicate id 'doc7' in column 'id' \(in part-1.parquet and part-9.parquet\)"
+    ):
         Corpus(CorpusSpec(tmp_path / "c")).validate()
+    pq.write_table(pa.table({"id": ["x", "y", "x"], "text": ["a", "b", "c"]}), tmp_path / "c" / "part-9.parquet")
+    with pytest.raises(CorpusError, match=r"duplicate id 'x' in column 'id' \(twice in part-9.parquet\)"):
+        Corpus(CorpusSpec(tmp_path / "c")).validate()
+
+
+@pytest.mark.parametrize("glob", [False, True])
+def test_an_index_kept_inside_its_corpus_folder_is_not_read_as_corpus(tmp_path: Path, glob: bool) -> None:
+    """`index data/ --out data/idx`, then again with --overwrite: the index's stash parts (parquet files under
+    data/idx/vectors) were read as corpus files, and the error blamed duplicate ids."""
+    from conftest import FakeEncoder
+
+    from retrieval.build import BuildOptions, build_index
+    from retrieval.whitening import TransformSpec
+
+    data = split_corpus(tmp_path / "data", sizes=(30, 30))[0].parent
+    corpus = CorpusSpec(data / "**" / "*.parquet" if glob else data)
+    build_index(corpus, FakeEncoder(), data / "idx", TransformSpec(dim=4))
+    assert list((data / "idx").rglob("*.parquet"))  # the stash's parts: what a corpus read must leave out
+    assert [f.name for f in Corpus(corpus).files] == ["part-0.parquet", "part-1.parquet"]
+    again = build_index(corpus, FakeEncoder(), data / "idx", TransformSpec(dim=4), options=BuildOptions(overwrite=True))
+    assert again.n == 60
 
 
 def test_a_bad_file_in_a_folder_is_named(tmp_path: Path) -> None:

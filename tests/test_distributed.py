@@ -293,7 +293,9 @@ def test_workers_give_the_local_verdicts_on_bad_input(
     folder = split_corpus(tmp_path / "c", (40, 30))
     pq.write_table(pa.table({"id": ["doc5"], "text": ["again"]}), folder / "part-7.parquet")
     engine = RayEngine(FakeEncoder, RayOptions(workers=2))  # joins this module's Ray; ``close`` leaves it
-    with pytest.raises(CorpusError, match="duplicate id 'doc5'"):
+    with pytest.raises(
+        CorpusError, match=r"duplicate id 'doc5' in column 'id' \(in part-0.parquet and part-7.parquet\)"
+    ):
         build_index(CorpusSpec(folder), FakeEncoder(), tmp_path / "out", SPEC, engine=engine)
     texts = [f"text {i}" for i in range(6)]
     texts[2] = texts[4] = " "
