@@ -104,6 +104,9 @@ class TuneResult:
     dev_source: str = "dev split"  # what the choice was made on: a labelled dev split, or pseudo-queries
     scorer: Trial | None = None  # the best full-dimension candidate of the chosen pooling: re-scoring's scorer
     rule: str = "best"  # how ``best`` was picked from the dev scores: "best" (``pick``) or "one-SE" (``pick_one_se``)
+    # The version of the index swept (its manifest's generation), None for pairs: applying the choice to a version
+    # published since (``update.refit``'s ``generation``) is refused, as it would undo that version's change.
+    generation: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -114,6 +117,7 @@ class TuneResult:
             "dev_source": self.dev_source,
             "scorer": self.scorer.to_dict() if self.scorer else None,
             "rule": self.rule,
+            "generation": self.generation,
             "trials": [t.to_dict() for t in self.trials],
         }
 
@@ -177,7 +181,7 @@ def tune_index(
     for split in (dev, test) if test is not None else (dev,):
         check_judged_in(docs, split, directory)
     sweep = _Sweep(directory, poolings, dims, gammas)
-    return tune_ir(
+    result = tune_ir(
         sweep.stash,
         sweep.doc_ids,
         sweep.query_vectors,
@@ -187,6 +191,8 @@ def tune_index(
         metric,
         on_trial=lambda t: progress("tune", 1, len(sweep.grid)),
     )
+    result.generation = sweep.generation
+    return result
 
 
 def tune_auto(
@@ -236,6 +242,7 @@ def tune_auto(
     )
     result.corpus_rows_encoded = len(pseudo)
     result.dev_source = f"{len(pseudo)} pseudo-queries (seed {seed})"
+    result.generation = sweep.generation
     return result
 
 
@@ -253,6 +260,7 @@ class _Sweep:
     ):
         index_dir = IndexDir(directory)
         manifest = index_dir.manifest()
+        self.generation = manifest.generation
         if not manifest.encoder.encodes_text:
             raise ConfigError("IR tuning needs a text encoder to encode the queries: this index was built from vectors")
         self.stash = index_dir.stash("tune")

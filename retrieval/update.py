@@ -130,8 +130,8 @@ def refit(
         old = IndexDir(directory)
         if generation is not None and (now_serving := old.manifest().generation) != generation:
             raise BusyError(
-                f"{directory} changed while this refit was starting (version {generation} -> {now_serving}): "
-                "run it again, to re-fit the new version"
+                f"{directory} changed since this refit read it (version {generation} -> {now_serving}, published "
+                "by another writer meanwhile): run it again, to re-fit the new version"
             )
         return _refit(old, transform, index, progress, scorer)
 

@@ -251,6 +251,30 @@ def test_tune_apply_refits_the_index(built: dict[str, Path], tmp_path: Path) -> 
     assert metrics["nDCG@10"] == pytest.approx(best["dev"]["nDCG@10"], abs=1e-6)  # flat index = the sweep's search
 
 
+def test_tune_apply_refuses_an_index_refitted_during_its_sweep(
+    built: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `refit` published while `tune --apply` swept: the apply replaced that newer version without a word (its
+    choice was measured on the older one)."""
+    from retrieval import tune, update
+    from retrieval.whitening import TransformSpec
+
+    index = Path(shutil.copytree(built["index"], tmp_path / "idx"))
+    sweep = tune.tune_ir
+
+    def another_writer_meanwhile(*args, **kwargs):  # type: ignore[no-untyped-def]
+        result = sweep(*args, **kwargs)
+        update.refit(index, TransformSpec(dim=20, gamma=0.5, pooling="mean"))
+        return result
+
+    monkeypatch.setattr(tune, "tune_ir", another_writer_meanwhile)
+    result = run(*tune_ir_args(built, index, tmp_path / "out"), "--poolings", "mean", "--apply")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 1 and len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert "changed since this refit read it (version 1 -> 2" in errors[0] and "run it again" in errors[0]
+    assert Manifest.load(index).transform.k == 20 and Manifest.load(index).generation == 2  # the refit stands
+
+
 def test_tune_apply_writes_a_raw_index_when_raw_wins(built: dict[str, Path], tmp_path: Path) -> None:
     """The bug: when raw was best, --apply refitted a gamma-0 PCA. Dev qrels made from raw cosine's own top 10
     (graded 10..1) give raw nDCG@10 = 1, which no whitening reaches: tune must keep raw and write it."""
