@@ -193,7 +193,7 @@ def tune(
 
         scorer = result.scorer.candidate if result.scorer else None
         with sigterm_exits():
-            manifest = refit(index_dir, result.best.candidate, scorer=scorer)
+            manifest = refit(index_dir, result.best.candidate, scorer=scorer, generation=result.generation)
         err.print(summary_line(index_dir, manifest, "refitted"), markup=False)
 
 
