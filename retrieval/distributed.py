@@ -144,6 +144,25 @@ def on_loopback() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
+def ray_output_to_stderr() -> Callable[..., None]:
+    """Send what Ray prints on the driver for its workers and its raylet ("worker died ... will be retried",
+    a worker's own output) to standard error; returns the printer it replaced, to put back.
+
+    Ray prints those lines on standard output (Ray 2.60: ``ray._private.worker.print_to_stdstream``, which the
+    raylet's error listener calls, and which ``ray.init`` binds as the printer of workers' lines): ahead of
+    what a script reads from a command's standard output. ``log_to_driver=False`` would hide the workers' lines
+    and still print the raylet's; marked as error output, both go to standard error, deduplicated as Ray does."""
+    from ray._private import worker
+
+    printer: Callable[..., None] = worker.print_to_stdstream
+
+    def to_stderr(data: dict[str, Any], ignore_prefix: bool) -> None:
+        printer({**data, "is_err": True}, ignore_prefix)
+
+    worker.print_to_stdstream = to_stderr
+    return printer
+
+
 def init_local(ray: Any, attempts: int = 2, **options: Any) -> Any:
     """``ray.init(**options)`` for a Ray on this machine, tried again when it gives up waiting for its own
     raylet: Ray allows a fixed 30 s for the raylet to register with the GCS, which a loaded machine (a CI box
@@ -192,6 +211,7 @@ class RayEngine:
         self._joined = False
         self._saved_context: dict[str, Any] = {}
         self._saved_level = logging.NOTSET
+        self._saved_printer: Callable[..., None] | None = None
         self.stats = PassStats()
         self.filled_shards = 0  # shards the last fill merged (0: the local loop filled the index)
 
@@ -212,6 +232,8 @@ class RayEngine:
                 "`engine` ray needs Ray installed: pip install 'retrieval[ray]' (or 'ray[data]>=2.60,<2.61')",
                 "engine",
             ) from err
+        if self._saved_printer is None:  # before ray.init, which binds the printer of workers' lines
+            self._saved_printer = ray_output_to_stderr()
         if not ray.is_initialized():
             with keep_sigterm_handler():
                 if self.options.address:
@@ -282,15 +304,22 @@ class RayEngine:
                 setattr(context, key, value)
             self._saved_context = {}
             logging.getLogger("ray.data").setLevel(self._saved_level)
-        if self._started is None and not self._joined:
-            return
-        import ray
+        try:
+            if self._started is None and not self._joined:
+                return
+            import ray
 
-        with keep_sigterm_handler():  # Ray's shutdown resets the process's SIGTERM to the default: a kill
-            ray.shutdown()  # between it and the command's end was a silent death, not `error: terminated`
-        if self._started is not None:
-            shutil.rmtree(self._started, ignore_errors=True)
-        self._started, self._joined = None, False
+            with keep_sigterm_handler():  # Ray's shutdown resets the process's SIGTERM to the default: a kill
+                ray.shutdown()  # between it and the command's end was a silent death, not `error: terminated`
+            if self._started is not None:
+                shutil.rmtree(self._started, ignore_errors=True)
+            self._started, self._joined = None, False
+        finally:  # after the shutdown, which prints what it still holds
+            if self._saved_printer is not None:
+                from ray._private import worker
+
+                worker.print_to_stdstream = self._saved_printer
+                self._saved_printer = None
 
     def connect(self) -> None:
         """Start (or join) Ray now rather than at the first pass (to time it apart, or fail early)."""

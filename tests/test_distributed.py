@@ -580,3 +580,42 @@ def test_joining_a_cluster_that_is_not_there_fails_in_one_line() -> None:
     with pytest.raises(RetrievalError, match=r"cannot join a Ray cluster at auto \(Could not find any running Ray"):
         engine._join(stub, "auto")
     assert stub.calls == ["auto"] and not engine._joined
+
+
+# What Ray prints on the driver: a worker's own output, and the raylet's notice of a worker that died.
+RAY_OUTPUT_SCRIPT = """
+import os, sys, time
+import ray
+from retrieval.distributed import RayEngine, RayOptions
+
+@ray.remote(max_retries=0)
+def speak():
+    print("a worker's own output", flush=True)
+    return 1
+
+@ray.remote(max_retries=0)
+def die():
+    os._exit(1)
+
+with RayEngine(lambda: None, RayOptions(workers=1)) as engine:
+    engine.connect()
+    ray.get(speak.remote())
+    try:
+        ray.get(die.remote())
+    except Exception:
+        pass
+    time.sleep(4)  # Ray's log monitor and error listener forward the lines within a second or two
+print("built", flush=True)
+"""
+
+
+def test_rays_own_output_goes_to_standard_error(tmp_path: Path) -> None:
+    """A build on Ray printed Ray's "worker died" lines (and workers' output), with ANSI colours, on standard
+    output ahead of the `built ...` line a script reads: only the command's own output belongs there."""
+    env = {**os.environ, "PYTHONPATH": str(conftest.ROOT), "TMPDIR": "/tmp"}
+    done = subprocess.run(
+        [sys.executable, "-c", RAY_OUTPUT_SCRIPT], capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "built\n", done.stdout
+    assert "a worker's own output" in done.stderr and "worker died" in done.stderr.lower()
