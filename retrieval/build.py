@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -135,6 +136,12 @@ def build_index(
     unless the whole build succeeds; one process at a time builds at ``out``. ``engine`` runs the corpus passes
     (and a large IVF index's adds) on a Ray cluster; the verdicts, fit, index, manifest and publish are the same.
     """
+    if os.path.islink(out) and not os.path.exists(out):
+        raise ConfigError(
+            f"{out} is a symbolic link to {os.readlink(out)}, which does not exist: a build would create it there; "
+            "remove the link, or point it at an index or an empty folder",
+            "out",
+        )
     out = files.resolved(out)
     check_target(out, options.overwrite)
     options.check()

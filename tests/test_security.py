@@ -16,7 +16,7 @@ from retrieval import files, home, update
 from retrieval.build import BuildOptions, build_index
 from retrieval.cli import app
 from retrieval.corpus import CorpusSpec
-from retrieval.errors import IndexDirError, PlantedLinkError
+from retrieval.errors import ConfigError, IndexDirError, PlantedLinkError
 from retrieval.indexdir import Manifest, load
 from retrieval.whitening import TransformSpec
 
@@ -204,3 +204,14 @@ def test_the_default_index_pointer_is_never_written_through_a_link(
     home.remember(root / "idx")
     assert victim.read_text() == "mine" and (root / home.LAST_NAME).read_text() == "idx\n"
     assert not (root / home.LAST_NAME).is_symlink()
+
+
+def test_a_dangling_link_at_the_output_is_refused(tmp_path: Path) -> None:
+    """A link at OUT to an index builds that index (a link to an index is followed on purpose); a dangling one
+    made the build create its target, wherever it pointed."""
+    corpus = write_corpus(tmp_path / "c.parquet", n=60)
+    out = tmp_path / "out"
+    out.symlink_to(tmp_path / "far" / "away")
+    with pytest.raises(ConfigError, match=f"^{out} is a symbolic link to .*far/away, which does not exist"):
+        build_index(CorpusSpec(corpus), FakeEncoder(), out, TransformSpec(dim=4))
+    assert out.is_symlink() and not (tmp_path / "far").exists()
