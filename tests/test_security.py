@@ -12,9 +12,10 @@ import pytest
 from conftest import FakeEncoder, write_corpus
 from typer.testing import CliRunner, Result
 
-from retrieval import files, home, update
+from retrieval import files, update
 from retrieval.build import BuildOptions, build_index
-from retrieval.cli import app
+from retrieval.cli import home
+from retrieval.cli.app import app
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, IndexDirError, PlantedLinkError
 from retrieval.indexdir import Manifest, load

@@ -1658,7 +1658,7 @@ class Loaded(Exception):
 def no_service(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """``server.Service`` replaced: it records the directory and stops the run there (nothing loads, nothing
     listens for long), so a regression that lets a bad start through fails the test rather than serving."""
-    from retrieval import server
+    from retrieval.serve import app as server
 
     made: list[str] = []
 
@@ -1677,8 +1677,8 @@ def test_an_empty_api_key_in_the_environment_is_refused(
     """`RETRIEVAL_API_KEY= retrieval serve IDX` served without authentication (while --api-key '' was refused)."""
     from typer.testing import CliRunner
 
-    from retrieval import server
-    from retrieval.cli import app
+    from retrieval.cli.app import app
+    from retrieval.serve import app as server
 
     monkeypatch.setenv("RETRIEVAL_API_KEY", value)
     with pytest.raises(ConfigError, match="RETRIEVAL_API_KEY is set empty, which would leave the API open"):
@@ -1699,7 +1699,7 @@ def test_a_port_in_use_or_an_unknown_host_is_refused_before_anything_loads(index
     """It loaded the model, printed "serving ... on http://...", and only then logged uvicorn's error (exit 3)."""
     import socket
 
-    from retrieval import server
+    from retrieval.serve import app as server
 
     announced: list[str] = []
     with socket.socket() as taken:
@@ -1716,7 +1716,7 @@ def test_a_port_in_use_or_an_unknown_host_is_refused_before_anything_loads(index
 def test_port_0_announces_the_port_it_got_once_it_listens(index: Path, no_service: list[str]) -> None:
     import socket
 
-    from retrieval import server
+    from retrieval.serve import app as server
 
     reached: list[str] = []
 
@@ -1735,7 +1735,7 @@ def test_serve_prints_the_port_it_got(index: Path, no_service: list[str]) -> Non
     """`retrieval serve --port 0` printed "on http://127.0.0.1:0/"."""
     from typer.testing import CliRunner
 
-    from retrieval.cli import app
+    from retrieval.cli.app import app
 
     sigint = signal.getsignal(signal.SIGINT)
     try:
