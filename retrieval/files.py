@@ -136,8 +136,8 @@ def write_atomic(path: Path, data: bytes) -> None:
     write removes it. A symbolic link at the temporary name is refused, never written through; one at ``path``
     is replaced by the file, not followed."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    fd = _open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "temporary file", 0o666)  # a link there: left as is
     try:
-        fd = _open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "temporary file", 0o666)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

@@ -156,10 +156,11 @@ def test_an_atomic_write_never_writes_through_a_link_at_its_temporary_name(tmp_p
     victim = tmp_path / "victim.txt"
     victim.write_text("mine")
     target = tmp_path / "stash.json"
-    (tmp_path / f"stash.json.{os.getpid()}.tmp").symlink_to(victim)
+    link = tmp_path / f"stash.json.{os.getpid()}.tmp"
+    link.symlink_to(victim)
     with pytest.raises(PlantedLinkError, match="stash.json.[0-9]+.tmp is a symbolic link"):
         files.write_atomic(target, b"new")
-    assert victim.read_text() == "mine" and not target.exists()
+    assert victim.read_text() == "mine" and not target.exists() and link.is_symlink()
 
 
 def test_a_fifo_a_user_left_in_the_index_does_not_hang_a_writer(index: Path, tmp_path: Path) -> None:
