@@ -1745,13 +1745,3 @@ def test_serve_prints_the_port_it_got(index: Path, no_service: list[str]) -> Non
     assert isinstance(result.exception, Loaded)
     shown = [line for line in result.stderr.splitlines() if line.startswith("serving ")]
     assert len(shown) == 1 and "on http://127.0.0.1:" in shown[0] and ":0/" not in shown[0], result.stderr
-
-
-def test_onednn_caches_are_left_alone_once_torch_is_imported(monkeypatch) -> None:
-    from retrieval.serve import service
-
-    for variable in service.ONEDNN_CACHE_VARIABLES:
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setitem(sys.modules, "torch", object())
-    assert service.bound_onednn_caches() is False
-    assert not any(v in os.environ for v in service.ONEDNN_CACHE_VARIABLES)
