@@ -3,6 +3,7 @@ the pair of files a run leaves, tune.json and tune.png, written together or not 
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -62,8 +63,10 @@ def plot_tuning(result: TuneResult, path: Path, split: str = "test", title: str 
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
     plt.close(fig)
+    files.write_atomic(path, image.getvalue())  # a link planted at ``path`` is replaced, never written through
     return path
 
 

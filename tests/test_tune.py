@@ -348,6 +348,26 @@ def test_plot_tuning_writes_a_png(sts_setup, tmp_path: Path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+def test_tuning_results_are_never_written_through_a_link_at_their_temporary_names(sts_setup, tmp_path: Path) -> None:
+    """`tune --results DIR` drew its plot at DIR/.tune.PID.png with savefig, which wrote through a symbolic link
+    planted there (into any file of the user's)."""
+    pytest.importorskip("matplotlib")
+    import os
+
+    from retrieval.plots import write_results
+
+    result: TuneResult = sts_setup[-1]
+    for t in result.trials:
+        t.search_ms = 0.1 * t.candidate.dim
+    folder, victim = tmp_path / "results", tmp_path / "victim.txt"
+    folder.mkdir()
+    victim.write_text("mine")
+    (folder / f".tune.{os.getpid()}.png").symlink_to(victim)
+    assert write_results(result, folder) == folder / "tune.png"
+    assert victim.read_text() == "mine" and (folder / "tune.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in folder.iterdir()) == ["tune.json", "tune.png"]
+
+
 # ----- label-free tuning: pseudo-queries -------------------------------------------------------------------
 TOPICS = [[f"t{t}w{w}" for w in range(8)] for t in range(12)]
 
