@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -58,6 +59,19 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
     wide_norms = np.linalg.norm(wide, axis=1, keepdims=True)
     out[odd] = np.divide(wide, wide_norms, out=np.zeros_like(wide), where=wide_norms > 0)
     return out.reshape(x.shape)
+
+
+@functools.cache
+def _warn_few_rows(d: int, n: int) -> None:
+    """Once per process and shape: a sweep fits dozens of kernels on the same rows (`tune`, then `refit` on
+    --apply), and one line says all there is to say."""
+    logger.warning(
+        "fitting a %d x %d covariance on only %d rows: the whitening is noisy; "
+        "use a larger corpus, a smaller gamma, or no whitening",
+        d,
+        d,
+        n,
+    )
 
 
 def _rows(x: np.ndarray, dim: int) -> np.ndarray:
@@ -182,13 +196,7 @@ class Whitening:
                     "gamma",
                 )
         if n < 5 * d:  # after the refusals above: a fit that is refused needs no warning first
-            logger.warning(
-                "fitting a %d x %d covariance on only %d rows: the whitening is noisy; "
-                "use a larger corpus, a smaller gamma, or no whitening",
-                d,
-                d,
-                n,
-            )
+            _warn_few_rows(d, n)
         return cls(mean, kernel, lam, float(gamma), float(epsilon), int(n), bool(center))
 
     @cached_property

@@ -17,6 +17,7 @@ from retrieval.whitening import (
     RawTransform,
     TransformSpec,
     Whitening,
+    _warn_few_rows,
     kernel_drift,
     l2_normalize,
     load_transform,
@@ -214,12 +215,28 @@ def test_too_few_rows_are_refused() -> None:
 
 
 def test_few_rows_log_a_warning(data: np.ndarray, caplog: pytest.LogCaptureFixture) -> None:
+    _warn_few_rows.cache_clear()  # warned once per process and shape: another test may have fitted this one
     with caplog.at_level(logging.WARNING, logger="retrieval.whitening"):
         fit(data[: 5 * D])
     assert not caplog.records
     with caplog.at_level(logging.WARNING, logger="retrieval.whitening"):
         fit(data[: 5 * D - 1])
     assert "only 79 rows" in caplog.text and "no whitening" in caplog.text
+
+
+def test_the_few_rows_warning_comes_once_per_shape(data: np.ndarray, caplog: pytest.LogCaptureFixture) -> None:
+    """A sweep fits dozens of kernels on the same rows (`tune` printed the same line 24 times): one line each."""
+    _warn_few_rows.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="retrieval.whitening"):
+        for gamma in (0.0, 0.3, 1.0):
+            for dim in (D, 4):
+                fit(data[:50], dim=dim, gamma=gamma)
+        fit(data[:60])
+        fit(data[:50])
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith(f"fitting a {D} x {D} covariance on only 50 rows")
+    assert messages[1].startswith(f"fitting a {D} x {D} covariance on only 60 rows")
 
 
 def test_transform_centres_whitens_and_normalises(data: np.ndarray) -> None:
