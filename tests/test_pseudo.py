@@ -6,8 +6,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 
-from retrieval.pseudo import MIN_REST, make_pseudo_queries, sentences, split_out
+from retrieval.pseudo import (
+    KINDS,
+    MIN_REST,
+    keyword_query,
+    make_pseudo_queries,
+    sentences,
+    split_half,
+    split_out,
+    words_of,
+)
 
 
 def test_sentences_split_at_sentence_ends_only() -> None:
@@ -109,3 +119,45 @@ def test_split_out_bounds_are_inclusive() -> None:
         assert split_out(f"{query} {rest}", np.random.default_rng(seed)) == (query, rest, "sentence")
     words = "one two three four five six seven eight"  # 2 * MIN_WORDS: the only cut is in the middle
     assert split_out(words, np.random.default_rng(0)) == ("one two three four", "five six seven eight", "words")
+
+
+def test_keyword_queries_are_each_documents_rarest_shared_words() -> None:
+    texts = [
+        "Alpha beta gamma delta epsilon zeta eta theta common words here.",
+        "Alpha beta gamma delta epsilon common words here and more.",
+        "Alpha beta gamma common words here, zeta eta theta again.",
+        "Alpha common words here only, with nothing rare.",
+    ]
+    df = {w: sum(w in words_of(t) for t in texts) for t in texts for w in words_of(t)}
+    # the five rarest words found in at least one other document, in the text's order; "iota" is in no other
+    assert keyword_query(texts[0] + " iota", df) == "delta epsilon zeta eta theta"
+    assert keyword_query(texts[3], df) is None  # fewer than five words any other document has
+    pseudo = make_pseudo_queries(len(texts), lambda rows: [texts[r] for r in rows], str, n=10, kind="keywords")
+    assert pseudo.positives is None  # the documents as indexed are the positives: nothing to re-encode
+    assert sorted(pseudo.rows) == [0, 1, 2] and set(pseudo.split_by) == {"keywords"}
+    for row, query in zip(pseudo.rows, pseudo.queries.texts, strict=True):
+        assert len(query.split()) == 5 and set(query.split()) <= set(words_of(texts[row]))
+
+
+def test_half_queries_cut_each_document_in_the_middle() -> None:
+    texts = corpus(200)
+    pseudo = make_pseudo_queries(len(texts), lambda rows: [texts[r] for r in rows], str, n=30, seed=1, kind="half")
+    assert len(pseudo) == 30 and set(pseudo.split_by) == {"half"} and pseudo.positives is not None
+    for row, query, positive in zip(pseudo.rows, pseudo.queries.texts, pseudo.positives, strict=True):
+        words = texts[row].split()
+        assert query.split() == words[: len(words) // 2] and positive.split() == words[len(words) // 2 :]
+    assert split_half("too few words to cut in two halves here") is None
+
+
+def test_each_kind_samples_its_own_documents_seeded() -> None:
+    texts = corpus(600)
+    read = lambda rows: [texts[r] for r in rows]  # noqa: E731
+    made = {kind: make_pseudo_queries(len(texts), read, str, n=40, seed=3, kind=kind) for kind in KINDS}
+    assert made["sentence"].rows != made["half"].rows != made["keywords"].rows
+    for kind in KINDS:
+        again = make_pseudo_queries(len(texts), read, str, n=40, seed=3, kind=kind)
+        assert (again.rows, again.queries) == (made[kind].rows, made[kind].queries)
+    # the sentence kind draws what it always drew
+    assert made["sentence"].rows == make_pseudo_queries(len(texts), read, str, n=40, seed=3).rows
+    with pytest.raises(ValueError, match="unknown pseudo-query kind 'title'"):
+        make_pseudo_queries(len(texts), read, str, kind="title")
