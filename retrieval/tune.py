@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from retrieval.autorule import DEFAULT_RULE, AutoRule, Decision, decide
 from retrieval.encode.spec import EncoderSpec, MultiPoolingEncoder
 from retrieval.encode.transformer import from_info
 from retrieval.errors import ConfigError
@@ -26,7 +27,7 @@ from retrieval.evaluate import Pairs, Queries, check_judged_in, moments_of, sts_
 from retrieval.indexdir import IndexDir
 from retrieval.metrics import Qrels, evaluate_run
 from retrieval.progress import Progress, no_progress
-from retrieval.pseudo import make_pseudo_queries
+from retrieval.pseudo import KINDS, PseudoQueries, make_pseudo_queries
 from retrieval.scan import TopK
 from retrieval.stash import VectorStash
 from retrieval.whitening import DEFAULT_GAMMA, TransformSpec
@@ -35,10 +36,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GAMMAS = (0.0, DEFAULT_GAMMA, 0.5, 0.75, 1.0)  # PCA, the default, stronger, full whitening
 TIMING_QUERIES = 30  # single-query flat searches timed per candidate
-AUTO_QUERIES = 1000  # pseudo-queries of `tune --auto` (its sampled documents are the only ones encoded again).
-# SciFact, MiniLM, 40 random draws: the choice on 1000 was within 0.5% of the train-qrels choice on train in 100%
-# of draws, on 300 in 82% (on test: 95% and 45%; README, "Label-free tuning"). The choice is ``pick_one_se``'s:
-# checked on dev data only (SciFact train qrels, STS-B dev, STS12-16; bench_quality.py --one-se-dev)
+AUTO_QUERIES = 300  # pseudo-queries of each kind of `tune --auto`: 900 queries and 600 documents encoded (only
+# the sampled documents are encoded again). The rule's confidence bound widens with fewer: it keeps the current
+# setting more often, never less safely (docs/benchmarks/tuning.md)
 MIN_AUTO_QUERIES = 20
 
 
@@ -103,7 +103,10 @@ class TuneResult:
     corpus_rows_encoded: int = 0
     dev_source: str = "dev split"  # what the choice was made on: a labelled dev split, or pseudo-queries
     scorer: Trial | None = None  # the best full-dimension candidate of the chosen pooling: re-scoring's scorer
-    rule: str = "best"  # how ``best`` was picked from the dev scores: "best" (``pick``) or "one-SE" (``pick_one_se``)
+    rule: str = "best"  # how ``best`` was picked: "best" (``pick``), "one-SE" (``pick_one_se``), "safe" (``autorule``)
+    decision: Decision | None = None  # `tune --auto`: kept or changed, how sure, on which kinds
+    # `tune --auto`: kind -> candidate -> the metric per pseudo-query, what ``decision`` was made from; not saved
+    kind_scores: dict[str, dict[TransformSpec, np.ndarray]] = field(default_factory=dict, repr=False)
     # The version of the index swept (its manifest's generation), None for pairs: applying the choice to a version
     # published since (``update.refit``'s ``generation``) is refused, as it would undo that version's change.
     generation: int | None = None
@@ -118,6 +121,7 @@ class TuneResult:
             "scorer": self.scorer.to_dict() if self.scorer else None,
             "rule": self.rule,
             "generation": self.generation,
+            "decision": self.decision.to_dict() if self.decision else None,
             "trials": [t.to_dict() for t in self.trials],
         }
 
@@ -206,44 +210,92 @@ def tune_auto(
     metric: str = "nDCG@10",
     progress: Progress = no_progress,
     encoder: MultiPoolingEncoder | None = None,
+    rule: AutoRule = DEFAULT_RULE,
+    kinds: Sequence[str] = KINDS,
 ) -> TuneResult:
-    """Tune without qrels: pseudo-queries made from the index's own documents (``pseudo``) are the dev split, and
-    the choice is the one-standard-error rule's (``pick_one_se``): pseudo-queries are a noisy stand-in for real
-    ones, so a gentler candidate that is not measurably worse on them is preferred to the nominal best.
+    """Tune without qrels: every kind of pseudo-query (``pseudo.KINDS``, ``n_queries`` of each) made from the
+    index's own documents is a dev split, and the index's current setting (transform and re-scorer) is kept
+    unless a candidate beats it on each kind by ``rule`` (``autorule``): pseudo-queries are a biased stand-in for
+    real ones, each kind in its own way, so only a gain they all agree on is taken. ``result.decision`` says
+    which, and how sure; ``result.best`` / ``result.scorer`` are what ``--apply`` writes.
 
-    Only the sampled documents are encoded again (without their query sentence), once for every pooling;
-    ``test``, if given, is reported as usual and never used to choose. ``encoder``: one already loaded (it must
-    match the index's); None loads the one the manifest names."""
+    Only the sampled documents are encoded again (without their query), once for every pooling; ``test``, if
+    given, is reported as usual and never used to choose. ``encoder``: one already loaded (it must match the
+    index's); None loads the one the manifest names. A kind the corpus cannot make MIN_AUTO_QUERIES of is left
+    out (logged); with none left, ConfigError."""
     check_metric(metric, IR_METRICS)
     sweep = _Sweep(directory, poolings, dims, gammas, encoder)
+    manifest = IndexDir(directory).manifest()
+    d = sweep.stash.dim
+    current = manifest.transform.spec.resolve(d)
+    current_scorer = manifest.rescoring.scorer.resolve(d)
+    grid = [c.resolve(d) for c in sweep.grid]
+    grid += [s for s in dict.fromkeys((current, current_scorer)) if s not in grid and s.pooling in sweep.poolings]
     docs = IndexDir(directory).docs()
-    pseudo = make_pseudo_queries(len(sweep.stash), docs.texts, docs.id, n_queries, seed)
-    if len(pseudo) < MIN_AUTO_QUERIES:
+    per_kind: dict[str, TuneResult] = {}
+    made: list[PseudoQueries] = []  # kept alive: the sweep caches query vectors by the Queries object's id
+    for kind in kinds:
+        pseudo = make_pseudo_queries(len(sweep.stash), docs.texts, docs.id, n_queries, seed, kind=kind)
+        if len(pseudo) < MIN_AUTO_QUERIES:
+            log.info("%s: only %d pseudo-queries of this kind: left out", kind, len(pseudo))
+            continue
+        made.append(pseudo)
+        positives = None
+        if pseudo.positives is not None:
+            encoded = sweep.encoder.encode_poolings(
+                pseudo.positives, sweep.poolings, on_batch=lambda n: progress("encode", n, len(made[-1]))
+            )
+            rows = np.asarray(pseudo.rows, dtype=np.int64)
+            positives = {p: (rows, encoded[p]) for p in sweep.poolings}
+        per_kind[kind] = tune_ir(
+            sweep.stash,
+            sweep.doc_ids,
+            sweep.query_vectors,
+            (pseudo.queries, pseudo.qrels),
+            test if not per_kind else None,
+            grid,
+            metric,
+            on_trial=lambda t: progress("tune", 1, len(grid) * len(kinds)),
+            dev_positives=positives,
+        )
+    if not per_kind:
         raise ConfigError(
-            f"only {len(pseudo)} documents of {len(sweep.stash)} are long enough to make a pseudo-query "
-            f"(at least {MIN_AUTO_QUERIES} needed): tune with `queries` and `qrels` instead",
+            f"no kind of pseudo-query ({', '.join(kinds)}) could be made {MIN_AUTO_QUERIES} times from the "
+            f"{len(sweep.stash)} documents: tune with `queries` and `qrels` instead",
             "auto",
         )
-    encoded = sweep.encoder.encode_poolings(
-        pseudo.positives, sweep.poolings, on_batch=lambda n: progress("encode", n, len(pseudo))
-    )
-    rows = np.asarray(pseudo.rows, dtype=np.int64)
-    result = tune_ir(
-        sweep.stash,
-        sweep.doc_ids,
-        sweep.query_vectors,
-        (pseudo.queries, pseudo.qrels),
-        test,
-        sweep.grid,
-        metric,
-        on_trial=lambda t: progress("tune", 1, len(sweep.grid)),
-        dev_positives={p: (rows, encoded[p]) for p in sweep.poolings},
-        rule=pick_one_se,
-    )
-    result.corpus_rows_encoded = len(pseudo)
-    result.dev_source = f"{len(pseudo)} pseudo-queries (seed {seed})"
+    scores = {k: {t.candidate: _per_query(t) for t in r.trials} for k, r in per_kind.items()}
+    decision = decide(scores, current, current_scorer, d, rule)
+    trials = _merged_trials(per_kind, metric)
+    by_spec = {t.candidate: t for t in trials}
+    result = choose(trials, metric)
+    result.best, result.scorer = by_spec[decision.transform.chosen], by_spec[decision.scorer.chosen]
+    pooling = decision.transform.chosen.pooling
+    result.raw = next((t for t in trials if not t.candidate.whiten and t.candidate.pooling == pooling), None)
+    result.rule = "safe"
+    result.decision, result.kind_scores = decision, scores
+    result.corpus_rows_encoded = sum(len(p) for p in made if p.positives is not None)
+    result.dev_source = f"{' + '.join(f'{len(p)} {p.split_by[0]}' for p in made)} pseudo-queries (seed {seed})"
     result.generation = sweep.generation
     return result
+
+
+def _per_query(trial: Trial) -> np.ndarray:
+    assert trial.dev_per_query is not None
+    return trial.dev_per_query
+
+
+def _merged_trials(per_kind: dict[str, TuneResult], metric: str) -> list[Trial]:
+    """One trial per candidate: each dev metric averaged over the kinds (``metric`` of each kind kept as
+    ``"<metric> <kind>"``), the test split's as measured with the first kind."""
+    first = next(iter(per_kind.values())).trials
+    merged = []
+    for i, trial in enumerate(first):
+        runs = [r.trials[i] for r in per_kind.values()]
+        dev = {m: float(np.mean([t.dev[m] for t in runs])) for m in trial.dev}
+        dev |= {f"{metric} {k}": r.trials[i].dev[metric] for k, r in per_kind.items()}
+        merged.append(Trial(trial.candidate, dev, trial.test, trial.search_ms))
+    return merged
 
 
 class _Sweep:

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import FakeEncoder, write_corpus
 
-from retrieval import tune as tune_module
+from retrieval.autorule import AutoRule, decide
 from retrieval.build import build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.encode.spec import EncoderInfo
@@ -24,7 +24,7 @@ from retrieval.errors import ConfigError
 from retrieval.evaluate import Pairs, Queries, moments_of, pair_cosines, to_run
 from retrieval.indexdir import IndexDir
 from retrieval.metrics import Qrels, evaluate_run, sts_scores
-from retrieval.pseudo import make_pseudo_queries
+from retrieval.pseudo import KINDS, make_pseudo_queries
 from retrieval.stash import VectorStash
 from retrieval.tune import Trial, TuneResult, candidates, pick, pick_one_se, tune_auto, tune_ir, tune_sts
 from retrieval.whitening import RawTransform, TransformSpec, Whitening, l2_normalize
@@ -433,68 +433,147 @@ def auto_index(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BagOfWor
     return root / "idx", encoder
 
 
-def test_tune_auto_chooses_on_pseudo_queries_encoding_only_their_documents(auto_index) -> None:
+def test_tune_auto_measures_every_kind_encoding_only_their_documents(auto_index) -> None:
     directory, encoder = auto_index
     stash = IndexDir(directory).stash()
     docs = IndexDir(directory).docs()
-    pseudo = make_pseudo_queries(len(stash), docs.texts, docs.id, n=40, seed=3)
+    pseudo = {k: make_pseudo_queries(len(stash), docs.texts, docs.id, n=40, seed=3, kind=k) for k in KINDS}
     test = Queries(["t0", "t1", "t2"], [" ".join(TOPICS[t][:4]) for t in range(3)])
     test_qrels = {f"t{t}": {f"doc{i}": 1 for i in range(t, 240, 12)} for t in range(3)}
-    grid = candidates(["mean"], [32, 8], [0.0, 1.0], 32)
+    grid = [c.resolve(32) for c in candidates(["mean"], [32, 8], [0.0, 1.0], 32)]
 
     rows = encoder.rows
     result = tune_auto(directory, 40, 3, (test, test_qrels), ["mean"], [32, 8], [0.0, 1.0], encoder=encoder)
 
-    # only the 40 sampled documents (without their query sentence), the 40 pseudo-queries and the 3 test queries
-    assert encoder.rows - rows == 40 + 40 + 3
-    assert result.corpus_rows_encoded == 40 and result.dev_source == "40 pseudo-queries (seed 3)"
+    # 40 queries of each kind, the 40 + 40 documents without their query ("keywords" keeps its documents as
+    # indexed), the 3 test queries: nothing else
+    assert encoder.rows - rows == 3 * 40 + 2 * 40 + 3
+    assert result.corpus_rows_encoded == 80
+    assert result.dev_source == "40 sentence + 40 keywords + 40 half pseudo-queries (seed 3)"
     assert [t.candidate for t in result.trials] == grid
-    # each dev score is an independent exact search of the corpus with the 40 positives swapped in; the fit and
-    # the test split see the corpus as indexed
+    # each kind's score is an independent exact search of the corpus with that kind's positives swapped in; the
+    # fit and the test split see the corpus as indexed; the dev column is the mean over the kinds
     x = stash_matrix(stash)
-    swapped = x.copy()
-    swapped[pseudo.rows] = encoder.encode(pseudo.positives)
     for t in result.trials:
         transform = reference_transform(t.candidate, x)
-        for split, qrels, corpus_vectors, got in (
-            (pseudo.queries, pseudo.qrels, swapped, t.dev),
-            (test, test_qrels, x, t.test),
-        ):
+        splits = [(test, test_qrels, x, t.test)]
+        for kind, p in pseudo.items():
+            swapped = x.copy()
+            if p.positives is not None:
+                swapped[p.rows] = encoder.encode(p.positives)
+            splits.append((p.queries, p.qrels, swapped, {"nDCG@10": t.dev[f"nDCG@10 {kind}"]}))
+        for split, qrels, corpus_vectors, got in splits:
             index = faiss.IndexFlatIP(transform.dim_out)
             index.add(transform.transform(corpus_vectors))
             scores, found = index.search(transform.transform(encoder.encode(split.texts)), 100)
             expected = evaluate_run(to_run(split.ids, scores, found, stash.ids()), qrels).metrics
-            assert got == pytest.approx(expected, abs=1e-9), t.candidate.label
-    # on this anisotropic data centring, and far more whitening, find the held-out sentence's document more often
-    by = {t.candidate.label: t.dev["nDCG@10"] for t in result.trials}
-    # (k=8 is reduced, so uncentred by default: 0.1314 here, where the centred kernel scored 0.2015; the fake
-    # encoder's vectors are no guide to which is better on real text: README, "Choosing the defaults")
-    expected = {"mean raw": 0.2140, "mean k=32 g=0": 0.3004, "mean k=32 g=1": 0.6202, "mean k=8 g=0": 0.1314}
-    assert {label: by[label] for label in expected} == pytest.approx(expected, abs=1e-4)  # rank-based: stable
-    assert result.best.candidate == Candidate("mean", 32, 1.0) and result.raw is not None
-    assert result.scorer is not None and result.scorer.dim == 32  # the best full-rank candidate re-scores
-    # the choice is the one-SE rule's, on each trial's per-query dev scores (one per pseudo-query, averaging to dev)
-    for t in result.trials:
-        assert t.dev_per_query is not None and len(t.dev_per_query) == 40
-        assert t.dev_per_query.mean() == pytest.approx(t.dev["nDCG@10"], abs=1e-12)
-    assert result.best is pick_one_se(result.trials, "nDCG@10")
+            assert {m: got[m] for m in got} == pytest.approx({m: expected[m] for m in got}, abs=1e-9)
+        assert t.dev["nDCG@10"] == pytest.approx(np.mean([t.dev[f"nDCG@10 {k}"] for k in KINDS]), abs=1e-12)
+        for kind in KINDS:
+            per_query = result.kind_scores[kind][t.candidate]
+            assert len(per_query) == 40 and per_query.mean() == pytest.approx(t.dev[f"nDCG@10 {kind}"], abs=1e-12)
+    # on this anisotropic data full whitening wins on every kind by far (the index is raw): it is taken, for
+    # the index and for re-scoring, and the decision says so
+    by = {t.candidate.label: round(t.dev["nDCG@10"], 4) for t in result.trials}
+    assert by == {
+        "mean raw": 0.1444,
+        "mean k=32 g=0 centred": 0.2776,
+        "mean k=32 g=1 centred": 0.5569,
+        "mean k=8 g=0 uncentred": 0.0932,
+        "mean k=8 g=1 uncentred": 0.2850,
+    }
+    decision = result.decision
+    assert decision is not None and decision.transform.current == Candidate("mean", 32, None).resolve(32)
+    assert result.best.candidate == decision.transform.chosen == Candidate("mean", 32, 1.0).resolve(32)
+    assert result.scorer is not None and result.scorer.candidate == decision.scorer.chosen == result.best.candidate
+    assert not decision.kept and decision.transform.confidence > 0.999
+    assert result.to_dict()["decision"]["transform"]["chosen"] == "mean k=32 g=1 centred"
 
 
-def test_tune_auto_picks_by_the_one_se_rule(auto_index, monkeypatch) -> None:
+def test_tune_auto_keeps_the_current_setting_without_enough_evidence(auto_index) -> None:
     directory, encoder = auto_index
-    seen = []
-
-    def worst(trials: Sequence[Trial], metric: str) -> Trial:  # what no other rule would choose
-        seen.append(metric)
-        return min(trials, key=lambda t: t.dev[metric])
-
-    monkeypatch.setattr(tune_module, "pick_one_se", worst)
-    result = tune_auto(directory, 40, 3, None, ["mean"], [32, 8], [0.0, 1.0], encoder=encoder)
-    assert seen == ["nDCG@10"] and result.best.candidate == Candidate("mean", 8, 0.0)
-    assert result.scorer is not None and result.scorer.candidate == Candidate("mean", 32, 1.0)  # still the best
+    cautious = AutoRule(margin=10.0, scorer_margin=10.0)  # no candidate gains 1000% on every kind
+    result = tune_auto(directory, 40, 3, None, ["mean"], [32, 8], [0.0, 1.0], encoder=encoder, rule=cautious)
+    raw = Candidate("mean", 32, None).resolve(32)
+    assert result.decision is not None and result.decision.kept
+    assert result.best.candidate == raw and result.scorer is not None and result.scorer.candidate == raw
+    lines = result.decision.lines()
+    assert lines[0].startswith("transform: kept mean raw: no candidate beat it by more than 1000.0%")
+    assert "the closest, mean k=32 g=1 centred: sentence +" in lines[1]
+    assert lines[-1] == "the index's current setting is kept: --apply changes nothing"
 
 
 def test_tune_auto_refuses_a_corpus_too_short_to_split(ir_index) -> None:
-    directory, encoder = ir_index  # "document number 1 about topic 1": one sentence of six words
-    with pytest.raises(ConfigError, match="only 0 documents of 300 are long enough"):
+    directory, encoder = ir_index  # "document number 1 about topic 1": six words, two of them digits
+    with pytest.raises(ConfigError, match="no kind of pseudo-query .* could be made 20 times from the 300 doc"):
         tune_auto(directory, encoder=encoder)
+
+
+# ----- label-free tuning: the rule that moves away from the current setting ----------------------------------
+D = 24
+CURRENT = TransformSpec(dim=8, pooling="mean").resolve(D)  # what `index --dim 8` fits: gamma 0.3, uncentred
+RAW = TransformSpec.raw("mean").resolve(D)
+STRONG = Candidate("mean", 8, 1.0).resolve(D)
+FULL = Candidate("mean", D, 0.3).resolve(D)
+
+
+def kind_scores(gains: dict[TransformSpec, dict[str, float]], n: int = 400, spread: float = 0.02) -> dict:
+    """Per-query scores of each kind: the current setting's uniform in [0.2, 0.8] (seeded), every other
+    candidate's that plus its gain on the kind (relative to the current mean, 0.5) plus +-``spread`` in turn
+    (a paired difference of exactly that mean and standard deviation)."""
+    rng = np.random.default_rng(5)
+    turn = spread * np.where(np.arange(n) % 2, 1.0, -1.0)
+    out: dict[str, dict[TransformSpec, np.ndarray]] = {}
+    for kind in KINDS:
+        base = rng.uniform(0.2, 0.8, n)
+        out[kind] = {CURRENT: base, RAW: base + turn}
+        for spec, gain in gains.items():
+            out[kind][spec] = base + 0.5 * gain.get(kind, 0.0) + turn
+    return out
+
+
+def test_a_candidate_that_wins_on_one_kind_and_loses_on_another_is_not_taken() -> None:
+    """The issue's failure: sentence pseudo-queries reward strong whitening (+14%) that other queries cannot use
+    (keywords -5%). The rule before (one-SE on sentences) took it; the current setting must be kept."""
+    strong = {"sentence": 0.14, "keywords": -0.05, "half": 0.03}
+    scores = kind_scores({STRONG: strong, FULL: {"sentence": 0.05, "keywords": 0.005, "half": 0.005}})
+    decision = decide(scores, CURRENT, RAW, D)
+    assert decision.kept and decision.transform.chosen == CURRENT and decision.scorer.chosen == RAW
+    # the closest is the one whose weakest kind comes nearest to the bar: FULL, +0.5% on two kinds
+    assert decision.transform.challenger == FULL
+    evidence = {e.kind: e for e in decision.transform.evidence}
+    assert evidence["sentence"].gain == pytest.approx(0.05) and evidence["sentence"].confidence > 0.999
+    assert evidence["keywords"].gain == pytest.approx(0.005) and evidence["keywords"].low < 0.01
+    winners = dict(decision.transform.winners)
+    assert winners["sentence"] == winners["half"] == STRONG and winners["keywords"] in (CURRENT, RAW, FULL)
+    assert decision.lines()[-1] == "the index's current setting is kept: --apply changes nothing"
+    # the sentence kind alone, by the one-SE rule, would have taken it
+    trials = [Trial(s, {"m": float(v.mean())}, dev_per_query=v) for s, v in scores["sentence"].items()]
+    assert pick_one_se(trials, "m").candidate == STRONG
+
+
+def test_a_candidate_that_wins_on_every_kind_by_the_margin_is_taken_and_the_scorer_needs_its_own() -> None:
+    gains = {STRONG: {k: 0.04 for k in KINDS}, FULL: {k: 0.015 for k in KINDS}}  # the scorer: under its 2%
+    decision = decide(kind_scores(gains), CURRENT, RAW, D)
+    assert decision.transform.chosen == STRONG and not decision.transform.kept
+    assert all(e.low > 0.01 for e in decision.transform.evidence)
+    assert decision.transform.confidence > 0.999
+    assert decision.scorer.kept and decision.scorer.chosen == RAW and decision.scorer.challenger == FULL
+    assert decision.transform.lines()[0].startswith("transform: mean k=8 g=0.3 uncentred -> mean k=8 g=1 uncentred")
+    gains[FULL] = {k: 0.05 for k in KINDS}
+    assert decide(kind_scores(gains), CURRENT, RAW, D).scorer.chosen == FULL
+
+
+def test_the_margin_confidence_and_kinds_required_of_the_rule() -> None:
+    small = kind_scores({STRONG: {k: 0.006 for k in KINDS}}, spread=0.005)  # +0.6% on every kind, surely
+    assert decide(small, CURRENT, RAW, D).kept  # under the 1% margin
+    assert decide(small, CURRENT, RAW, D, AutoRule(margin=0.002)).transform.chosen == STRONG
+    # +3% on every kind, but on 30 queries that differ by +-0.06: the 95% bound (+3% - 3.7%) is under the margin
+    noisy = kind_scores({STRONG: {k: 0.03 for k in KINDS}}, n=30, spread=0.06)
+    assert decide(noisy, CURRENT, RAW, D, AutoRule(margin=0.01)).kept
+    assert decide(noisy, CURRENT, RAW, D, AutoRule(margin=0.01, z=0.0)).transform.chosen == STRONG
+    two = kind_scores({STRONG: {"sentence": 0.05, "half": 0.05, "keywords": -0.01}})
+    assert decide(two, CURRENT, RAW, D).kept
+    assert decide(two, CURRENT, RAW, D, AutoRule(kinds=2)).transform.chosen == STRONG
+    with pytest.raises(ValueError, match="the current setting mean k=4 g=0.3 uncentred was not measured"):
+        decide(two, TransformSpec(dim=4, pooling="mean").resolve(D), RAW, D)

@@ -130,12 +130,12 @@ def tune(
     auto: Annotated[
         bool,
         typer.Option(
-            help="No qrels: choose on pseudo-queries made from the index's own documents (a sentence taken out "
-            "is the query, the rest of its document the one relevant hit), by the one-standard-error rule: the "
-            "gentlest candidate (raw, more dimensions, smaller gamma) within one standard error of the best."
+            help="No qrels: measure on pseudo-queries made from the index's own documents (a sentence taken "
+            "out, its rarest words, its first half; the rest of the document the one relevant hit) and keep the "
+            "index's current setting unless a candidate beats it on every kind, by a margin, with confidence."
         ),
     ] = False,
-    auto_queries: Annotated[int, typer.Option(help="--auto: how many pseudo-queries.")] = AUTO_QUERIES,
+    auto_queries: Annotated[int, typer.Option(help="--auto: how many pseudo-queries of each kind.")] = AUTO_QUERIES,
     seed: Annotated[int, typer.Option(help="--auto: seed of the documents sampled.")] = 0,
 ) -> None:
     """Sweep pooling x k x gamma (and raw) WITHOUT re-encoding the corpus; choose on dev, report on test.
@@ -187,7 +187,9 @@ def tune(
             markup=False,
         )
     _report_tuning(result, results)
-    if apply:
+    if apply and result.decision is not None and result.decision.kept:
+        err.print(f"--apply: {index_dir} is unchanged", markup=False)
+    elif apply:
         assert index_dir is not None
         from retrieval.update import refit
 
@@ -199,7 +201,10 @@ def tune(
 
 def _report_tuning(result: Any, folder: Path | None) -> None:
     metric = result.metric
-    rule = " (one-SE rule: the gentlest within one standard error of the best)" if result.rule == "one-SE" else ""
+    rule = {
+        "one-SE": " (one-SE rule: the gentlest within one standard error of the best)",
+        "safe": " (dev: the mean over the kinds of pseudo-query; kept unless a candidate wins on each kind)",
+    }.get(result.rule, "")
     table = Table(title=f"tuning: chosen on dev by {metric}{rule}", title_justify="left")
     for name in ("candidate", f"dev {metric}", f"test {metric}", "search ms"):
         table.add_column(name, justify="left" if name == "candidate" else "right")
@@ -219,6 +224,8 @@ def _report_tuning(result: Any, folder: Path | None) -> None:
     out.print(line + ("" if result.dev_source == "dev split" else f" (dev: {result.dev_source})"), markup=False)
     if result.scorer is not None and result.scorer.dim > best.dim:
         out.print(f"re-scoring at full dimension by: {result.scorer.candidate.label}", markup=False)
+    for line in result.decision.lines() if result.decision else ():
+        out.print(line, markup=False)
     if folder:
         png = write_results(result, folder)
         err.print(f"wrote {folder / 'tune.json'}" + (f" and {png}" if png else ""), markup=False)
