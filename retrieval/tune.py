@@ -229,6 +229,12 @@ def tune_auto(
     d = sweep.stash.dim
     current = manifest.transform.spec.resolve(d)
     current_scorer = manifest.rescoring.scorer.resolve(d)
+    if current.pooling not in sweep.poolings:
+        raise ConfigError(
+            f"`auto` weighs every candidate against the index's current setting ({current.label}): "
+            f"include its pooling {current.pooling} in `poolings`",
+            "poolings",
+        )
     grid = [c.resolve(d) for c in sweep.grid]
     grid += [s for s in dict.fromkeys((current, current_scorer)) if s not in grid and s.pooling in sweep.poolings]
     docs = IndexDir(directory).docs()

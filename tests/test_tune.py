@@ -17,7 +17,7 @@ import pytest
 from conftest import FakeEncoder, write_corpus
 
 from retrieval.autorule import AutoRule, decide
-from retrieval.build import build_index
+from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.encode.spec import EncoderInfo
 from retrieval.errors import ConfigError
@@ -577,3 +577,11 @@ def test_the_margin_confidence_and_kinds_required_of_the_rule() -> None:
     assert decide(two, CURRENT, RAW, D, AutoRule(kinds=2)).transform.chosen == STRONG
     with pytest.raises(ValueError, match="the current setting mean k=4 g=0.3 uncentred was not measured"):
         decide(two, TransformSpec(dim=4, pooling="mean").resolve(D), RAW, D)
+
+
+def test_tune_auto_refuses_poolings_without_the_current_one(tmp_path: Path) -> None:
+    encoder = BagOfWordsEncoder()
+    options = BuildOptions(extra_poolings=("cls",))
+    build_index(CorpusSpec(topic_corpus(tmp_path / "c.parquet")), encoder, tmp_path / "idx", options=options)
+    with pytest.raises(ConfigError, match=r"current setting \(mean raw\): include its pooling mean in `poolings`"):
+        tune_auto(tmp_path / "idx", 40, 3, None, ["cls"], [32], [1.0], encoder=encoder)
