@@ -19,6 +19,7 @@ from retrieval.cli.app import app
 from retrieval.encode.transformer import TransformerEncoder
 from retrieval.indexdir import RESCORE_DEPTH, Manifest
 from retrieval.search import Searcher, SearchParams
+from retrieval.whitening import _warn_few_rows
 
 runner = CliRunner()
 METRICS = ("nDCG@10", "Recall@10", "Recall@100", "MRR@10", "MAP@100")
@@ -361,7 +362,10 @@ def test_tune_auto_chooses_without_qrels(
     counter = EncodeCounter(monkeypatch)
     args = ["tune", tmp_path / "idx", "--auto", "--auto-queries", 30, "--dims", "32,16", "--gammas", "0,1"]
     before = Manifest.load(tmp_path / "idx")
+    _warn_few_rows.cache_clear()  # once per process and shape: earlier tests may have fitted this shape
     result = ok(run(*args, "--results", tmp_path / "out", "--apply"))
+    # 5 candidates x 3 kinds fitted on 120 rows of 32 dimensions: the warning comes once
+    assert " ".join(result.stderr.split()).count("fitting a 32 x 32 covariance on only 120 rows") == 1
     source = "30 sentence + 30 keywords + 30 half pseudo-queries (seed 0)"
     assert f"tuned on {source}: only their 60 documents were encoded again" in result.stderr
     assert len(counter.texts) == 3 * 30 + 2 * 30  # the pseudo-queries, the documents without them; nothing else
