@@ -50,7 +50,7 @@ from retrieval.whitening import DEFAULT_GAMMA, TransformSpec  # noqa: E402
 COLLECTIONS = ("scifact", "cisi", "cacm", "npl")
 TARGET_AFTER, TARGET_BEFORE, TARGET_SCIFACT = 0.995, 0.99, 0.995
 MARGINS = (0.0, 0.005, 0.01, 0.02, 0.03, 0.05)
-SCORER_MARGINS = (0.0, 0.01, 0.02, 0.03, 0.05, 1.0)  # 1.0: never leave the current scorer
+SCORER_MARGINS = (0.0, 0.01, 0.02, 0.03, 0.05)
 ZS = (0.0, 1.0, 1.645, 2.326)
 KINDS_REQUIRED = (None, 2)  # every kind, or two of the three
 
@@ -236,38 +236,42 @@ def slack(row: dict[str, Any]) -> float:
 
 
 def caution(rule: AutoRule) -> tuple[float, ...]:
-    return (rule.margin, rule.scorer_margin, rule.z, -(rule.kinds or 99))
+    """Larger: harder to move (every kind required counts last)."""
+    return (rule.margin, rule.scorer_margin, rule.z, rule.kinds is None)
 
 
-def score(rows: list[dict[str, Any]], rule: AutoRule) -> tuple[Any, ...]:
-    """How a rule did on ``rows``: every target met first; then the mean nDCG@10 as served (the gains found), or,
-    while some target fails, the worst case's slack; then the more cautious rule."""
+def score(rows: list[dict[str, Any]], rule: AutoRule, objective: str = "cautious") -> tuple[Any, ...]:
+    """How a rule did on ``rows``: every target met first (else the worst case's slack); then "cautious": the most
+    demanding bar (margin, re-scorer margin, z, every kind), a tuner that moves only when it must to meet the
+    targets; or "gainful": the highest mean nDCG@10 as served, then the more cautious rule."""
     worst = min(slack(x) for x in rows)
-    if worst >= 0:
-        return (True, round(float(np.mean([x["ratio_served"] for x in rows])), 4), caution(rule))
-    return (False, round(worst, 4), caution(rule))
+    if worst < 0:
+        return (False, round(worst, 4), caution(rule))
+    if objective == "cautious":
+        return (True, caution(rule))
+    return (True, round(float(np.mean([x["ratio_served"] for x in rows])), 4), caution(rule))
 
 
 def loo(measured: dict[tuple[str, str], dict[str, Any]], collections: list[str]) -> dict[str, Any]:
     grid = rules()
     by_rule = {r: [row for m in measured.values() for row in outcome(m, r)] for r in grid}
-    folds = []
-    for left_out in collections if len(collections) > 1 else ():
-        train = {r: [x for x in rows if x["collection"] != left_out] for r, rows in by_rule.items()}
-        chosen = max(grid, key=lambda r, train=train: score(train[r], r))  # type: ignore[misc]
-        test = [x for x in by_rule[chosen] if x["collection"] == left_out]
-        folds.append({"left_out": left_out, "rule": asdict(chosen), "train_score": score(train[chosen], chosen)[:2]})
-        folds[-1]["test"] = test
-    on_all = max(grid, key=lambda r: score(by_rule[r], r))
-    shipped = AutoRule()
-    return {
-        "targets": {"served": TARGET_AFTER, "before_rescoring": TARGET_BEFORE, "scifact_vs_labelled": TARGET_SCIFACT},
-        "folds": folds,
-        "chosen_on_all": asdict(on_all),
-        "default_rule": asdict(shipped),
-        "default_rule_rows": by_rule.get(shipped) or [row for m in measured.values() for row in outcome(m, shipped)],
-        "old_rule_rows": [row for m in measured.values() for row in outcome(m, None)],
+    out: dict[str, Any] = {
+        "targets": {"served": TARGET_AFTER, "before_rescoring": TARGET_BEFORE, "scifact_vs_labelled": TARGET_SCIFACT}
     }
+    for objective in ("cautious", "gainful"):
+        folds = []
+        for left_out in collections if len(collections) > 1 else ():
+            train = {r: [x for x in rows if x["collection"] != left_out] for r, rows in by_rule.items()}
+            chosen = max(grid, key=lambda r, train=train: score(train[r], r, objective))  # type: ignore[misc]
+            test = [x for x in by_rule[chosen] if x["collection"] == left_out]
+            folds.append({"left_out": left_out, "rule": asdict(chosen), "test": test})
+        on_all = max(grid, key=lambda r: score(by_rule[r], r, objective))
+        out[objective] = {"folds": folds, "chosen_on_all": asdict(on_all)}
+    shipped = AutoRule()
+    out["default_rule"] = asdict(shipped)
+    out["default_rule_rows"] = by_rule.get(shipped) or [row for m in measured.values() for row in outcome(m, shipped)]
+    out["old_rule_rows"] = [row for m in measured.values() for row in outcome(m, None)]
+    return out
 
 
 # ----- the report ---------------------------------------------------------------------------------------------
@@ -293,27 +297,30 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [benchlib.machine_md(report["machine"]), ""]
     lines += [f"{report['queries_per_kind']} pseudo-queries of each kind; nDCG@10 on each collection's real test "]
     lines += ["queries; % = after tuning / before tuning (SciFact also: / the train-qrels choice, as indexed).", ""]
-    for fold in report["folds"]:
-        rule = fold["rule"]
-        lines.append(
-            f"## {fold['left_out']} left out: rule chosen on the others: margin {rule['margin']:.1%}, re-scorer "
-            f"margin {rule['scorer_margin']:.1%}, z {rule['z']}, kinds {rule['kinds'] or 'all'}"
-        )
-        lines += ["", benchlib.md_table(_pct(fold["test"]), COLUMNS), ""]
-    default, on_all = report["default_rule"], report["chosen_on_all"]
-    lines.append(
-        f"Chosen the same way on every collection: margin {on_all['margin']:.1%}, re-scorer margin "
-        f"{on_all['scorer_margin']:.1%}, z {on_all['z']}, kinds {on_all['kinds'] or 'all'}."
-    )
-    lines += [""]
-    lines.append(
-        f"## The shipped rule (margin {default['margin']:.1%}, re-scorer margin {default['scorer_margin']:.1%}, "
-        f"z {default['z']}, kinds {default['kinds'] or 'all'}) on every collection"
-    )
-    lines += ["", benchlib.md_table(_pct(report["default_rule_rows"]), COLUMNS), ""]
+    for objective in ("cautious", "gainful"):
+        lines += [f"## Rules chosen on the other collections ({objective}: {OBJECTIVES[objective]})", ""]
+        for fold in report[objective]["folds"]:
+            lines += [f"{fold['left_out']} left out: {_rule(fold['rule'])}", ""]
+            lines += [benchlib.md_table(_pct(fold["test"]), COLUMNS), ""]
+        lines += [f"Chosen the same way on every collection: {_rule(report[objective]['chosen_on_all'])}.", ""]
+    lines += [f"## The shipped rule ({_rule(report['default_rule'])}) on every collection", ""]
+    lines += [benchlib.md_table(_pct(report["default_rule_rows"]), COLUMNS), ""]
     lines += ["## The rule before (one-SE on sentence pseudo-queries, best full-rank re-scorer)", ""]
     lines += [benchlib.md_table(_pct(report["old_rule_rows"]), COLUMNS), ""]
     return "\n".join(lines)
+
+
+OBJECTIVES = {
+    "cautious": "every target met on them, then the most demanding bar",
+    "gainful": "every target met on them, then the highest mean nDCG@10 as served",
+}
+
+
+def _rule(rule: dict[str, Any]) -> str:
+    return (
+        f"margin {rule['margin']:.1%}, re-scorer margin {rule['scorer_margin']:.1%}, z {rule['z']}, "
+        f"kinds {rule['kinds'] or 'all'}"
+    )
 
 
 if __name__ == "__main__":
