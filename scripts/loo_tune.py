@@ -49,8 +49,8 @@ from retrieval.whitening import DEFAULT_GAMMA, TransformSpec  # noqa: E402
 
 COLLECTIONS = ("scifact", "cisi", "cacm", "npl")
 TARGET_AFTER, TARGET_BEFORE, TARGET_SCIFACT = 0.995, 0.99, 0.995
-MARGINS = (0.0, 0.005, 0.01, 0.02, 0.03, 0.05)
-SCORER_MARGINS = (0.0, 0.01, 0.02, 0.03, 0.05)
+MARGINS = (0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2)
+SCORER_MARGINS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2)
 ZS = (0.0, 1.0, 1.645, 2.326)
 KINDS_REQUIRED = (None, 2)  # every kind, or two of the three
 
