@@ -41,7 +41,7 @@ import benchlib  # noqa: E402
 from retrieval.autorule import AutoRule, decide  # noqa: E402
 from retrieval.build import BuildOptions, build_index  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
-from retrieval.encoder import from_info  # noqa: E402
+from retrieval.encode.transformer import from_info  # noqa: E402
 from retrieval.evaluate import read_qrels, read_queries  # noqa: E402
 from retrieval.indexdir import RESCORE_DEPTH, IndexDir  # noqa: E402
 from retrieval.tune import AUTO_QUERIES, choose, pick, pick_one_se, tune_auto  # noqa: E402
@@ -116,7 +116,7 @@ def measure(data: Path, work: Path, model: str, collection: str, n: int) -> dict
 
 
 def _encoder_info(model: str) -> Any:
-    from retrieval.encoder import EncoderSpec
+    from retrieval.encode.spec import EncoderSpec
 
     return EncoderSpec(model, "mean").load().info()
 
