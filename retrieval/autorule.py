@@ -23,11 +23,13 @@ import numpy as np
 
 from retrieval.whitening import TransformSpec
 
-# The most demanding bar of scripts/loo_tune.py's grid, and the one its leave-one-collection-out chose: on NPL
-# every kind of pseudo-query favours whitening (full-rank gamma 0.75: +11 to +18%) that its real queries lose 6%
-# to, so any bar low enough to take CISI's or CACM's real gains (+4 to +9%) fails there (docs/benchmarks/tuning.md)
-MARGIN = 0.05
-SCORER_MARGIN = 0.05
+# What scripts/loo_tune.py's leave-one-collection-out chose (every target met on the other collections, then the
+# most demanding bar): the most demanding corner of its grid. On NPL every kind of pseudo-query favours whitening
+# (full-rank gamma 0.75: +11 to +18%) that its real queries lose 6% to, while on CISI and CACM real queries gain
+# 4 to 9% from whitening the pseudo-queries favour less; no bar of the grid takes the latter and refuses the
+# former, so only a large, sure gain moves an index (docs/benchmarks/tuning.md)
+MARGIN = 0.2
+SCORER_MARGIN = 0.2
 Z = 2.326  # one-sided 99%
 
 

@@ -564,7 +564,7 @@ def test_a_candidate_that_wins_on_every_kind_by_the_margin_is_taken_and_the_scor
     assert decision.transform.lines()[0].startswith("transform: mean k=8 g=0.3 uncentred -> mean k=8 g=1 uncentred")
     gains[FULL] = {k: 0.05 for k in KINDS}
     assert decide(kind_scores(gains), CURRENT, RAW, D, rule).scorer.chosen == FULL
-    assert decide(kind_scores(gains), CURRENT, RAW, D).kept  # the shipped bar: 5% at 99%, on every kind
+    assert decide(kind_scores(gains), CURRENT, RAW, D).kept  # the shipped bar: 20% at 99%, on every kind
 
 
 def test_the_margin_confidence_and_kinds_required_of_the_rule() -> None:
