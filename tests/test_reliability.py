@@ -1,6 +1,6 @@
 """The reliability campaign: every fault and bad input a hostile user or a real deployment throws, one test each.
 
-Each test is registered with ``@case(area, what is tried, what happens)``; the README's reliability table is
+Each test is registered with ``@case(area, what is tried, what happens)``; docs/reliability.md's table is
 generated from that registry (``python tests/test_reliability.py --table``) and a test keeps the two equal.
 
 Run as a script with ``writer ...``, this file is also the writer process that the fault tests kill: ``add`` or
@@ -54,7 +54,7 @@ runner = CliRunner()
 
 
 def case(area: str, tried: str, happens: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register a test as one row of the README's reliability table."""
+    """Register a test as one row of docs/reliability.md's table."""
 
     def register(test: Callable[..., Any]) -> Callable[..., Any]:
         CASES.append((area, tried, happens))
@@ -1716,10 +1716,10 @@ def test_markup_is_never_interpreted(tiny_bert: Path, tmp_path: Path) -> None:
     one_line(run("search", "x", "--index", tmp_path / "no[/]such"), "no index directory", "no[/]such")
 
 
-def test_the_readme_table_is_this_registry() -> None:
-    """The README's table is generated from the cases above (python tests/test_reliability.py --table)."""
-    readme = (ROOT / "README.md").read_text()
-    assert table() in readme, "regenerate: python tests/test_reliability.py --table"
+def test_the_docs_table_is_this_registry() -> None:
+    """docs/reliability.md's table is generated from the cases above (python tests/test_reliability.py --table)."""
+    page = (ROOT / "docs" / "reliability.md").read_text()
+    assert table() in page, "regenerate: python tests/test_reliability.py --table"
     assert len(CASES) >= 40
 
 
