@@ -13,7 +13,7 @@ An IVF-Flat index also answers a single query through a twin that spreads it ove
 p50 and p99 over ``--singles`` queries (``--query-vectors``, held-out raw vectors, else stash rows), the median
 of the runs, and whether the two ways found the same rows.
 
-    python scripts/bench_batches.py --index /work/scale-1m-work/joined/hnsw-256 --index .../ivf-256
+    python scripts/bench_batches.py --index ../scale-1m-work/joined/hnsw-256 --index ../scale-1m-work/joined/ivf-256
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--nprobe", type=int, default=None, help="IVF lists per single query (default: the index's)")
     ap.add_argument("--out", type=Path, default=benchlib.RESULTS / "batches")
     args = ap.parse_args()
+    benchlib.hold_bench_lock()  # timed: never beside another benchmark
 
     info = benchlib.machine()
     benchlib.print_machine(info)
@@ -166,7 +167,7 @@ def main() -> None:
         text += f"{queries}, no re-scoring, the two ways alternating, median of {args.runs} passes after one warm-up "
         text += "pass each; same top-10 rows: the share of queries whose rows agree as sets.\n\n"
         text += benchlib.md_table(result["singles"], columns)
-    (args.out / "bench_batches.md").write_text(text + "\n")
+    benchlib.write_md(args.out / "bench_batches.md", text)
     print(text)
 
 

@@ -282,6 +282,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path)
     parser.add_argument("--out", type=Path, default=Path("results/calibrate"))
     args = parser.parse_args()
+    benchlib.hold_bench_lock()  # timed: never beside another benchmark
 
     indexes = list(args.index)
     if args.build:
@@ -307,7 +308,8 @@ def main() -> None:
         benchlib.write_json(path, data)
     table = benchlib.md_table(data["runs"], COLUMNS)
     served = benchlib.md_table([r for r in data["runs"] if r.get("rescore")], SERVED_COLUMNS)
-    (args.out / "bench_calibrate.md").write_text(
+    benchlib.write_md(
+        args.out / "bench_calibrate.md",
         "# Search knobs measured on queries, checked on held-out ones\n\n" + table + "\n\n"
         + "## Re-scoring indexes, as served (recall@10 of the re-scored top 10 against exact search re-scored)\n\n"
         + served + "\n\n" + benchlib.machine_md(info) + "\n"

@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--out", type=Path, default=Path("results/calibrate"))
     args = parser.parse_args()
+    benchlib.hold_bench_lock()  # timed: never beside another benchmark
 
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +152,8 @@ def main() -> None:
          "machine": info},
     )  # fmt: skip
     table = benchlib.md_table(rows, COLUMNS)
-    (args.out / "bench_calibrate_growth.md").write_text(
+    benchlib.write_md(
+        args.out / "bench_calibrate_growth.md",
         "# A calibrated knob through `retrieval add` (recall@10 as served, test half)\n\n"
         + f"`{benchlib.command_line()}`\n\n" + table + "\n\n" + benchlib.machine_md(info) + "\n"
     )  # fmt: skip

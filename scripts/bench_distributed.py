@@ -1,4 +1,4 @@
-"""Distributed indexing: texts/s of a build on the local engine vs on Ray, on this machine, MiniLM on SciFact.
+"""Distributed indexing: texts/s of a build on the local engine vs on Ray, on one machine, MiniLM on SciFact.
 
 Every build runs in a child process of its own (a fresh interpreter; for Ray a fresh local cluster started by
 the engine, as ``retrieval index --engine ray`` does), so its wall time is everything a user waits for and its
@@ -15,8 +15,10 @@ Where Ray's extra time goes comes from the engine's own PassStats: cluster start
 tasks, actor start (import torch, load the model), the workers' busy time per window, the tail, adopt
 (registering parts and merging moments on the driver) and the metadata returned (mostly m2, 8 d^2 bytes/window).
 
-    flock /work/bench.lock python scripts/bench_distributed.py         # full run (~10 min on 2 idle cores)
+    python scripts/bench_distributed.py                                # full run (~10 min on 2 idle cores)
     python scripts/bench_distributed.py --rows 600 --repeats 1         # smoke run
+
+It holds the benchmark lock (``benchlib.bench_lock``) while it runs.
 """
 
 from __future__ import annotations
@@ -243,7 +245,7 @@ def overheads(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write_results(report: dict[str, Any], folder: Path) -> None:
-    (folder / "bench_distributed.json").write_text(json.dumps(report, indent=1))
+    benchlib.write_json(folder / "bench_distributed.json", report)
     (folder / "bench_distributed.partial.json").unlink(missing_ok=True)
     rows = report["summary"]
     by = {r["variant"]: r for r in rows}
@@ -294,7 +296,7 @@ def write_results(report: dict[str, Any], folder: Path) -> None:
             *[f"| {k} | {v:+.1f} |" for k, v in report["overheads"].items()],
             "",
         ]
-    (folder / "bench_distributed.md").write_text("\n".join(lines))
+    benchlib.write_md(folder / "bench_distributed.md", "\n".join(lines))
     print("\n".join(lines))
 
 
@@ -314,6 +316,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--results", type=Path, default=benchlib.RESULTS / "distributed")
     args = parser.parse_args()
+    benchlib.hold_bench_lock()  # timed: never beside another benchmark
     if args.child:
         child(args)
         return
@@ -362,7 +365,7 @@ def save(args: argparse.Namespace, info: dict[str, Any], rows: int, runs: list[d
     if final:
         write_results(report, folder)
     else:
-        (folder / "bench_distributed.partial.json").write_text(json.dumps(report, indent=1))
+        benchlib.write_json(folder / "bench_distributed.partial.json", report)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ background load hits every variant alike; texts/s is the median over repeats. Qu
 every text and every pooling (mean, cls, first-last-avg), against ours fp32 with unbucketed batches of 32.
 
 A roofline puts the rates in the machine's terms: the model's FLOPs per text (from its config and each text's
-token count) turn texts/s into GFLOP/s, compared with this machine's dense fp32 and bf16 matrix-multiply rates
+token count) turn texts/s into GFLOP/s, compared with the CPU's dense fp32 and bf16 matrix-multiply rates
 measured in the same run (torch.matmul, 2048 x 2048, all threads).
 
 A memory phase then runs an encoder as a server holds it, in a fresh process, on random batches of 1-32 texts of
@@ -487,6 +487,7 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path, default=None, help="results root (default: results/)")
     args = p.parse_args()
+    benchlib.hold_bench_lock()  # timed: never beside another benchmark
     if args.memory_worker:
         bucketed = args.memory_worker == "bucketed"
         result = memory_worker(bucketed, args.memory_seconds, args.seed, args.model, args.precision)
@@ -613,7 +614,7 @@ def main() -> None:
             benchlib.machine_md(info) + f"\n- Load average at end: {info['loadavg_at_end']}",
             "## Summary (target: >= 3x sentence-transformers with min cosine >= 0.999 on every pooling)",
             benchlib.md_table(summary, scols),
-            "## Roofline (model FLOPs per text x texts/s, against this machine's dense matmul rate)",
+            "## Roofline (model FLOPs per text x texts/s, against the CPU's dense matmul rate)",
             benchlib.md_table(roofline, rcols),
             "## Variants\n\n" + "\n".join(f"- `{k}`: {v}" for k, v in VARIANTS.items()),
             f"## All cells (median of {args.repeats} interleaved runs; cosine vs {data['reference']})",
@@ -624,7 +625,7 @@ def main() -> None:
             benchlib.md_table(memory, mcols) if memory else "(skipped)",
         ]
     )
-    (out / f"{stem}.md").write_text(md + "\n")
+    benchlib.write_md(out / f"{stem}.md", md)
     print("\n" + benchlib.md_table(summary, scols))
     print("\n" + benchlib.md_table(roofline, rcols))
     if memory:

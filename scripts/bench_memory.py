@@ -260,7 +260,7 @@ def main() -> None:
             table(results),
         ]
     )
-    (out / "bench_memory.md").write_text(md + "\n")
+    benchlib.write_md(out / "bench_memory.md", md)
     print("\n" + md)
 
 

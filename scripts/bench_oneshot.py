@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/retrieval-oneshot"), help="scratch, not in the repo")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    benchlib.hold_bench_lock()  # timed: never beside another benchmark
     info = benchlib.machine()
     work = args.work / args.label.replace(" ", "-")
     work.mkdir(parents=True, exist_ok=True)
@@ -152,7 +153,7 @@ def main() -> None:
     header = (
         "| code | N | index on disk | median wall | median CPU | runs (s) | load |\n|---|---|---|---|---|---|---|\n"
     )
-    (out / f"{name}.md").write_text(header + line + "\n")
+    benchlib.write_md(out / f"{name}.md", header + line)
     print(line)
 
 

@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    benchlib.hold_bench_lock()  # timed: never beside another benchmark
     import torch
 
     from retrieval.encode.shapes import PACK_TOKENS
@@ -118,7 +119,7 @@ def main() -> None:
         f"{report['precision_used']}, 1 torch thread; machine {info['cpu']}, load average {info['loadavg_at_start']} "
         f"at start, {report['loadavg_at_end']} at end.\n\n{table}\n"
     )
-    (out / "bench_packing.md").write_text(text)
+    benchlib.write_md(out / "bench_packing.md", text)
     print(text)
 
 

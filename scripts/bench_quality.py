@@ -119,8 +119,8 @@ def main() -> None:
 
 def write(report: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "quality.json").write_text(json.dumps(basket.jsonable(report), indent=1))
-    (out / "quality.md").write_text(markdown(report))
+    benchlib.write_json(out / "quality.json", basket.jsonable(report))
+    benchlib.write_md(out / "quality.md", markdown(report))
     print(markdown(report))
 
 
@@ -341,8 +341,8 @@ def one_se_dev_report(models: list[str], pool: int, out: Path) -> None:
         report["models"][model] = {"scifact_train": one_se_scifact(model, pool), "sts": one_se_sts(model, pool)}
         report["models"][model]["seconds"] = round(time.perf_counter() - start, 1)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "one-se-dev.json").write_text(json.dumps(basket.jsonable(report), indent=1))
-    (out / "one-se-dev.md").write_text(one_se_markdown(report))
+    benchlib.write_json(out / "one-se-dev.json", basket.jsonable(report))
+    benchlib.write_md(out / "one-se-dev.md", one_se_markdown(report))
     print(one_se_markdown(report))
     print(f"command: {report['command']}")
 

@@ -8,8 +8,8 @@ the same Gaussian, one at a time; for each query every depth is timed in a shuff
 machine falls on all of them alike. The stash is memory-mapped once (``Searcher.warm_up``) and, having just been
 written, is in the page cache: these are warm-cache figures.
 
-    python scripts/bench_rescore.py --prepare-only                 # generate + build (no timing; no lock needed)
-    flock /work/bench.lock python scripts/bench_rescore.py         # time it (one timing benchmark at a time)
+    python scripts/bench_rescore.py --prepare-only                 # generate + build (no timing)
+    python scripts/bench_rescore.py                                # time it, holding the benchmark lock
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=benchlib.RESULTS / "rescore")
     ap.add_argument("--prepare-only", action="store_true", help="generate and build, time nothing")
     args = ap.parse_args()
+    benchlib.hold_bench_lock()  # timed: never beside another benchmark
     info = benchlib.machine()
     benchlib.print_machine(info)
     report: dict[str, Any] = {"machine": info, "command": benchlib.command_line(), "depths": DEPTHS, "runs": []}
@@ -61,7 +62,7 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     benchlib.write_json(args.out / "rescore.json", report)
-    (args.out / "rescore.md").write_text(markdown(report))
+    benchlib.write_md(args.out / "rescore.md", markdown(report))
     print(markdown(report))
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -55,15 +54,8 @@ def locked(path: Path | None) -> Iterator[None]:
     if path is None:
         yield
         return
-    with open(path, "a") as handle:
-        start = time.perf_counter()
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        if time.perf_counter() - start > 1:
-            print(f"   (waited {time.perf_counter() - start:.0f} s for {path})", flush=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with benchlib.bench_lock(path):
+        yield
 
 
 def job_name(kind: str, dim: int, nlist: int | None = None) -> str:
@@ -365,7 +357,7 @@ def report(
             "on this shared machine (OpenBLAS threads waiting for each other): the index stage is the steady part.",
         ]
     )
-    (out / "bench_scale.md").write_text(md + "\n")
+    benchlib.write_md(out / "bench_scale.md", md)
     print("\n" + md)
     print(f"\nwrote {out}/bench_scale.json, .md, .png")
 
@@ -394,7 +386,9 @@ def main() -> None:
     ap.add_argument("--ivf-nlist", type=int, default=None, help="IVF lists (default: the library's, ~4 sqrt(N))")
     ap.add_argument("--rescore", default="20,100", help="re-scoring depths (default: %(default)s)")
     ap.add_argument("--singles", type=int, default=1000, help="single queries timed per index (flat: a fifth)")
-    ap.add_argument("--lock", type=Path, default=Path("/work/bench.lock"), help="held by each timed step")
+    ap.add_argument(
+        "--lock", type=Path, default=benchlib.lock_path(), help="held by each timed step (default: %(default)s)"
+    )
     ap.add_argument("--work", type=Path, default=Path("/tmp/retrieval-bench-scale"), help="scratch, not the repo")
     ap.add_argument("--out", type=Path, default=None, help="results root (default: results/)")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)

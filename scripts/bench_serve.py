@@ -9,12 +9,13 @@ an asyncio + aiohttp load generator for a fixed time (every client sends one req
 and kills the server at the end. Nothing is sent anywhere but 127.0.0.1; every loop is bounded in time.
 
     python scripts/bench_serve.py --phases build                     # the indexes, once (cached in --work)
-    flock /work/bench.lock python scripts/bench_serve.py --phases gil,threads,batching,workers
-    flock /work/bench.lock python scripts/bench_serve.py --phases load,reload
+    python scripts/bench_serve.py --phases gil,threads,batching,workers
+    python scripts/bench_serve.py --phases load,reload
     python scripts/bench_serve.py --phases report                    # merges the phases' JSON: md + png
     python scripts/bench_serve.py --phases load --kinds flat --code ../old-checkout --out results/serve/before
 
-Queries are real: SciFact test claims and STS-B test sentences. Results go to results/serve/.
+Queries are real: SciFact test claims and STS-B test sentences. Results go to results/serve/. The script holds the
+benchmark lock (``benchlib.bench_lock``) while it runs, so no other benchmark times anything beside it.
 """
 
 from __future__ import annotations
@@ -577,7 +578,7 @@ def report(out: Path) -> None:
             + ".",
             "",
         ]
-    (out / "bench_serve.md").write_text("\n".join(lines))
+    benchlib.write_md(out / "bench_serve.md", "\n".join(lines))
     print("\n".join(lines))
     plot(merged, out / "bench_serve.png")
 
@@ -694,6 +695,7 @@ def main() -> None:
     ap.add_argument("--code", type=Path, default=None, help="run this checkout's server (default: this one)")
     ap.add_argument("--hogs", type=int, default=0, help="busy processes competing for the cores during each phase")
     args = ap.parse_args()
+    benchlib.hold_bench_lock()  # timed: never beside another benchmark
     if args.code is not None:
         global CODE
         CODE = args.code.resolve()

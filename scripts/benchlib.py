@@ -1,31 +1,47 @@
-"""Shared helpers for the benchmark scripts: the machine, warm-up + repeated timing, peak RSS, JSON + tables."""
+"""Shared helpers for the benchmark scripts: the machine, the benchmark lock, timing, peak RSS, JSON + tables.
+
+Every result a script writes through ``write_json`` / ``write_md`` carries its provenance, recorded here and
+never typed by hand: the CPU (model, cores, bf16 / VNNI / AMX from the kernel's flags), the git revision and
+whether the work tree had uncommitted changes, the load average when the script started and when it wrote, and
+the exact command line.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
 import resource
+import shlex
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from retrieval.encode.precision import cpu_model
 from retrieval.progress import Timer
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "results"
+# The load average when the script started (this module is imported first thing): recorded with every result.
+LOADAVG_AT_START = [round(x, 2) for x in os.getloadavg()]
+# Benchmarks that time something hold this lock, so two never overlap (one file, named by this variable).
+LOCK_ENV = "RETRIEVAL_BENCH_LOCK"
+# Set while a process holds that lock, so the processes it starts (a script's own workers) do not wait for it.
+_HELD_ENV = "RETRIEVAL_BENCH_LOCK_HELD"
 
 
 # ----- the machine ------------------------------------------------------------------------------------------
 # Where benchmarks' `retrieval index` runs record the "last built" index: never the user's own `indexes/`, which a
 # bare `retrieval search` would then send to a benchmark's scratch index.
-SCRATCH_INDEX_ROOT = "/tmp/retrieval-bench-root"
+SCRATCH_INDEX_ROOT = str(Path(tempfile.gettempdir()) / "retrieval-bench-root")
 
 
 def retrieval_env(**extra: str) -> dict[str, str]:
@@ -33,16 +49,153 @@ def retrieval_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "RETRIEVAL_INDEX_ROOT": SCRATCH_INDEX_ROOT, **extra}
 
 
-def _cpu_flags() -> list[str]:
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line of /proc/cpuinfo (None where there is none: not Linux)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "fma")
-                return [f for f in wanted if f in flags]
+            if line.startswith(field):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return []
+    return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def _all_cpu_flags() -> set[str]:
+    return set((_cpuinfo("flags") or "").split())
+
+
+def _cpu_flags() -> list[str]:
+    flags = _all_cpu_flags()
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "fma")
+    return [f for f in wanted if f in flags]
+
+
+def cpu() -> dict[str, Any]:
+    """What the CPU can do for this project: native bf16 (encoding), VNNI and AMX (int8 / bf16 matrix units)."""
+    flags = _all_cpu_flags()
+    return {
+        "model": cpu_model(),
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
+        "vnni": bool({"avx512_vnni", "avx_vnni"} & flags),
+        "amx": bool({"amx_tile", "amx_bf16", "amx_int8"} & flags),
+    }
+
+
+def git_revision() -> dict[str, Any]:
+    """The checkout's commit and whether tracked files differ from it (None: not a git checkout, or no git)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    revision = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if revision else None
+    return {"revision": revision, "dirty": None if status is None else bool(status)}
+
+
+def exact_command() -> str:
+    """The command line as it was typed: the interpreter's name, the script as given, every argument."""
+    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    argv[0] = Path(argv[0]).name  # "python3", not the interpreter's absolute path
+    return shlex.join(argv)
+
+
+def provenance() -> dict[str, Any]:
+    """Recorded with every result: the CPU, the git revision, the load average at start and now, the command."""
+    return {
+        "cpu": cpu(),
+        "git": git_revision(),
+        "loadavg_at_start": LOADAVG_AT_START,
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+        "command": exact_command(),
+        "written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def provenance_md(record: dict[str, Any]) -> str:
+    c, g = record["cpu"], record["git"]
+    yes = {True: "yes", False: "no", None: "unknown"}
+    if g["revision"] is None:
+        revision = "unknown (not a git checkout)"
+    else:
+        revision = f"`{g['revision'][:12]}`" + (", with uncommitted changes" if g["dirty"] else "")
+    return "\n".join(
+        [
+            "## Provenance",
+            "",
+            f"- CPU: {c['model']}, {c['cores']} cores ({c['usable_cores']} usable); bf16: {yes[c['bf16']]}, "
+            f"VNNI: {yes[c['vnni']]}, AMX: {yes[c['amx']]}",
+            f"- Revision: {revision}",
+            f"- Load average (1/5/15 min): {record['loadavg_at_start']} at start, {record['loadavg_at_end']} at end",
+            f"- Command: `{record['command']}`",
+        ]
+    )
+
+
+# ----- the benchmark lock -----------------------------------------------------------------------------------
+def lock_path() -> Path:
+    """``$RETRIEVAL_BENCH_LOCK``, else ``retrieval-bench.lock`` in the temporary folder."""
+    return Path(os.environ.get(LOCK_ENV) or Path(tempfile.gettempdir()) / "retrieval-bench.lock")
+
+
+def _lock_inherited(path: Path) -> bool:
+    """Whether the lock is already this process's: a parent benchmark holds it for its workers, or the script runs
+    under ``flock LOCKFILE python ...`` (which holds it on a descriptor the script inherits)."""
+    if os.environ.get(_HELD_ENV) == str(path):
+        return True
+    try:
+        target = os.stat(path)
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            st = os.fstat(int(fd))
+        except (OSError, ValueError):
+            continue
+        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+            return True
+    return False
+
+
+@contextmanager
+def bench_lock(path: Path | None = None) -> Iterator[None]:
+    """Hold the benchmark lock (an exclusive ``flock``, as ``flock(1)`` takes it) while timed work runs."""
+    path = path or lock_path()
+    if _lock_inherited(path):
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for the benchmark lock {path} (another benchmark holds it)", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        os.environ[_HELD_ENV] = str(path)
+        try:
+            yield
+        finally:
+            os.environ.pop(_HELD_ENV, None)
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_HELD = ExitStack()
+
+
+def hold_bench_lock() -> None:
+    """Take the benchmark lock for the rest of this process (a timing script calls it once its arguments parse,
+    so ``--help`` or a bad option never waits); the kernel releases it when the process ends."""
+    _HELD.enter_context(bench_lock())
 
 
 def _mem_total_gib() -> float | None:
@@ -68,6 +221,7 @@ def machine(torch_too: bool = False) -> dict[str, Any]:
         "numpy": np.__version__,
         # other work on the machine while the benchmark ran: ratios within one run stay comparable, absolutes less
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "bf16": cpu()["bf16"],
     }
     try:
         from threadpoolctl import threadpool_info
@@ -209,7 +363,14 @@ def out_dir(name: str, root: Path | None = None) -> Path:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
+    """A result as JSON, with its ``provenance`` (see the module's docstring) added."""
+    record = {**data, "provenance": provenance()}
+    path.write_text(json.dumps(record, indent=1, default=_json_default) + "\n")
+
+
+def write_md(path: Path, text: str) -> None:
+    """A result as markdown, its provenance as the last section."""
+    path.write_text(text.rstrip("\n") + "\n\n" + provenance_md(provenance()) + "\n")
 
 
 def _json_default(o: Any) -> Any:
@@ -242,4 +403,5 @@ def machine_md(info: dict[str, Any]) -> str:
 
 
 def command_line() -> str:
-    return "python " + " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
+    """The command as a reader reruns it from the repository's root (the exact one is in the provenance)."""
+    return shlex.join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])

@@ -22,7 +22,6 @@ in the JSON). Writes results/defaults/defaults.json and defaults.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -60,8 +59,8 @@ def main() -> None:
         report["models"][model]["seconds"] = round(time.perf_counter() - start, 1)
     report["choice"] = choose(report["models"])
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "defaults.json").write_text(json.dumps(basket.jsonable(report), indent=1))
-    (args.out / "defaults.md").write_text(markdown(report))
+    benchlib.write_json(args.out / "defaults.json", basket.jsonable(report))
+    benchlib.write_md(args.out / "defaults.md", markdown(report))
     print(markdown(report))
 
 

