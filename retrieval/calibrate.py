@@ -3,8 +3,8 @@ reaches a target.
 
 A build sets these by rule of thumb (efSearch 128; about sqrt(nlist) lists probed), and no rule holds for every
 corpus and every kind of query. On real text the rule's recall@10 ranged from 0.83 to 0.91 for IVF at 100k rows
-and from 0.96 to 0.99 where it probed or searched more than it needed to (README, "Search knobs measured on your
-queries"). ``retrieval calibrate INDEX --queries q.parquet`` measures instead: the queries are encoded and
+and from 0.96 to 0.99 where it probed or searched more than it needed to (docs/benchmarks/calibrate.md).
+``retrieval calibrate INDEX --queries q.parquet`` measures instead: the queries are encoded and
 transformed as a search does, their exact neighbours in the index's space come from one streamed pass over the
 stash, and the knob grows along a grid until recall@10 reaches the target.
 
@@ -14,7 +14,7 @@ against the exact top ``rescore`` in the index's space, re-scored alike. That is
 users get: the loss of the reduction itself is in both and cancels. Measured on real text, the re-scored top 10
 come from deep in the candidates, which an approximate search finds less often than its own top 10: the value
 chosen in the index's space served recall 0.947-0.950 against a target of 0.95, the value chosen as served
-0.948-0.967 (README, "Search knobs measured on your queries").
+0.948-0.967 (docs/benchmarks/calibrate.md).
 
 Why queries and not the corpus's own rows: measured, rows of the corpus make a knob look far better than it is.
 An HNSW search for a vector that is itself a node of the graph finds it and, through its links, its neighbours:

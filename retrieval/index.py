@@ -50,7 +50,7 @@ class IndexSpec:
         if self.kind == "ivf":
             # Lists of 16-bit floats: half the bytes of 32-bit ones to read per probed list. 1M real rows, 4,000
             # lists, nprobe 48: the same recall@10 (0.956 at 256 dims, 0.958 at 128), single queries 1.4x and
-            # batches 1.6-1.8x faster, half the memory (README, "Scale on real text"). IVF<n>,Flat keeps floats.
+            # batches 1.6-1.8x faster, half the memory (docs/benchmarks/scale.md). IVF<n>,Flat keeps floats.
             return f"IVF{self.nlist_for(n)},SQfp16"
         return self.kind
 
@@ -196,8 +196,9 @@ class FaissProduct:
     numpy's OpenBLAS keeps a pool of its own, whose threads spin for a while after each threaded product: a
     query batch's transform by numpy, then FAISS's search on OpenMP threads, had the two pools fighting for the
     cores. At 1M rows, batches of 16-256 queries took 1.05-1.3x as long on HNSW and 1.2-1.6x on IVF, up to 1.7x
-    without re-scoring (``scripts/bench_batches.py``, README). FAISS's BLAS is slower per product (a fifth to a
-    third of numpy's rate here), which costs microseconds on a query batch: use it for queries, not a corpus."""
+    without re-scoring (``scripts/bench_batches.py``, docs/benchmarks/batches.md). FAISS's BLAS is slower per
+    product (a fifth to a third of numpy's rate), which costs microseconds on a query batch: use it for queries,
+    not a corpus."""
 
     def __init__(self, matrix: np.ndarray):
         import faiss

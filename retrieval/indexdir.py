@@ -50,7 +50,7 @@ RESCORE = "rescore.npz"
 OWN_NAMES = frozenset({MANIFEST, TRANSFORM, MOMENTS, INDEX, DOCS, STASH, RESCORE})  # what a publish replaces
 # Candidates re-scored at full dimension by default when an index is reduced (k < d) and kept its stash: the
 # smallest depth that kept every IR dev task of both models at >= 99.9% of raw nDCG@10 at d/3 (worst 99.93%; 30
-# gave 99.77%) for +0.8 ms p50 at 1M rows (README, "Choosing the defaults"; scripts/choose_defaults.py).
+# gave 99.77%) for +0.8 ms p50 at 1M rows (docs/defaults.md; scripts/choose_defaults.py).
 RESCORE_DEPTH = 50
 LOAD_RETRY_SECONDS = 10.0  # how long a reader keeps retrying a load that raced a publish
 

@@ -28,7 +28,7 @@ READS_VERSIONS = (1, 2)
 
 # The kernel used with a reduced `dim`: the gamma and centring with the smallest worst-case loss against raw at
 # k = d/3 over the dev basket of both models (SciFact train, stdlib pseudo-queries, STS-B dev, STS12-16;
-# scripts/choose_defaults.py, README "Choosing the defaults"): gamma 0.3, uncentred (fitted on the second moment
+# scripts/choose_defaults.py, docs/defaults.md): gamma 0.3, uncentred (fitted on the second moment
 # E[x x^T], nothing subtracted), -3.05% on its worst task and -0.03% on average, against -3.58% and -0.56% for the
 # centred gamma 0.3 used before (and better at d/2 and d/6 too). Without a reduced `dim` no transform applies:
 # every centred full-rank gamma lost >= 2% on some dev task. A full-rank kernel, when asked for, centres.
@@ -346,7 +346,7 @@ class TransformSpec:
     raw baseline (L2-normalised encoder output, no centring, no kernel, every dimension). ``pooling`` chooses
     which stashed pooling to fit on (None: the index's first).
 
-    Left as None, ``whiten`` follows the defaults chosen in the README ("Choosing the defaults"): whiten when
+    Left as None, ``whiten`` follows the defaults chosen in docs/defaults.md: whiten when
     ``dim`` reduces the dimension or a ``gamma`` is given, else keep the raw vectors (at full dimension a transform
     cost quality on the dev basket and buys no speed); ``gamma`` None is ``DEFAULT_GAMMA``; ``center`` None
     centres a full-rank kernel and not a reduced one (``DEFAULT_CENTER_REDUCED``). ``resolve(d)`` fills them in;
