@@ -16,8 +16,6 @@ sys.path.insert(0, str(ROOT / "docs" / "hooks"))
 
 import cli_reference  # noqa: E402
 
-from retrieval.cli import app  # noqa: E402
-
 
 def _commands(cmd: object, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], object]]:
     found = [(path, cmd)]
@@ -28,7 +26,7 @@ def _commands(cmd: object, path: tuple[str, ...]) -> list[tuple[tuple[str, ...],
 
 def test_the_cli_reference_lists_every_command_and_option() -> None:
     page = cli_reference.reference()
-    for path, cmd in _commands(typer.main.get_command(app), ("retrieval",)):
+    for path, cmd in _commands(typer.main.get_command(cli_reference._app()), ("retrieval",)):
         assert f"\n{'#' * min(len(path) + 1, 4)} {' '.join(path)}\n" in page, path
         for param in cmd.params:  # type: ignore[attr-defined]
             if getattr(param, "hidden", False) or param.name == "help":

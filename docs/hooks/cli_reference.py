@@ -23,9 +23,12 @@ TAIL = re.compile(r"\s*(?<!\\)\[(default: .*|required)\]\s*$")
 
 
 def _app() -> Any:
+    """The typer app: ``retrieval.cli.app``, whether that names the object or a submodule that holds it."""
     module = importlib.import_module("retrieval.cli")
-    app = module.app
-    if isinstance(app, types.ModuleType):  # a package whose submodule `app` holds the typer object
+    app = getattr(module, "app", None)
+    if app is None:  # a package that does not import its submodule `app` itself
+        app = importlib.import_module("retrieval.cli.app")
+    if isinstance(app, types.ModuleType):
         app = app.app
     return app
 
