@@ -51,6 +51,20 @@ def _embed(match: re.Match[str], root: Path) -> str:
     return f'??? note "The whole result: `{rel}`"\n\n{body}\n'
 
 
+def on_nav(nav: Any, config: Any, files: Files) -> Any:
+    """A benchmark page that mkdocs.yml's nav does not list yet still appears under Benchmarks."""
+    section = next((item for item in nav.items if getattr(item, "title", None) == "Benchmarks"), None)
+    if section is None:
+        return nav
+    listed = {id(page) for page in nav.pages}
+    for file in files.documentation_pages():
+        page = file.page
+        if file.src_uri.startswith("benchmarks/") and page is not None and id(page) not in listed:
+            page.parent = section
+            section.children.append(page)
+    return nav
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     root = Path(config["config_file_path"]).resolve().parent
     return MARKER.sub(lambda m: _embed(m, root), markdown)
