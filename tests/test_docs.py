@@ -7,14 +7,22 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import typer
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "docs" / "hooks"))
 
-import cli_reference  # noqa: E402
+
+@pytest.fixture(scope="module")
+def cli_reference() -> Any:
+    """docs/hooks/cli_reference.py (it imports mkdocs: the [docs] extra)."""
+    pytest.importorskip("mkdocs", reason="the docs extra is not installed")
+    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+    import cli_reference
+
+    return cli_reference
 
 
 def _commands(cmd: object, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], object]]:
@@ -24,7 +32,7 @@ def _commands(cmd: object, path: tuple[str, ...]) -> list[tuple[tuple[str, ...],
     return found
 
 
-def test_the_cli_reference_lists_every_command_and_option() -> None:
+def test_the_cli_reference_lists_every_command_and_option(cli_reference: Any) -> None:
     page = cli_reference.reference()
     for path, cmd in _commands(typer.main.get_command(cli_reference._app()), ("retrieval",)):
         assert f"\n{'#' * min(len(path) + 1, 4)} {' '.join(path)}\n" in page, path
@@ -36,7 +44,7 @@ def test_the_cli_reference_lists_every_command_and_option() -> None:
                 assert shown in page, (path, flag)
 
 
-def test_the_cli_reference_takes_defaults_and_help_from_the_help_records() -> None:
+def test_the_cli_reference_takes_defaults_and_help_from_the_help_records(cli_reference: Any) -> None:
     page = cli_reference.reference()
     # the values --help shows: a default from the parameter, and one written into the help text
     assert re.search(r"\| `--max-queries <int>` \| 64 \| Queries in one request\. \|", page)
