@@ -262,6 +262,17 @@ def test_an_http_1_1_request_without_host_is_refused(served: tuple[Server, Path]
     assert metric_value(server, 'retrieval_requests_total{method="GET",route="unmatched",status="400"}') >= 1
 
 
+def test_oversized_headers_are_refused_with_431_by_the_real_server(served: tuple[Server, Path]) -> None:
+    """A 200 KB header, or 5,000 headers, were answered 200 (uvicorn's httptools parser takes any amount)."""
+    server, _ = served
+    big = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n"
+    many = b"GET /health HTTP/1.1\r\nHost: t\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(5000)) + b"\r\n"
+    for request in (big, many):
+        answer = raw_request(server, request)
+        assert answer.startswith(b"HTTP/1.1 431") and b'"code":"headers_too_large"' in answer, answer[:300]
+    assert raw_request(server, b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n").startswith(b"HTTP/1.1 200")
+
+
 def test_sigterm_lets_the_request_in_flight_finish(served: tuple[Server, Path]) -> None:
     """Last in this module: it stops the shared server."""
     server, _ = served

@@ -5,9 +5,9 @@
     GET  /health (liveness, never protected)   GET /ready (loaded and warmed)    GET / (search page)
 
 Every error, bad input or not, is ``{"error": {"code", "message", "param"}}`` with a 4xx status for what the
-client can fix (422 invalid, 413 too large, 401 key, 404/405, 429 queue full) and 503/409/500 for the server's
-own state; no traceback ever reaches a response. Searches and embeddings go through the service's
-micro-batching engine; the route handlers only validate, wait and format.
+client can fix (422 invalid, 413 too large, 431 headers too large, 401 key, 404/405, 429 queue full) and
+503/409/500 for the server's own state; no traceback ever reaches a response. Searches and embeddings go
+through the service's micro-batching engine; the route handlers only validate, wait and format.
 
 Only this package (and the CLI's `serve`) imports fastapi: the core never does.
 """
@@ -33,7 +33,14 @@ from retrieval import runtime
 from retrieval.errors import ConfigError
 from retrieval.serve.errors import DOCS_ASSETS, install_error_handlers
 from retrieval.serve.metrics import Metrics
-from retrieval.serve.middleware import HeadAsGet, LimitBody, ObserveRequests, RequireHost
+from retrieval.serve.middleware import (
+    HeadAsGet,
+    LimitBody,
+    LimitHeaders,
+    ObserveRequests,
+    RequireHost,
+    SecurityHeaders,
+)
 from retrieval.serve.openai_compat import dimension_range
 from retrieval.serve.requests import KeyedRoute
 from retrieval.serve.routes import page_route, search_routes, state_routes
@@ -98,7 +105,9 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     app.add_middleware(HeadAsGet)
     app.add_middleware(LimitBody, max_bytes=options.max_body_bytes)
     app.add_middleware(RequireHost)
+    app.add_middleware(LimitHeaders)  # before anything reads a header
     app.add_middleware(ObserveRequests, metrics=metrics)
+    app.add_middleware(SecurityHeaders)
     install_error_handlers(app, metrics)
     app.state.api_key = api_key.encode() if api_key else None
     # Every route on it needs the key; the spec says so (as HTTP bearer) when a key is set. KeyedRoute checks it.

@@ -25,12 +25,27 @@ log = logging.getLogger(__name__)
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT"})
 DOCS_ASSETS = "/docs/assets"  # Swagger UI and ReDoc, served from fastapi-offline's copies: no CDN is reachable
 DOC_ROUTES = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})  # FastAPI's own pages
+# On every response, errors too (the 500 of an unexpected error leaves through Starlette's outermost middleware,
+# outside ours: ``error_response`` sets them itself). The CSP allows what the search page at / and the offline
+# /docs and /redoc pages use: their own scripts and styles (inline ones too), data: images and fonts, and
+# ReDoc's blob: worker; nothing from another origin, no plugins, and no page may frame these.
+SECURITY_HEADERS = {
+    "x-content-type-options": "nosniff",
+    "x-frame-options": "DENY",
+    "content-security-policy": (
+        "default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
+        "img-src 'self' data:; font-src 'self' data:; worker-src 'self' blob:; connect-src 'self'; "
+        "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+    ),
+    "referrer-policy": "no-referrer",
+}
 FIELDS = {"ef_search": "ef"}  # library parameter -> JSON field, where they differ
 STATUS_CODES = {
     401: "unauthorized",
     404: "not_found",
     405: "method_not_allowed",
     413: "payload_too_large",
+    431: "headers_too_large",
     415: "unsupported_media_type",
     422: "invalid_request",
     499: "client_closed",  # nginx's status for a client that closed its connection first: counted, never sent
@@ -59,7 +74,7 @@ def error_response(
     status: int, code: str, message: str, param: str | None = None, headers: Any = None, **extra: Any
 ) -> JSONResponse:
     body = {"error": {"code": code, "message": message, "param": param}, **extra}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(body, status_code=status, headers={**SECURITY_HEADERS, **(headers or {})})
 
 
 def client_closed() -> ApiError:

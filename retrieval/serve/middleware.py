@@ -1,13 +1,15 @@
-"""Pure ASGI middleware: request metrics, HEAD as GET, the Host header HTTP/1.1 requires, the body size limit."""
+"""Pure ASGI middleware: request metrics, HEAD as GET, the Host header HTTP/1.1 requires, the header and body size
+limits, and the security headers of every response."""
 
 from __future__ import annotations
 
 import time
 
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from retrieval.serve.errors import DOC_ROUTES, DOCS_ASSETS, HTTP_METHODS, error_response
+from retrieval.serve.errors import DOC_ROUTES, DOCS_ASSETS, HTTP_METHODS, SECURITY_HEADERS, error_response
 from retrieval.serve.metrics import Metrics
 
 
@@ -117,3 +119,55 @@ class LimitBody:
             return message
 
         await self.app(scope, limited, send)
+
+
+# What one request's headers may hold: nginx answers 400 beyond 4 x 8 KB of header lines, Apache beyond 100 fields.
+# Beyond these a request is answered 431 before any route reads it: a 200 KB header or 5,000 headers were answered
+# 200, each one parsed into every dict of headers the request's handlers built.
+MAX_HEADERS = 100
+MAX_HEADER_BYTES = 32 * 1024
+
+
+class LimitHeaders:
+    """Pure ASGI middleware: a request with more than ``max_count`` header fields, or more than ``max_bytes``
+    of names and values together, gets 431 Request Header Fields Too Large (RFC 6585 5), as JSON like every
+    error. uvicorn's httptools parser sets no such limit, and its h11 one only on the bytes."""
+
+    def __init__(self, app: ASGIApp, max_count: int = MAX_HEADERS, max_bytes: int = MAX_HEADER_BYTES):
+        self.app, self.max_count, self.max_bytes = app, max_count, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = scope["headers"]
+            size = sum(len(name) + len(value) for name, value in headers)
+            if len(headers) > self.max_count or size > self.max_bytes:
+                message = (
+                    f"the request has {len(headers):,} header fields of {size:,} bytes; the server takes at most "
+                    f"{self.max_count:,} fields and {self.max_bytes:,} bytes"
+                )
+                await error_response(431, "headers_too_large", message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class SecurityHeaders:
+    """Pure ASGI middleware: every response says how a browser may use it (``SECURITY_HEADERS``: no MIME
+    sniffing, no framing, scripts and styles from the server itself only), unless a route set its own."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def secured(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in SECURITY_HEADERS.items():
+                    if name not in headers:
+                        headers[name] = value
+            await send(message)
+
+        await self.app(scope, receive, secured)
