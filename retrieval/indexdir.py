@@ -48,6 +48,8 @@ DOCS = "docs.arrow"
 STASH = "vectors"
 RESCORE = "rescore.npz"
 OWN_NAMES = frozenset({MANIFEST, TRANSFORM, MOMENTS, INDEX, DOCS, STASH, RESCORE})  # what a publish replaces
+FILE_NAMES = (MANIFEST, TRANSFORM, MOMENTS, INDEX, DOCS, RESCORE)  # its own files at the top (the stash is a folder)
+Identity = tuple[int, ...]  # ``IndexDir.identity``: which version a path names
 # Candidates re-scored at full dimension by default when an index is reduced (k < d) and kept its stash: the
 # smallest depth that kept every IR dev task of both models at >= 99.9% of raw nDCG@10 at d/3 (worst 99.93%; 30
 # gave 99.77%) for +0.8 ms p50 at 1M rows (docs/defaults.md; scripts/choose_defaults.py).
@@ -450,13 +452,24 @@ class IndexDir:
                     "index reads only its own files: put the file itself there, or rebuild the index"
                 )
 
-    def identity(self) -> tuple[int, int] | None:
-        """Which version of the directory the path names now (inode and change time), or None if absent."""
+    def identity(self) -> Identity | None:
+        """Which version of the directory the path names now, or None if absent: the directory's inode and change
+        time (writers publish a new directory by renaming it into place), and the inode, size and modification time
+        of each of its own files (a file edited or replaced in place changes those, not the directory's; not their
+        change time, which a publish's hard links of unchanged files move when the old version is deleted)."""
         try:
             stat = os.stat(self.path)
         except FileNotFoundError:
             return None
-        return stat.st_ino, stat.st_ctime_ns
+        parts = [stat.st_ino, stat.st_ctime_ns]
+        for name in FILE_NAMES:
+            try:
+                own = os.stat(self.path / name)
+            except (FileNotFoundError, NotADirectoryError):
+                parts += [0, 0, 0]
+                continue
+            parts += [own.st_ino, own.st_size, own.st_mtime_ns]
+        return tuple(parts)
 
 
 @dataclass
@@ -471,7 +484,7 @@ class Loaded:
     docs: Docs
     rescorer: Whitening | RawTransform | None = None  # scores re-ranked candidates at full dimension
     stash: VectorStash | None = None  # raw vectors, mapped at load when this version re-scores by default
-    identity: tuple[int, int] | None = None  # the directory's identity when this version was read
+    identity: Identity | None = None  # the directory's identity when this version was read
     verify: Verify = "full"  # how it was checked when read (a stash mapped later is checked alike)
 
     def open_stash(self) -> VectorStash:
@@ -524,7 +537,7 @@ def load(path: Path | str, verify: Verify = "full") -> Loaded:
         time.sleep(0.01)
 
 
-def _raced(directory: IndexDir, real: Path, before: tuple[int, int] | None) -> bool:
+def _raced(directory: IndexDir, real: Path, before: Identity | None) -> bool:
     """A publish in the way: the directory is missing while a writer holds it, or it is another one than at the
     start of the read (replaced, or there again after the moment between a publish's two renames)."""
     now = directory.identity()

@@ -759,6 +759,34 @@ def test_post_reload_serves_the_new_version_and_refuses_a_corrupt_one(index: Pat
         assert service.reloads == {"ok": 2, "failed": 1}
 
 
+def test_a_version_damaged_in_place_is_verified_refused_and_the_old_one_serves_on(index: Path) -> None:
+    """index.faiss and manifest.json rewritten in place (the directory itself unchanged): POST /reload answered
+    reloaded:false, as if nothing had changed. It now checks what it would serve and refuses it in one line."""
+    test_client, service = serve(index)
+    with test_client as client:
+        wait_ready(client)
+        data = bytearray((index / INDEX).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        with (index / INDEX).open("r+b") as out:  # in place: same inode, same directory entry
+            out.write(bytes(data))
+        manifest = json.loads((index / "manifest.json").read_text())
+        manifest["created"] = "2000-01-01T00:00:00Z"
+        with (index / "manifest.json").open("r+") as out:
+            out.truncate(0)
+            out.write(json.dumps(manifest))
+        refused = client.post("/reload")
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "reload_refused" and "checksum" in error["message"] and "\n" not in error["message"]
+        assert "still serving generation 1" in error["message"]
+        assert client.get("/ready").status_code == 200
+        found = client.get("/search", params={"q": QUERY, "k": 1}).json()
+        assert found["generation"] == 1 and found["results"][0]["hits"][0]["id"] == "doc5"
+        assert service.reloads == {"ok": 1, "failed": 1}
+        again = client.post("/reload")  # the same damaged files: refused again, not taken as the version served
+        assert again.status_code == 409
+
+
 def test_reloads_that_arrive_during_a_load_read_nothing_again(index: Path, tmp_path: Path) -> None:
     """Every POST /reload was a full verified load, even of the version served, one after another: 50 at once
     took 167 s on a 126 MB index. Those that wait while a version loads now find it served: one load."""

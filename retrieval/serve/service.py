@@ -2,7 +2,8 @@
 
 A ``Service`` loads its index directory in the background (``ready`` once loaded and warmed), serves it through
 one micro-batching engine (``batching.Batcher``), and replaces it when the directory is replaced: a watcher
-polls the directory's identity (one ``stat``: writers publish a new directory by renaming it into place), and
+polls the directory's identity (a few ``stat``s: writers publish a new directory by renaming it into place; a file
+edited in place is seen too, and refused when it no longer matches its checksum), and
 ``reload()`` can be called at any time. A reload reads the new version fully checked, with the current encoder
 reused when the new version was built with the same one, warms it, then swaps it in between two batches;
 a batch already running finishes on the old version. A replacement that fails to load is refused: the old
@@ -20,7 +21,7 @@ from typing import Any
 
 from retrieval.encode.spec import Encoder
 from retrieval.errors import ConfigError, RetrievalError
-from retrieval.indexdir import IndexDir, Verify, check_verify, now
+from retrieval.indexdir import Identity, IndexDir, Verify, check_verify, now
 from retrieval.search import MAX_K, Searcher
 from retrieval.serve.autothreads import ThreadChooser
 from retrieval.serve.batching import Batcher, BatchStats
@@ -156,8 +157,8 @@ class Service:
         self.options = options
         self._encoder = encoder
         self._searcher: Searcher | None = None
-        self._identity: tuple[int, int] | None = None  # the directory's identity when the serving version was read
-        self._failed_identity: tuple[int, int] | None = None  # ... when a load last failed: not retried unchanged
+        self._identity: Identity | None = None  # the directory's identity when the serving version was read
+        self._failed_identity: Identity | None = None  # ... when a load last failed: not retried unchanged
         self._reload_lock = threading.Lock()
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
