@@ -359,6 +359,16 @@ class IndexDir:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise IndexDirError(f"{path} is not valid JSON ({err}); the index is corrupt, rebuild it") from err
         version = data.get("schema_version") if isinstance(data, dict) else None
+        if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+            import retrieval
+
+            versions = data.get("versions")
+            writer = versions.get("retrieval") if isinstance(versions, dict) else None
+            by = f", written by retrieval {writer}" if isinstance(writer, str) else ""
+            raise IndexDirError(
+                f"{self.path} has index schema version {version}{by}; this retrieval ({retrieval.__version__}) "
+                f"reads version {SCHEMA_VERSION}: upgrade retrieval to read it"
+            )
         if version != SCHEMA_VERSION:
             raise IndexDirError(
                 f"{self.path} has index schema version {version}; this retrieval reads version {SCHEMA_VERSION}: "

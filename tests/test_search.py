@@ -21,7 +21,7 @@ from retrieval.cli import home
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.index import IndexSpec, flat_vectors, load_index, search_parameters
-from retrieval.indexdir import IndexDir
+from retrieval.indexdir import SCHEMA_VERSION, IndexDir
 from retrieval.search import Hit, Searcher, SearchParams
 from retrieval.whitening import TransformSpec, l2_normalize
 
@@ -247,10 +247,27 @@ def test_a_garbled_manifest_is_refused(damaged: Path) -> None:
 
 def test_another_schema_version_is_refused(damaged: Path) -> None:
     data = json.loads((damaged / "manifest.json").read_text())
-    data["schema_version"] = 99
+    data["schema_version"] = 1  # older: rebuilt by this version
     (damaged / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(IndexDirError, match="schema version 99; this retrieval reads version 2"):
+    with pytest.raises(IndexDirError, match="schema version 1; this retrieval reads version 2: rebuild the index"):
         Searcher.load(damaged, encoder=FakeEncoder())
+
+
+def test_a_newer_schema_version_asks_for_a_newer_retrieval_not_a_rebuild(damaged: Path) -> None:
+    """A manifest from a newer retrieval was met with "rebuild the index with this version": a downgrade of
+    the index. It names both versions and asks for an upgrade."""
+    import retrieval
+
+    data = json.loads((damaged / "manifest.json").read_text())
+    data["schema_version"] = SCHEMA_VERSION + 1
+    data["versions"]["retrieval"] = "9.0.0"
+    (damaged / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(IndexDirError) as raised:
+        Searcher.load(damaged, encoder=FakeEncoder())
+    message = str(raised.value)
+    assert f"schema version {SCHEMA_VERSION + 1}, written by retrieval 9.0.0" in message
+    assert f"this retrieval ({retrieval.__version__}) reads version {SCHEMA_VERSION}" in message
+    assert message.endswith("upgrade retrieval to read it") and "rebuild" not in message
 
 
 def test_an_index_that_does_not_match_its_manifest_is_refused(damaged: Path) -> None:
