@@ -277,6 +277,8 @@ def remove(
     wanted = set(map(str, ids))
     if not wanted:
         raise ConfigError("no ids to remove; give the ids of the documents to remove", "ids")
+    if "" in wanted:  # a shell's '' or an unset variable, far likelier than a document meant by an empty id
+        raise ConfigError("an id to remove is the empty string ''; give the ids of the documents to remove", "ids")
     directory = files.resolved(directory)
     with files.write_errors(directory), files.writing(directory):
         return _remove(IndexDir(directory), wanted, missing_ok, progress)
@@ -299,7 +301,8 @@ def _remove(old: IndexDir, wanted: set[str], missing_ok: bool, progress: Progres
     if count < len(wanted) and not missing_ok:
         absent = sorted(wanted - found)
         raise CorpusError(
-            f"{len(absent):,} of the {len(wanted):,} ids are not in the index (first: {', '.join(absent[:5])}); "
+            f"{len(absent):,} of the {len(wanted):,} ids are not in the index "
+            f"(first: {', '.join(map(repr, absent[:5]))}); "
             "nothing was removed: check the ids, or pass `missing_ok` to remove the others"
         )
     if count == 0:

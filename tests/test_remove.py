@@ -21,7 +21,7 @@ from retrieval.build import BuildOptions, build_index
 from retrieval.cli.app import app
 from retrieval.corpus import CorpusSpec
 from retrieval.docs import Docs
-from retrieval.errors import CorpusError, IndexDirError
+from retrieval.errors import ConfigError, CorpusError, IndexDirError
 from retrieval.index import IndexSpec, load_index
 from retrieval.indexdir import DOCS, INDEX, MOMENTS, TRANSFORM, IndexDir
 from retrieval.info import describe_index
@@ -117,7 +117,7 @@ def test_unknown_ids_are_refused_all_or_nothing_unless_missing_ok(tmp_path, corp
     directory = tmp_path / "idx"
     build(corpus, directory)
     before = files_of(directory)
-    with pytest.raises(CorpusError, match=r"2 of the 3 ids are not in the index \(first: nope1, nope2\); nothing"):
+    with pytest.raises(CorpusError, match=r"2 of the 3 ids are not in the index \(first: 'nope1', 'nope2'\); nothing"):
         update.remove(directory, ["doc5", "nope2", "nope1"])
     assert files_of(directory) == before and not files_beside(directory)
 
@@ -218,9 +218,9 @@ def test_a_failure_midway_leaves_the_index_as_it_was(tmp_path, corpus, monkeypat
 def test_cli_remove_takes_ids_as_arguments_from_a_file_and_from_stdin(tmp_path, corpus):
     directory = tmp_path / "idx"
     build(corpus, directory)
-    (tmp_path / "ids.txt").write_text("doc10\n\ndoc 11 is not an id\n  \ndoc12\n")  # "  " is looked for too
+    (tmp_path / "ids.txt").write_text("doc10\n\ndoc 11 is not an id\n  \ndoc12\n")
     result = runner.invoke(app, ["remove", str(directory), "doc1", "--ids-from", str(tmp_path / "ids.txt")])
-    assert result.exit_code == 1 and "2 of the 5 ids are not in the index (first:   , doc 11 is" in result.output
+    assert result.exit_code == 1 and "1 of the 4 ids are not in the index (first: 'doc 11 is" in result.output
     result = runner.invoke(
         app, ["remove", str(directory), "doc1", "--ids-from", str(tmp_path / "ids.txt"), "--missing-ok"]
     )
@@ -235,6 +235,31 @@ def test_cli_remove_takes_ids_as_arguments_from_a_file_and_from_stdin(tmp_path, 
     result = runner.invoke(app, ["remove", str(directory), "--ids-from", str(tmp_path / "latin1.txt")])
     assert result.exit_code == 1 and "is not UTF-8 text" in result.output and "Traceback" not in result.output
     assert IndexDir(directory).manifest().n == 295
+
+
+def test_ids_from_a_file_lose_the_spaces_around_them_and_unknown_ids_are_quoted(tmp_path, corpus):
+    """An editor's trailing space or a copied column's indent made every id unknown, and the message printed
+    them unquoted: "first: doc3 , doc4" showed nothing wrong. Spaces and tabs around an id are dropped now (not
+    inside it), and ids the index lacks are quoted."""
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    (tmp_path / "ids.txt").write_text("doc3 \n\tdoc4\n  doc5\t \r\n")
+    result = runner.invoke(app, ["remove", str(directory), "--ids-from", str(tmp_path / "ids.txt")])
+    assert result.exit_code == 0 and "removed 3 rows" in result.output and "now 297" in result.output, result.output
+    result = runner.invoke(app, ["remove", str(directory), "doc6", "doc 7 "])
+    assert result.exit_code == 1 and "(first: 'doc 7 ')" in result.output, result.output
+
+
+def test_the_empty_string_is_refused_as_an_id_in_one_line(tmp_path, corpus):
+    directory = tmp_path / "idx"
+    build(corpus, directory)
+    before = files_of(directory)
+    result = runner.invoke(app, ["remove", str(directory), ""])
+    assert result.exit_code == 1 and result.output.startswith("error: an id to remove is the empty string ''")
+    assert len(result.output.strip().splitlines()) == 1 and files_of(directory) == before
+    with pytest.raises(ConfigError, match="the empty string"):
+        update.remove(directory, ["doc1", ""], missing_ok=True)
+    assert files_of(directory) == before
 
 
 def test_ids_from_a_file_are_split_at_newlines_only(tmp_path):

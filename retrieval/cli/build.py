@@ -254,9 +254,10 @@ def remove(
 
 
 def read_ids(path: Path) -> list[str]:
-    """Ids from a text file (or standard input for ``-``), one per ``\n``-ended line (``\r\n`` too); empty
-    lines skipped, nothing else stripped (an id may hold spaces, and any character but a newline: ``\f``,
-    U+2028 and U+0085 are not line ends here, as they are to ``str.splitlines``); a leading BOM is dropped."""
+    """Ids from a text file (or standard input for ``-``), one per ``\n``-ended line (``\r\n`` too), without
+    the spaces and tabs around them (an editor's or a copied column's; inside an id they stay); blank lines
+    skipped; any other character belongs to the id (``\f``, U+2028 and U+0085 are not line ends here, as they
+    are to ``str.splitlines``); a leading BOM is dropped."""
     try:
         data = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
         text = data.decode("utf-8-sig")
@@ -264,8 +265,8 @@ def read_ids(path: Path) -> list[str]:
         raise ConfigError(f"{path} is not UTF-8 text ({error.reason}); write one id per line", "ids_from") from None
     except OSError as error:
         raise ConfigError(f"cannot read {path}: {error.strerror or error}", "ids_from") from None
-    lines = (line.removesuffix("\r") for line in text.split("\n"))
-    return [line for line in lines if line]  # "  " is an id like any other: looked for, not dropped
+    lines = (line.removesuffix("\r").strip(" \t") for line in text.split("\n"))
+    return [line for line in lines if line]
 
 
 @user_errors
