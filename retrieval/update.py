@@ -393,8 +393,7 @@ def calibrate_index(
     value (the FAISS file stores it too); the previous version stays intact on any failure. Returns the
     measurement and the manifest now in place."""
     check_target(target)
-    if rescore is not None and rescore < 0:
-        raise ConfigError(f"`rescore` must be 0 or more (got {rescore})", "rescore")
+    check_calibration(directory, rescore)
     directory = files.resolved(directory)
     if not apply:
         old = IndexDir(directory)
@@ -407,6 +406,19 @@ def calibrate_index(
         index = old.faiss_index()  # read once: measured, then saved with the new default
         calibration = _measure(old, manifest, index, raw_queries, target, source, rescore)
         return calibration, _publish_calibration(old, manifest, index, calibration)
+
+
+def check_calibration(directory: Path, rescore: int | None = None) -> Manifest:
+    """What ``calibrate_index`` refuses that its arguments and the manifest alone tell, so a caller can ask
+    before it loads an encoder and encodes the queries (20-30 s for a real model): a negative ``rescore``, an
+    index with no knob (flat: exact). Returns the manifest read."""
+    if rescore is not None and rescore < 0:
+        raise ConfigError(f"`rescore` must be 0 or more (got {rescore})", "rescore")
+    manifest = IndexDir(files.resolved(directory)).manifest()
+    factory = manifest.index.factory.upper()
+    if "HNSW" not in factory and "IVF" not in factory:  # what ``calibrate.knob_of`` finds in the FAISS index
+        raise ConfigError("a flat index searches exactly: it has no knob to calibrate (use --index-type hnsw or ivf)")
+    return manifest
 
 
 def _verified(old: IndexDir) -> Manifest:

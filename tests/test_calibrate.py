@@ -400,3 +400,39 @@ def test_the_cli_names_refit_when_a_changed_index_falls_short(tmp_path: Path) ->
     refit(out, TransformSpec())  # trained again on the rows there are: the advice would loop
     refitted = runner.invoke(app, args)
     assert refitted.exit_code == 0 and "short of the target" in refitted.stderr and "refit" not in refitted.stderr
+
+
+@pytest.mark.parametrize(
+    ("kind", "args", "message"),
+    [
+        ("hnsw", ["--rescore", "-1"], "--rescore must be 0 or more (got -1)"),
+        ("flat", [], "a flat index searches exactly: it has no knob to calibrate"),
+    ],
+)
+def test_the_cli_refuses_before_it_loads_the_encoder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, args: list[str], message: str
+) -> None:
+    """`calibrate --rescore -1` and calibrate on a flat index were refused only after the model had loaded and
+    encoded every query (20-30 s with a real one): what the arguments and the manifest tell comes first."""
+    from conftest import FakeEncoder, write_corpus
+
+    from retrieval.search import Searcher
+
+    out = tmp_path / kind
+    build_index(
+        CorpusSpec(write_corpus(tmp_path / "c.parquet", n=300)),
+        FakeEncoder(),
+        out,
+        TransformSpec(dim=8),
+        IndexSpec(kind, m=8) if kind == "hnsw" else IndexSpec(kind),
+    )
+    pq.write_table(pa.table({"text": ["a question", "another one"]}), tmp_path / "q.parquet")
+
+    def no_encoder(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the encoder was loaded before the arguments were checked")
+
+    monkeypatch.setattr(Searcher, "load", no_encoder)
+    result = runner.invoke(app, ["calibrate", str(out), "--queries", str(tmp_path / "q.parquet"), *args])
+    assert result.exit_code == 1 and not isinstance(result.exception, AssertionError), result.exception
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.output

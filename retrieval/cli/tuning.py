@@ -24,7 +24,7 @@ from retrieval.cli.shell import (
 )
 from retrieval.encode.spec import POOLINGS, EncoderSpec
 from retrieval.errors import ConfigError
-from retrieval.indexdir import Manifest, trained_on_rows
+from retrieval.indexdir import trained_on_rows
 from retrieval.plots import write_results
 from retrieval.tune import AUTO_QUERIES, DEFAULT_GAMMAS
 
@@ -58,15 +58,16 @@ def calibrate(
     """Measure the smallest ef-search (HNSW) or nprobe (IVF) whose recall@10 on your queries reaches a target."""
     from retrieval.calibrate import check_target, query_sample
     from retrieval.evaluate import read_texts
-    from retrieval.update import calibrate_index
+    from retrieval.update import calibrate_index, check_calibration
 
     check_target(target_recall)
+    manifest = check_calibration(index_dir, rescore)  # before the encoder loads and the queries are encoded
     if queries.suffix == ".npy":
         raw = _read_vectors(queries)
     else:
         from retrieval.search import Searcher
 
-        if not Manifest.load(index_dir).encoder.encodes_text:
+        if not manifest.encoder.encodes_text:
             raise ConfigError(
                 f"{index_dir} was built from precomputed vectors: give --queries as a .npy of query vectors", "queries"
             )
