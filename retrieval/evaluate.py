@@ -233,6 +233,11 @@ def read_qrels(
 ) -> Qrels:
     """query id -> doc id -> grade (an integer: 0 or less not relevant, higher more relevant); ids as text."""
     table = _read(path, [query_column, doc_column, score_column], "qrels")
+    if table.num_rows == 0:  # every query would be "not judged", reported as a mismatch of query ids
+        raise CorpusError(
+            f"{path} holds no judgement (no rows): give one ({query_column}, {doc_column}, {score_column}) row per "
+            "judged document"
+        )
     _require(table, score_column, path, _is_number, ": relevance grades must be integers")
     columns = [_ids(table.column(c), c, path) for c in (query_column, doc_column)]
     columns.append(table.column(score_column).to_pylist())

@@ -147,6 +147,16 @@ def test_eval_ir_missing_qrels_column_is_one_line(built: dict[str, Path], tmp_pa
     assert "no column 'doc_id'" in line and "corpus_id" in line
 
 
+def test_eval_ir_with_an_empty_qrels_file_says_it_is_empty(built: dict[str, Path], tmp_path: Path) -> None:
+    """A qrels file of no rows was reported as a mismatch of query ids ("no query ... has a relevant judgement
+    ... query ids such as none"), which sent the user looking at the ids."""
+    empty = tmp_path / "qrels.parquet"
+    schema = pa.schema([("query_id", pa.string()), ("doc_id", pa.string()), ("score", pa.int64())])
+    pq.write_table(schema.empty_table(), empty)
+    line = one_error_line(run("eval", "ir", built["index"], "--queries", built["dev_q"], "--qrels", empty))
+    assert "holds no judgement (no rows)" in line and "query ids" not in line
+
+
 # ----- eval sts --------------------------------------------------------------------------------------------
 def test_eval_sts_target_fit_and_index_fit(built: dict[str, Path], tiny_bert: Path, tmp_path: Path) -> None:
     sts12 = write_pairs(tmp_path / "sts12.parquet", seed=1, subsets=True)

@@ -55,7 +55,8 @@ def eval_ir(
         writable_file(per_query, "per_query")  # before the evaluation, not after it
     params = SearchParams(k=depth, rescore=rescore, ef_search=ef_search, nprobe=nprobe)
     params.check()
-    result = evaluate_ir(Searcher.load(index_dir), *read_judged(queries, qrels), params)
+    judged = read_judged(queries, qrels)  # before the encoder loads: a bad file is refused at once
+    result = evaluate_ir(Searcher.load(index_dir), *judged, params)
     if per_query:
         lines = "".join(json.dumps({"query_id": q, **m}) + "\n" for q, m in result.per_query.items())
         with files.output_errors(per_query):
