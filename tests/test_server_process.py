@@ -273,6 +273,14 @@ def test_oversized_headers_are_refused_with_431_by_the_real_server(served: tuple
     assert raw_request(server, b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n").startswith(b"HTTP/1.1 200")
 
 
+def test_a_normal_load_is_logged_at_info_and_no_library_warning_is_printed(served: tuple[Server, Path]) -> None:
+    """Every normal load was logged at WARNING, so an operator's alerting on warnings fired at each start."""
+    server, _ = served
+    log = server.log.read_text()
+    assert re.search(r"INFO +serving .* generation 1", log), log
+    assert "WARNING  serving" not in log and "FutureWarning" not in log and "TracerWarning" not in log, log
+
+
 def test_sigterm_lets_the_request_in_flight_finish(served: tuple[Server, Path]) -> None:
     """Last in this module: it stops the shared server."""
     server, _ = served

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 from pathlib import Path
 from typing import Annotated
@@ -109,6 +110,8 @@ def serve(
     def announce(url: str) -> None:  # once the port is bound (the one it got, for --port 0), before the model loads
         err.print(f"serving {safe(str(directory))} on {url} (docs at /docs)", markup=False)
 
+    # A server reports its normal events (each version it loads) at INFO, as uvicorn does beside it
+    logging.getLogger("retrieval").setLevel(min(logging.getLogger("retrieval").getEffectiveLevel(), logging.INFO))
     try:
         server.run(directory, options, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout,
                    announce=announce)  # fmt: skip

@@ -282,7 +282,7 @@ class Service:
             self.last_error = self.last_error_at = None
             self.reloads["ok"] += 1
             seconds = time.perf_counter() - start
-            log.warning(
+            log.info(  # a normal load: INFO (``retrieval serve`` shows the service's INFO lines)
                 "serving %s generation %d (%d documents; loaded and warmed in %.2fs)",
                 self.directory,
                 searcher.manifest.generation,
