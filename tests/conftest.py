@@ -23,6 +23,9 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+# The reliability tests' fixtures and registry (tests/reliability.py), for the test_reliability_*.py modules.
+pytest_plugins = ["reliability"]
+
 
 class FakeEncoder:
     """Deterministic vectors with the anisotropy of real sentence embeddings: a large common mean plus a
