@@ -46,7 +46,7 @@ def test_out_is_a_file(tiny_bert: Path, tmp_path: Path) -> None:
     "none: .npz/.npy/Arrow/FAISS files only; model code never runs",
 )
 def test_no_pickle_and_no_remote_code() -> None:
-    source = "\n".join(p.read_text() for p in (ROOT / "retrieval").glob("*.py"))
+    source = "\n".join(p.read_text() for p in (ROOT / "retrieval").rglob("*.py"))
     assert not re.search(
         r"^\s*import pickle|^\s*from pickle|allow_pickle\s*=\s*True|trust_remote_code\s*=\s*True", source, re.M
     )
