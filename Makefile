@@ -1,10 +1,11 @@
 # Two entry points do all the set-up on a fresh machine (see README):
 #   make demo   install everything, then index the standard library's docstrings and search them
-#   make test   install everything plus the dev tools, then lint, type-check, run the tests and build the docs
+#   make test   install everything plus the dev tools, then lint, type-check, run every test and build the docs
+#   make test-fast   the tests for everyday work: all but the slow, ray, process and browser ones (no install)
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: install install-dev chromium axe demo test lint docs test-py310
+.PHONY: install install-dev chromium axe demo test test-fast lint docs test-py310
 
 # torch first, pinned, and the CPU build: a bare `torch` (or torch==2.13.0 from PyPI) is the CUDA build, with
 # several GB of nvidia packages. Where pip sees a local wheel (--find-links / PIP_FIND_LINKS naming a folder that
@@ -65,6 +66,11 @@ test: install-dev lint test-py310 docs
 # a missing page fails. The CLI reference is generated from the typer app as it builds.
 docs:
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
+
+# The markers are declared in pyproject.toml: slow (the real model, ../shared/data), ray (a local Ray cluster),
+# process (subprocesses, servers, signals) and browser (headless Chromium). What is left runs in process.
+test-fast:
+	$(PYTHON) -m pytest -q -m "not slow and not ray and not process and not browser"
 
 # pyproject promises Python >= 3.10. The pinned CPU torch wheel is installed for 3.11 only, so where a python3.10 is
 # found the suite also runs under it without torch (tests that need torch skip themselves): the 3.10 syntax,

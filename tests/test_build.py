@@ -514,6 +514,7 @@ def hold_lock(target: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.process
 def test_one_writer_at_a_time(built: tuple[Path, FakeEncoder, Manifest], corpus: Path) -> None:
     out = built[0]
     before = snapshot(out)

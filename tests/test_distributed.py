@@ -221,6 +221,7 @@ def test_plan_covers_every_window_once() -> None:
     assert plan(0, 100, 5, 16) == [(a, a + 5) for a in range(0, 100, 5)]  # ~4 tasks per worker
 
 
+@pytest.mark.ray
 def test_ray_build_of_a_folder_equals_the_local_build(cluster: str, folder: Path, tmp_path: Path) -> None:
     local_build(folder, tmp_path / "local", title="title")
     ray_build(folder, tmp_path / "ray", FakeEncoder, title="title")
@@ -230,6 +231,7 @@ def test_ray_build_of_a_folder_equals_the_local_build(cluster: str, folder: Path
     assert ray.is_initialized()  # the engine left the caller's Ray running
 
 
+@pytest.mark.ray
 def test_a_large_ivf_index_is_filled_in_shards_and_merged(cluster: str, folder: Path, tmp_path: Path) -> None:
     ivf = IndexSpec("ivf", nlist=8)
     build_index(CorpusSpec(folder), FakeEncoder(), tmp_path / "local", SPEC, ivf, BuildOptions(window_rows=WINDOW))
@@ -247,6 +249,7 @@ def test_a_large_ivf_index_is_filled_in_shards_and_merged(cluster: str, folder: 
     assert not (files.work_dir(tmp_path / "ray") / ".shards").exists() and not (tmp_path / "ray" / ".shards").exists()
 
 
+@pytest.mark.ray
 def test_a_killed_worker_is_replaced_and_its_task_retried(cluster: str, folder: Path, tmp_path: Path) -> None:
     log, marker = tmp_path / "rows.log", tmp_path / "killed"
     victim = "document number 200 about topic 4"  # in window 7 (part-3.parquet's first window)
@@ -262,6 +265,8 @@ def test_a_killed_worker_is_replaced_and_its_task_retried(cluster: str, folder: 
     assert_same_index(tmp_path / "local", tmp_path / "ray", FakeEncoder())
 
 
+@pytest.mark.ray
+@pytest.mark.process
 def test_a_killed_driver_resumes_from_its_registered_parts(cluster: str, folder: Path, tmp_path: Path) -> None:
     out, log = tmp_path / "ray", tmp_path / "rows.log"
     command = [sys.executable, str(HERE), str(folder), str(out), "--address", cluster, "--log", str(log)]
@@ -287,6 +292,7 @@ def test_a_killed_driver_resumes_from_its_registered_parts(cluster: str, folder:
     assert_same_index(tmp_path / "local", out, FakeEncoder())
 
 
+@pytest.mark.ray
 def test_workers_give_the_local_verdicts_on_bad_input(
     cluster: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -322,6 +328,8 @@ def test_workers_give_the_local_verdicts_on_bad_input(
     assert ray.is_initialized()
 
 
+@pytest.mark.ray
+@pytest.mark.process
 def test_cli_starts_its_own_ray_and_stops_it(folder: Path, tmp_path: Path, tiny_bert: Path) -> None:
     """``retrieval index FOLDER --engine ray`` in a fresh process: a private local Ray, gone when it is done."""
     out = tmp_path / "ray"
@@ -429,6 +437,8 @@ with sigterm_exits():
 """
 
 
+@pytest.mark.ray
+@pytest.mark.process
 def test_sigterm_after_ray_started_still_reaches_the_cli_handler(tmp_path: Path) -> None:
     """ray.init replaced the CLI's SIGTERM handler with Ray's: a SIGTERM during a Ray build aborted the
     process with a C++ stack dump (exit -6) instead of `error: terminated`, exit 143, parts kept for --resume;
@@ -484,6 +494,8 @@ def listening_addresses(pids: set[int]) -> list[ipaddress.IPv4Address | ipaddres
     return found
 
 
+@pytest.mark.ray
+@pytest.mark.process
 def test_a_local_ray_listens_on_loopback_only_even_when_ray_was_imported_first(tmp_path: Path) -> None:
     """Ray's GCS, raylet and workers take tasks from whoever reaches them: a private Ray must not listen on the
     machine's external address. Ray fixes that choice when it is imported, so the library must set it for the

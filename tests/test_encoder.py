@@ -707,6 +707,7 @@ def test_progress_counts_texts_encoded_one_at_a_time(tiny_bert: Path) -> None:
     assert enc._traced and sum(seen) == 6
 
 
+@pytest.mark.process
 def test_tracing_prints_no_transformers_warning(tiny_bert: Path) -> None:
     """torch.jit.trace asks the model for every attribute; transformers' ``loss_function`` answered with
     "`loss_type=None` was set in the config but it is unrecognized", on every server start. A fresh process:

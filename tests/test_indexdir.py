@@ -42,6 +42,7 @@ def test_the_manifest_round_trips_through_json(index: Path) -> None:
 
 
 # ----- what importing the core costs -------------------------------------------------------------------------
+@pytest.mark.process
 def test_the_core_imports_neither_the_service_nor_ray_nor_the_cli() -> None:
     """retrieval.search and retrieval.build are what the service and the Ray workers import: they must not drag
     in fastapi, ray, typer or rich (nor torch, which only an encoder loads)."""
@@ -53,6 +54,7 @@ def test_the_core_imports_neither_the_service_nor_ray_nor_the_cli() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.process
 def test_info_needs_no_faiss() -> None:
     code = "import sys, retrieval.info\nprint('faiss' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
@@ -433,6 +435,7 @@ def test_a_write_protected_index_is_refused_before_any_work(index: Path, tmp_pat
             path.chmod(path.stat().st_mode | 0o200)
 
 
+@pytest.mark.process
 def test_a_write_protected_old_version_left_behind_is_removed_by_the_next_writer(index: Path, tmp_path: Path) -> None:
     """Such a leftover could not be emptied, and every later writer failed on it. As root, permissions are not
     enforced: the writer then runs without capabilities (``setpriv``), as an ordinary owner does."""

@@ -113,6 +113,7 @@ def test_what_it_does_not_compute_exactly_is_left_to_transformers(tiny_bert: Pat
     assert numpy_bert.load(replace(info, model_path=str(model_copy(tiny_bert, tmp_path / "same")))) is not None
 
 
+@pytest.mark.process
 def test_cli_search_imports_neither_torch_nor_transformers(tiny_bert: Path, tmp_path: Path) -> None:
     """A one-shot search of a BERT index: the numpy encoder, no torch import, and the hits the Searcher with the
     transformers encoder returns (same ids; scores to float32 rounding)."""

@@ -145,6 +145,7 @@ def test_control_characters_and_emoji(tiny_bert: Path, tmp_path: Path) -> None:
     assert "\\x1b[31mred" in shown and "😀" in shown
 
 
+@pytest.mark.process
 @case(
     "input",
     "hits in Chinese printed where the output is not UTF-8 (`PYTHONIOENCODING=ascii`, a latin-1 locale)",

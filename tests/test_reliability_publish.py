@@ -293,6 +293,7 @@ def test_a_failed_faiss_write_is_one_line(fake_index: Path, tmp_path: Path, said
     assert snapshot(fake_index) == before and leftovers(fake_index) == []
 
 
+@pytest.mark.process
 @case(
     "faults",
     "two writers at once (`add` while `refit` runs)",
@@ -310,6 +311,7 @@ def test_two_writers(fake_index: Path, tmp_path: Path) -> None:
     update.add(fake_index, CorpusSpec(new_docs(tmp_path / "m.parquet")), FakeEncoder())  # free again afterwards
 
 
+@pytest.mark.process
 @case("faults", "`retrieval search` processes in a loop while `add` publishes three times", "zero failed searches")
 def test_searches_while_add_publishes(copy: Path, tmp_path: Path, tiny_bert: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RETRIEVAL_INDEX_ROOT": str(tmp_path / "root")}

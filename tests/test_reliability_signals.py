@@ -30,6 +30,7 @@ from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import TransformSpec
 
 
+@pytest.mark.slow
 @case(
     "faults",
     "Ctrl-C of `demo` while it builds, then `demo` again",
@@ -65,6 +66,7 @@ def results(index: Path) -> list[list[str]]:
     return [[h.id for h in hits] for hits in searcher.search_batch(texts(5), SearchParams(k=5))]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("action", "pause"),
     [
@@ -104,6 +106,7 @@ def test_sigkill_of_a_writer(fake_index: Path, tmp_path: Path, action: str, paus
     assert leftovers(fake_index) == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("action", ["add", "refit", "remove"])
 @case(
     "faults",
@@ -119,6 +122,7 @@ def test_sigint_of_a_writer(fake_index: Path, tmp_path: Path, action: str) -> No
     assert snapshot(fake_index) == before and leftovers(fake_index) == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("action", "pause"), [("add", "write"), ("add", "publish"), ("refit", "publish"), ("remove", "publish")]
 )
@@ -138,6 +142,7 @@ def test_sigterm_of_a_writer(fake_index: Path, tmp_path: Path, action: str, paus
     assert snapshot(fake_index) == before and leftovers(fake_index) == []
 
 
+@pytest.mark.process
 @case(
     "faults", "SIGTERM of `retrieval add` while it encodes", "exit 143; the old index unchanged; nothing left beside it"
 )
@@ -159,6 +164,7 @@ def test_sigterm_of_the_add_command(copy: Path, tmp_path: Path) -> None:
     assert snapshot(copy) == before and leftovers(copy) == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("stop", "status", "word"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
 )
@@ -195,6 +201,7 @@ def test_sigint_of_a_build(tiny_bert: Path, tmp_path: Path, stop: int, status: i
     assert Manifest.load(out).n == 3000 and leftovers(out) == []
 
 
+@pytest.mark.process
 @case("faults", "Ctrl-C while the command line starts (importing its modules)", "exit 130 and one line, no traceback")
 def test_sigint_while_the_cli_starts(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RETRIEVAL_INDEX_ROOT": str(tmp_path / "root")}
@@ -235,6 +242,7 @@ def signalled_when(process: subprocess.Popen, ready: Callable[[], bool], stop: i
     return process.returncode, stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 @case(
     "faults",
@@ -262,6 +270,7 @@ def test_a_signal_after_the_command_keeps_its_exit_status(fake_index: Path, tmp_
     assert (code, stderr) == (0, "")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("stop", "status", "word"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
 )

@@ -278,6 +278,7 @@ def test_rescoring_a_stash_of_more_parts_than_the_open_file_limit(tmp_path: Path
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@pytest.mark.process
 def test_a_hard_open_file_limit_below_the_stash_is_one_clear_error(tmp_path: Path) -> None:
     out = _fragmented(tmp_path)
     code = (

@@ -169,6 +169,7 @@ def big_corpus(tmp_path: Path) -> Path:
 
 
 # ----- tests -------------------------------------------------------------------------------------------------
+@pytest.mark.process
 @pytest.mark.parametrize("after_parts", [1, 6])
 def test_killed_build_resumes_without_re_encoding(tmp_path, big_corpus, clean, after_parts):
     out, log = tmp_path / "idx", tmp_path / "rows.log"
@@ -187,6 +188,7 @@ def test_killed_build_resumes_without_re_encoding(tmp_path, big_corpus, clean, a
     assert not files.work_dir(out).exists() and not list((out / STASH).glob("*.tmp"))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("point", ["write", "publish"])
 def test_kill_in_the_final_write_or_publish_keeps_the_previous_index(tmp_path, big_corpus, clean, point):
     out, log = tmp_path / "idx", tmp_path / "rows.log"
@@ -213,6 +215,7 @@ def test_kill_in_the_final_write_or_publish_keeps_the_previous_index(tmp_path, b
     assert_same_index(out, clean)
 
 
+@pytest.mark.process
 def test_kill_mid_way_keeps_the_previous_index(tmp_path, big_corpus, clean):
     out, log = tmp_path / "idx", tmp_path / "rows.log"
     build_index(CorpusSpec(write_corpus(tmp_path / "previous.parquet", 120)), FakeEncoder(), out, SPEC)
@@ -224,6 +227,7 @@ def test_kill_mid_way_keeps_the_previous_index(tmp_path, big_corpus, clean):
     assert_same_index(out, clean)
 
 
+@pytest.mark.process
 def test_resume_with_a_changed_corpus_or_settings_is_refused(tmp_path, big_corpus):
     out, log = tmp_path / "idx", tmp_path / "rows.log"
     kill_when(start(big_corpus, out, log), lambda: stashed_parts(out) >= 2)
@@ -241,6 +245,7 @@ def test_resume_with_a_changed_corpus_or_settings_is_refused(tmp_path, big_corpu
     assert stashed_parts(out) == parts  # a refusal leaves the unfinished build as it was
 
 
+@pytest.mark.process
 def test_cli_resume_of_a_killed_npy_build(tmp_path):
     vectors = np.random.default_rng(3).normal(size=(ROWS, 12)).astype(np.float32) + 4
     np.save(tmp_path / "v.npy", vectors)

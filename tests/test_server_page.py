@@ -27,10 +27,14 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 from retrieval.serve import routes as server  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None or DRIVER is None,
-    reason="Chromium or chromedriver is absent: apt-get install chromium chromium-driver (make test does it as root)",
-)
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        CHROMIUM is None or DRIVER is None,
+        reason="Chromium or chromedriver is absent: apt-get install chromium chromium-driver "
+        "(make test does it as root)",
+    ),
+]
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><b>bold?</b>"
 LONG_ID = "LONGID-" + "x" * 400
 # What the page sends to /search, recorded before its own script runs (so the search an address starts is seen too).

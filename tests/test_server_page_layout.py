@@ -32,10 +32,14 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 from retrieval.serve import routes as server  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None or DRIVER is None,
-    reason="Chromium or chromedriver is absent: apt-get install chromium chromium-driver (make test does it as root)",
-)
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        CHROMIUM is None or DRIVER is None,
+        reason="Chromium or chromedriver is absent: apt-get install chromium chromium-driver "
+        "(make test does it as root)",
+    ),
+]
 ROOT = Path(__file__).resolve().parents[1]
 AXE = Path(os.environ.get("RETRIEVAL_AXE_CORE") or ROOT / ".cache/npm/node_modules/axe-core/axe.min.js")
 QUERY = "does vitamin D reduce fractures"

@@ -31,6 +31,8 @@ from retrieval.corpus import CorpusSpec  # noqa: E402
 from retrieval.encode.spec import EncoderSpec  # noqa: E402
 from retrieval.whitening import TransformSpec  # noqa: E402
 
+pytestmark = pytest.mark.process  # every test runs `retrieval serve` as a process of its own
+
 SLOW = "a deliberately slow query"
 # The real CLI, with the engine's encoder made slow for one query text: a request certain to be in flight.
 SLOW_SERVER = (
