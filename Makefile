@@ -59,8 +59,13 @@ lint:
 	$(PYTHON) -m ruff format --check retrieval tests scripts docs/hooks
 	$(PYTHON) -m mypy
 
+# XDIST="-n 2 --dist loadfile" runs the tests on two pytest-xdist workers (in the [dev] extra), a test module per
+# worker at a time: a module's fixtures (the local Ray cluster, the served index) are built once, and the Ray
+# tests, all in tests/test_distributed.py, never run beside each other. One process is the default: the timing
+# tests (a reader racing a publishing writer) hold their margins best on otherwise idle cores.
+XDIST ?=
 test: install-dev lint test-py310 docs
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(XDIST)
 
 # The documentation site into site/: offline (no fonts or scripts from a CDN), and --strict, so a broken link or
 # a missing page fails. The CLI reference is generated from the typer app as it builds.
@@ -68,9 +73,9 @@ docs:
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
 
 # The markers are declared in pyproject.toml: slow (the real model, ../shared/data), ray (a local Ray cluster),
-# process (subprocesses, servers, signals) and browser (headless Chromium). What is left runs in process.
+# process (Python subprocesses, servers, signals) and browser (headless Chromium). What is left runs in process.
 test-fast:
-	$(PYTHON) -m pytest -q -m "not slow and not ray and not process and not browser"
+	$(PYTHON) -m pytest -q $(XDIST) -m "not slow and not ray and not process and not browser"
 
 # pyproject promises Python >= 3.10. The pinned CPU torch wheel is installed for 3.11 only, so where a python3.10 is
 # found the suite also runs under it without torch (tests that need torch skip themselves): the 3.10 syntax,
