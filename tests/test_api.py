@@ -50,6 +50,7 @@ def test_the_public_api_is_listed_importable_and_documented() -> None:
         retrieval.nothing_here  # noqa: B018
 
 
+@pytest.mark.process
 def test_importing_retrieval_loads_nothing_heavy_and_star_imports_the_api() -> None:
     code = (
         "import sys, json, retrieval\n"
@@ -62,6 +63,7 @@ def test_importing_retrieval_loads_nothing_heavy_and_star_imports_the_api() -> N
     assert heavy == [] and star == PUBLIC
 
 
+@pytest.mark.process
 def test_importing_the_package_and_its_modules_leaves_the_environment_alone() -> None:
     """Process tuning is an opt-in call (``tune_process``): it was done on import, for every library user."""
     code = (
@@ -80,6 +82,7 @@ def test_importing_the_package_and_its_modules_leaves_the_environment_alone() ->
     assert json.loads(run(code, env)) == {}
 
 
+@pytest.mark.process
 def test_tune_process_shortens_the_openmp_spin_unless_the_user_set_it() -> None:
     """torch's and FAISS's OpenMP threads must not spin ~15 ms after each region while the other one works."""
     code = "import os, retrieval; retrieval.tune_process(); print(os.environ['GOMP_SPINCOUNT'])"
@@ -100,6 +103,7 @@ def test_tune_process_for_serving_caps_onednn_caches_and_is_too_late_after_torch
     assert os.environ["LRU_CACHE_CAPACITY"] == "512"
 
 
+@pytest.mark.process
 def test_the_command_line_tunes_the_process_before_it_imports_the_cli() -> None:
     code = (
         "import os, sys\n"
