@@ -621,6 +621,8 @@ print("built", flush=True)
 """
 
 
+@pytest.mark.ray
+@pytest.mark.process
 def test_rays_own_output_goes_to_standard_error(tmp_path: Path) -> None:
     """A build on Ray printed Ray's "worker died" lines (and workers' output), with ANSI colours, on standard
     output ahead of the `built ...` line a script reads: only the command's own output belongs there."""
