@@ -202,7 +202,7 @@ def test_private_index_stays_private(copy: Path, tmp_path: Path) -> None:
 )
 def test_remove_unknown_ids(fake_index: Path) -> None:
     before = snapshot(fake_index)
-    one_line(run("remove", fake_index, "doc3", "no-such-doc"), "1 of the 2 ids", "first: no-such-doc", "--missing-ok")
+    one_line(run("remove", fake_index, "doc3", "no-such-doc"), "1 of the 2 ids", "first: 'no-such-doc'", "--missing-ok")
     assert snapshot(fake_index) == before and leftovers(fake_index) == []
 
 
