@@ -146,6 +146,14 @@ def build_index(
     check_target(out, options.overwrite)
     options.check()
     index.check()
+    if transform.dim is not None:
+        index.check_dim(transform.dim)
+    if index.binary and not options.keep_vectors:
+        raise ConfigError(
+            "binary codes rank by Hamming distance and are re-scored from the stash: keep the vectors, or choose "
+            "other `codes`",
+            "keep_vectors",
+        )
     with files.write_errors(out), files.writing(out):
         check_target(out, options.overwrite)  # again under the lock, which may have put back an interrupted publish
         return _build(corpus, encoder, out, transform, index, options, progress, engine)
@@ -397,6 +405,7 @@ def index_record(
         ntotal=int(faiss_index.ntotal),
         search=search,
         faiss=describe(faiss_index),
+        metric="hamming" if spec.binary else "inner_product",
         calibration=calibration,
     )
 

@@ -14,12 +14,17 @@ import numpy as np
 if TYPE_CHECKING:
     import faiss
 
+from retrieval.codes import ROTATIONS, BinaryIndex, binary_factory, is_binary_file
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.files import WRITE_ERRNOS
 
 log = logging.getLogger(__name__)
 
 KINDS = ("flat", "hnsw", "ivf")
+CODES = ("fp32", "fp16", "sq8", "sq4", "binary")
+# What each code is called in FAISS's index_factory after "HNSW32_" (or alone, for flat) and after "IVF1024,"
+_SQ = {"fp32": "Flat", "fp16": "SQfp16", "sq8": "SQ8", "sq4": "SQ4"}
+DEFAULT_ROTATION = "itq"
 REFINE_K_FACTOR = 16  # a Refine(...) step re-ranks 16 k candidates of the compressed index exactly
 MAX_KNOB = 1 << 24  # no count-like knob (lists, beam widths, training rows) is sensible beyond this
 ADD_CHUNK_BYTES = 1 << 25  # a flat index read for adding comes from its file 32 MiB at a time
@@ -31,7 +36,10 @@ class IndexSpec:
 
     ``kind`` is flat, hnsw, ivf (lists of 16-bit floats), or any FAISS ``index_factory`` string for what follows
     the transform (``HNSW32``, ``IVF4096,SQ8``, ``IVF1024,PQ32x8,Refine(Flat)``...). ``None`` knobs get defaults
-    from N.
+    from N. ``codes`` (flat, hnsw and ivf only): what the index keeps of each vector: 32- or 16-bit floats, 8- or
+    4-bit scalar codes (a range per dimension), or one sign bit per dimension (``binary``: Hamming distance after
+    a ``rotation``, ITQ or random, learned with the index; ``codes.BinaryIndex``); None: the kind's default
+    (fp16 for ivf, fp32 otherwise).
     """
 
     kind: str = "flat"
@@ -41,18 +49,39 @@ class IndexSpec:
     nlist: int | None = None
     nprobe: int | None = None
     train_size: int | None = None
+    codes: str | None = None
+    rotation: str | None = None
+
+    @property
+    def code(self) -> str | None:
+        """The codes this spec builds: ``codes``, else the kind's default (None for a factory string)."""
+        if self.kind not in KINDS:
+            return None
+        # IVF lists of 16-bit floats: half the bytes of 32-bit ones to read per probed list. 1M real rows, 4,000
+        # lists, nprobe 48: the same recall@10 (0.956 at 256 dims, 0.958 at 128), single queries 1.4x and
+        # batches 1.6-1.8x faster, half the memory (docs/benchmarks/scale.md).
+        return self.codes or ("fp16" if self.kind == "ivf" else "fp32")
+
+    @property
+    def binary(self) -> bool:
+        return self.code == "binary"
+
+    @property
+    def rotation_used(self) -> str | None:
+        """The rotation of binary codes (``rotation``, else ``DEFAULT_ROTATION``); None for other codes."""
+        return (self.rotation or DEFAULT_ROTATION) if self.binary else None
 
     def factory(self, n: int) -> str:
+        code = self.code
+        if code is None:
+            return self.kind
+        if code == "binary":
+            return binary_factory(self.kind, self.m, self.nlist_for(n))
         if self.kind == "flat":
-            return "Flat"
+            return _SQ[code]
         if self.kind == "hnsw":
-            return f"HNSW{self.m}"
-        if self.kind == "ivf":
-            # Lists of 16-bit floats: half the bytes of 32-bit ones to read per probed list. 1M real rows, 4,000
-            # lists, nprobe 48: the same recall@10 (0.956 at 256 dims, 0.958 at 128), single queries 1.4x and
-            # batches 1.6-1.8x faster, half the memory (docs/benchmarks/scale.md). IVF<n>,Flat keeps floats.
-            return f"IVF{self.nlist_for(n)},SQfp16"
-        return self.kind
+            return f"HNSW{self.m}" if code == "fp32" else f"HNSW{self.m}_{_SQ[code]}"
+        return f"IVF{self.nlist_for(n)},{_SQ[code]}"
 
     def nlist_for(self, n: int) -> int:
         """About 4 sqrt(N) lists, and never so many that a list gets fewer than ~39 training points."""
@@ -65,7 +94,7 @@ class IndexSpec:
         names its own M and list count, so only the search-time and build-time beams and nprobe apply)."""
         named = {"flat": set(), "hnsw": {"m", "ef_construction", "ef_search"}, "ivf": {"nlist", "nprobe", "train_size"}}
         if self.kind in named:
-            return named[self.kind]
+            return named[self.kind] | {"codes"} | ({"rotation", "train_size"} if self.binary else set())
         return (
             ({"ef_construction", "ef_search"} if "HNSW" in self.kind else set())
             | ({"nprobe"} if "IVF" in self.kind else set())
@@ -92,6 +121,7 @@ class IndexSpec:
                 f"index type {self.kind!r}: NSG graphs cannot take rows in batches or be added to; use hnsw",
                 "index_type",
             )
+        self._check_codes()
         if not 2 <= self.m <= 512:
             raise ConfigError(f"`m` (HNSW neighbours per node) must be between 2 and 512 (got {self.m})", "m")
         knobs = {"ef_construction": self.ef_construction, "ef_search": self.ef_search, "nlist": self.nlist}
@@ -99,6 +129,32 @@ class IndexSpec:
         for name, value in knobs.items():
             if value is not None and not 1 <= value <= MAX_KNOB:
                 raise ConfigError(f"`{name}` must be between 1 and {MAX_KNOB:,} (got {value})", name)
+
+    def _check_codes(self) -> None:
+        if self.codes is not None and self.codes not in CODES:
+            raise ConfigError(f"unknown `codes` {self.codes!r}; choose one of {', '.join(CODES)}", "codes")
+        if self.codes is not None and self.kind not in KINDS:
+            raise ConfigError(
+                f"`codes` applies to the flat, hnsw and ivf kinds; the index_factory string {self.kind!r} names its "
+                "own codes: drop `codes`, or use `index_type` flat, hnsw or ivf",
+                "codes",
+            )
+        if self.rotation is not None and self.rotation not in ROTATIONS:
+            raise ConfigError(f"unknown `rotation` {self.rotation!r}; choose one of {', '.join(ROTATIONS)}", "rotation")
+        if self.rotation is not None and not self.binary:
+            raise ConfigError("`rotation` applies only to `codes` binary; drop it, or use binary codes", "rotation")
+
+    def check_dim(self, dim: int) -> None:
+        """Refuse codes that cannot hold ``dim``-dimensional vectors (binary codes pack 8 dimensions a byte)."""
+        if self.binary and dim % 8:
+            raise ConfigError(
+                f"binary codes pack 8 dimensions a byte: the index's `dim` must be a multiple of 8 (got {dim})", "dim"
+            )
+
+    def bytes_per_vector(self, dim: int) -> float | None:
+        """The bytes of one vector's code in the index (graph links and list ids aside); None for factory strings."""
+        sizes = {"fp32": 4.0, "fp16": 2.0, "sq8": 1.0, "sq4": 0.5, "binary": 0.125}
+        return None if self.code is None else sizes[self.code] * dim
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,10 +164,16 @@ class IndexSpec:
         return cls(**data)
 
 
-def create_index(spec: IndexSpec, dim: int, n: int) -> faiss.Index:
+def create_index(spec: IndexSpec, dim: int, n: int) -> Any:
+    """An empty index of ``spec`` over ``dim``-d vectors, sized for ``n`` rows: a FAISS inner-product index, or
+    for binary codes a ``codes.BinaryIndex`` (which offers the same train / add / search / reset)."""
     import faiss
 
     factory = spec.factory(n)
+    if spec.binary:
+        spec.check_dim(dim)
+        assert spec.rotation_used is not None
+        return BinaryIndex.create(factory, dim, spec.rotation_used, spec.ef_construction)
     try:
         index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as err:
@@ -151,10 +213,11 @@ def train_size(index: faiss.Index, spec: IndexSpec, n: int) -> int:
 def check_buildable(spec: IndexSpec, dim: int, n: int) -> None:
     """Refuse, before any encoding, an index FAISS cannot build at this width, cannot train on ``n`` rows, or
     cannot add rows to (``IDMap`` wants ids of its own)."""
+    spec.check_dim(dim)
     index = create_index(spec, dim, n)
     rows = train_size(index, spec, n)
     _check_training_rows(index, rows)
-    if index.is_trained:
+    if index.is_trained and not isinstance(index, BinaryIndex):
         try:
             index.add(np.zeros((1, dim), dtype=np.float32))  # a throwaway index: only whether FAISS accepts it
         except RuntimeError as err:
@@ -236,7 +299,7 @@ def search_parameters(index: faiss.Index, ef_search: int | None = None, nprobe: 
     import faiss
 
     fx: Any = faiss  # the stubs lack the SearchParameters constructors' keywords
-    top = faiss.downcast_index(index)
+    top = index.binary if isinstance(index, BinaryIndex) else faiss.downcast_index(index)
     if isinstance(top, faiss.IndexPreTransform):  # "RR16,IVF...", "OPQ...", "PCA...": the knobs are the inner's
         inner = search_parameters(top.index, ef_search, nprobe)
         if inner is None:
@@ -251,9 +314,9 @@ def search_parameters(index: faiss.Index, ef_search: int | None = None, nprobe: 
         params = fx.IndexRefineSearchParameters(k_factor=top.k_factor, base_index_params=base)
         params.referenced = base  # the C++ object points at ``base``: keep it alive as long as ``params``
         return params
-    if ef_search is not None and isinstance(top, faiss.IndexHNSW):
+    if ef_search is not None and isinstance(top, (faiss.IndexHNSW, faiss.IndexBinaryHNSW)):
         return fx.SearchParametersHNSW(efSearch=int(ef_search))
-    if nprobe is not None and isinstance(top, faiss.IndexIVF):
+    if nprobe is not None and isinstance(top, (faiss.IndexIVF, faiss.IndexBinaryIVF)):
         return fx.SearchParametersIVF(nprobe=int(min(nprobe, top.nlist)))
     return None
 
@@ -273,7 +336,10 @@ def describe(index: faiss.Index) -> dict[str, Any]:
     """What ``retrieval info`` shows of a FAISS index."""
     import faiss
 
-    info: dict[str, Any] = {"class": type(index).__name__, "ntotal": int(index.ntotal), "dim": int(index.d)}
+    core = index.binary if isinstance(index, BinaryIndex) else index
+    info: dict[str, Any] = {"class": type(core).__name__, "ntotal": int(index.ntotal), "dim": int(index.d)}
+    if isinstance(index, BinaryIndex):
+        info |= {"rotation": index.rotation, "code_bytes": index.code_size}
     hnsw = _hnsw(index)
     if hnsw is not None:
         info |= {
@@ -284,6 +350,12 @@ def describe(index: faiss.Index) -> dict[str, Any]:
     ivf = _ivf(index)
     if ivf is not None:
         info |= {"nlist": int(ivf.nlist), "nprobe": int(ivf.nprobe)} | list_sizes(ivf)
+    if isinstance(index, BinaryIndex):
+        return info
+    core = _core(index)
+    storage = faiss.downcast_index(core.storage) if isinstance(core, faiss.IndexHNSW) else core
+    if isinstance(storage, (faiss.IndexFlat, faiss.IndexScalarQuantizer, faiss.IndexIVF)):
+        info["code_bytes"] = int(storage.code_size)
     refine = faiss.downcast_index(index)
     if isinstance(refine, faiss.IndexRefine):
         info["k_factor"] = int(refine.k_factor)
@@ -297,6 +369,8 @@ def flat_vectors(index: faiss.Index) -> np.ndarray | None:
     """
     import faiss
 
+    if isinstance(index, BinaryIndex):
+        return None
     flat = faiss.downcast_index(index)  # index_factory("Flat") gives IndexFlat; read_index gives IndexFlatIP
     if not isinstance(flat, faiss.IndexFlat) or flat.metric_type != faiss.METRIC_INNER_PRODUCT or not flat.ntotal:
         return None
@@ -317,6 +391,8 @@ def one_query_twin(index: faiss.Index) -> faiss.Index | None:
     searcher keeps both and sends single queries to the twin, which holds the original alive."""
     import faiss
 
+    if isinstance(index, BinaryIndex):
+        return None
     ivf = faiss.downcast_index(index)
     twin: Any
     if type(ivf) is faiss.IndexIVFFlat:
@@ -351,6 +427,9 @@ def save_index(index: faiss.Index, path: Path) -> None:
     ``RuntimeError``, so writers report it in one line and clean up as for any other write."""
     import faiss
 
+    if isinstance(index, BinaryIndex):
+        index.save(path)  # an OSError as it was
+        return
     try:
         faiss.write_index(index, str(path))
     except RuntimeError as err:  # FAISS's message ends with strerror(errno): "... (No space left on device)"
@@ -361,7 +440,7 @@ def save_index(index: faiss.Index, path: Path) -> None:
         raise OSError(code, os.strerror(code), str(path)) from err
 
 
-def load_index(path: Path, mmap: bool = False) -> faiss.Index:
+def load_index(path: Path, mmap: bool = False) -> Any:
     """Read a saved index. ``mmap``: flat storage (a flat index's vectors, HNSW's) is mapped from the file rather
     than read into memory (FAISS's IO_FLAG_MMAP_IFC): loading costs nothing whatever the size, pages come in as
     searches touch them, and processes share them through the page cache. Such an index is read-only: adding to
@@ -369,13 +448,15 @@ def load_index(path: Path, mmap: bool = False) -> faiss.Index:
     import faiss
 
     flags = getattr(faiss, "IO_FLAG_MMAP_IFC", 0) if mmap else 0  # FAISS >= 1.11; older ones read it all
+    if is_binary_file(path):  # binary codes: read whole (they are what RAM is meant to hold)
+        return BinaryIndex.load(path)
     try:
         return faiss.read_index(str(path), flags)
     except RuntimeError as err:
         raise IndexDirError(f"cannot read FAISS index {path}: it is corrupt; rebuild with --overwrite") from err
 
 
-def load_for_adding(path: Path, rows: int) -> faiss.Index:
+def load_for_adding(path: Path, rows: int) -> Any:
     """Read a saved index that ``rows`` more rows will be added to, holding its vectors once.
 
     A flat index read whole and then appended to holds its vectors twice for a moment: FAISS grows the array by
@@ -389,6 +470,8 @@ def load_for_adding(path: Path, rows: int) -> faiss.Index:
     import faiss
 
     mapped = load_index(path, mmap=True)
+    if isinstance(mapped, BinaryIndex):
+        return mapped
     flat: Any = faiss.downcast_index(mapped)
     if type(flat) not in (faiss.IndexFlat, faiss.IndexFlatIP, faiss.IndexFlatL2) or not flat.ntotal:
         return load_index(path)
@@ -429,6 +512,8 @@ def _core(index: faiss.Index) -> Any:
     """The index that holds the codes and the knobs, under any pre-transform (RR, OPQ, PCA) and Refine."""
     import faiss
 
+    if isinstance(index, BinaryIndex):
+        return index.binary
     index = faiss.downcast_index(index)
     while isinstance(index, (faiss.IndexPreTransform, faiss.IndexRefine)):
         inner = index.index if isinstance(index, faiss.IndexPreTransform) else index.base_index
@@ -446,13 +531,17 @@ def _coarse_hnsw(index: faiss.Index) -> Any:
     import faiss
 
     ivf = _ivf(index)
-    quantizer = faiss.downcast_index(ivf.quantizer) if ivf is not None else None
+    if ivf is None or isinstance(index, BinaryIndex):
+        return None
+    quantizer = faiss.downcast_index(ivf.quantizer)
     return quantizer.hnsw if isinstance(quantizer, faiss.IndexHNSW) else None
 
 
 def _ivf(index: faiss.Index) -> Any:
     import faiss
 
+    if isinstance(index, BinaryIndex):
+        return index.binary if isinstance(index.binary, faiss.IndexBinaryIVF) else None
     try:
         return faiss.extract_index_ivf(index)
     except RuntimeError:

@@ -39,7 +39,8 @@ from retrieval.whitening import RawTransform, TransformSpec, Whitening, load_tra
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: the index spec records `codes` and `rotation`, the index record its metric
+READ_SCHEMAS = (2, SCHEMA_VERSION)  # a version-2 manifest reads as an index of the kind's default codes
 MANIFEST = "manifest.json"
 TRANSFORM = "transform.npz"
 MOMENTS = "moments.npz"
@@ -54,6 +55,9 @@ Identity = tuple[int, ...]  # ``IndexDir.identity``: which version a path names
 # smallest depth that kept every IR dev task of both models at >= 99.9% of raw nDCG@10 at d/3 (worst 99.93%; 30
 # gave 99.77%) for +0.8 ms p50 at 1M rows (docs/defaults.md; scripts/choose_defaults.py).
 RESCORE_DEPTH = 50
+# Deeper for coarser codes: the smallest depth whose re-scored nDCG@10 stayed >= 99.5% of raw on every IR set
+# at every dimension measured (docs/benchmarks/codes.md; scripts/bench_codes.py).
+RESCORE_DEPTHS = {"sq8": 50, "sq4": 100, "binary": 200}
 LOAD_RETRY_SECONDS = 10.0  # how long a reader keeps retrying a load that raced a publish
 
 Verify = Literal["full", "quick", "none"]
@@ -185,11 +189,15 @@ class RescoreRecord:
     scorer: TransformSpec
 
     @classmethod
-    def default(cls, transform: TransformRecord, stash: StashRecord | None, factory: str = "") -> RescoreRecord:
-        """``RESCORE_DEPTH`` by raw cosine when the index kept its stash and loses information: reduced by its
-        transform (k < d), or by its FAISS ``factory`` (``lossy_codes``); else off."""
+    def default(
+        cls, transform: TransformRecord, stash: StashRecord | None, factory: str = "", code: str | None = None
+    ) -> RescoreRecord:
+        """By raw cosine when the index kept its stash and loses information: ``RESCORE_DEPTH`` when reduced by
+        its transform (k < d) or by its FAISS ``factory`` (``lossy_codes``), deeper for coarse codes
+        (``code``, ``RESCORE_DEPTHS``); else off."""
         reduced = transform.k < transform.d or lossy_codes(factory)
-        depth = RESCORE_DEPTH if stash is not None and reduced else 0
+        depth = max(RESCORE_DEPTH if reduced else 0, RESCORE_DEPTHS.get(code or "", 0))
+        depth = depth if stash is not None else 0
         return cls(depth, TransformSpec.raw(transform.pooling).resolve(transform.d))
 
     def to_dict(self) -> dict[str, Any]:
@@ -260,7 +268,9 @@ class Manifest:
     @property
     def rescoring(self) -> RescoreRecord:
         """How this index re-scores by default (the recorded choice, else the default rule)."""
-        return self.rescore or RescoreRecord.default(self.transform, self.stash, self.index.factory)
+        return self.rescore or RescoreRecord.default(
+            self.transform, self.stash, self.index.factory, self.index.spec.code
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -369,7 +379,7 @@ class IndexDir:
                 f"{self.path} has index schema version {version}{by}; this retrieval ({retrieval.__version__}) "
                 f"reads version {SCHEMA_VERSION}: upgrade retrieval to read it"
             )
-        if version != SCHEMA_VERSION:
+        if version not in READ_SCHEMAS:
             raise IndexDirError(
                 f"{self.path} has index schema version {version}; this retrieval reads version {SCHEMA_VERSION}: "
                 "rebuild the index with this version"

@@ -103,7 +103,9 @@ def _rescoring(manifest: Manifest) -> str:
     if not rescore.depth:
         if manifest.stash is None:
             return "off by default (no stash)"
-        if not RescoreRecord.default(manifest.transform, manifest.stash, manifest.index.factory).depth:
+        if not RescoreRecord.default(
+            manifest.transform, manifest.stash, manifest.index.factory, manifest.index.spec.code
+        ).depth:
             return "off by default (the index keeps every dimension)"
         # a depth of 0 recorded for an index that loses information: chosen, or written by an older version
         return "off by default, as this index records (`search --rescore N` re-scores)"

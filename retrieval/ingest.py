@@ -102,6 +102,6 @@ class Ingest:
     def __call__(self, batch: Batch, ids: Sequence[str] | None = None) -> np.ndarray:
         vectors = encode_batch(batch, self.encoder, self.stash.poolings, self.stash.dim, self._on_batch)
         self.parts.append(self._write(vectors, batch.ids if ids is None else ids, batch.texts, titles=batch.titles))
-        stored = np.asarray(vectors[self.pooling], dtype=self.stash.dtype).astype(np.float32, copy=False)
+        stored = self.stash.stored(vectors[self.pooling])  # the moments of what the stash gives back
         self.moments.update(stored)
         return stored

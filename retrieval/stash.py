@@ -7,6 +7,11 @@ the stash holds exactly the parts ``stash.json`` lists and a resumed build conti
 written by one process and registered by another (``write_part`` then ``register``: the distributed build's
 workers write, its driver registers). Reading is by memory map, opened once per part, so the whole stash is
 never in RAM; ``verify`` checks the parts against their checksums before a writer builds on them.
+
+An int8 stash keeps each part's vectors as 8-bit codes with a range per dimension (``quantize``): a quarter of
+float32's bytes, the codes memory-mapped and decoded to float32 only for the rows read. Its parts carry one more
+file, ``<stem>.<pooling>.scale.npy`` (each dimension's low end and step), and its ``stash.json`` format 3, which
+older versions refuse rather than read codes as vectors.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from retrieval.files import inside, more_open_files, part_fingerprint, sha256, w
 from retrieval.moments import RunningMoments
 
 STASH_FORMAT = 2
+CODED_FORMAT = 3  # an int8 stash: parts with scale files
+READ_FORMATS = (STASH_FORMAT, CODED_FORMAT)
 STATE_NAME = "stash.json"
-DTYPES = ("float32", "float16")
+DTYPES = ("float32", "float16", "int8")
 BLOCK_ROWS = 65536  # rows per block when streaming the stash
 PRECISION_LOST = 1e-3  # float16 rounding error, as a share of a part's spread, refused (embeddings: ~1e-7)
 PRECISION_ROWS = (64, 1024)  # parts of fewer rows are not judged; of more, the first 1,024
@@ -44,6 +51,31 @@ def titles_of(docs: pa.Table) -> list[str | None] | None:
     return docs["title"].to_pylist() if "title" in docs.column_names else None
 
 
+# int8 rounding error refused above this share of a part's spread: 255 steps over each dimension's range leave
+# ~1e-4 for sentence embeddings; a few far outliers in one dimension widen its steps past it
+PRECISION_LOST_INT8 = 1e-2
+
+
+def quantize(vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 codes of ``vectors`` (n, d) and their scale (2, d) float32: each dimension's low end and step, 255
+    steps spanning its range over these rows (a constant dimension: step 1, every code the same)."""
+    vectors = np.asarray(vectors, dtype=np.float32)
+    if not len(vectors):
+        return np.empty(vectors.shape, dtype=np.int8), np.stack(
+            [np.zeros(vectors.shape[1]), np.ones(vectors.shape[1])]
+        ).astype(np.float32)
+    low, high = vectors.min(axis=0), vectors.max(axis=0)
+    step = ((high - low) / 255).astype(np.float32)
+    step[step <= 0] = 1.0
+    codes = np.clip(np.rint((vectors - low) / step), 0, 255) - 128
+    return codes.astype(np.int8), np.stack([low, step]).astype(np.float32)
+
+
+def dequantize(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """float32 vectors of int8 ``codes`` and their ``scale`` (``quantize``)."""
+    return (scale[0] + (np.asarray(codes, dtype=np.float32) + 128) * scale[1]).astype(np.float32, copy=False)
+
+
 @dataclass(frozen=True)
 class Part:
     """One written part: its rows, its files (pooling -> .npy name, and the docs .parquet), their checksums."""
@@ -53,10 +85,11 @@ class Part:
     docs: str
     source_batches: int = 1
     checksums: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {bytes, sha256, sampled_sha256}
+    scales: dict[str, str] = field(default_factory=dict)  # pooling -> .scale.npy name (int8 stashes only)
 
     @property
     def names(self) -> list[str]:
-        return [self.docs, *self.vectors.values()]
+        return [self.docs, *self.vectors.values(), *self.scales.values()]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +102,7 @@ class Part:
             docs=str(data["docs"]),
             source_batches=int(data.get("source_batches", 1)),
             checksums=dict(data.get("checksums", {})),
+            scales=dict(data.get("scales", {})),
         )
 
 
@@ -80,6 +114,7 @@ class VectorStash:
         self.state = state
         self._parts = [Part.from_dict(p) for p in state["parts"]]
         self._maps: dict[tuple[str, int], np.ndarray] = {}
+        self._scales: dict[tuple[str, int], np.ndarray] = {}
         self._maps_lock = threading.Lock()
 
     # ----- creation and opening -----------------------------------------------------------------------
@@ -90,7 +125,8 @@ class VectorStash:
         if dtype not in DTYPES:
             raise ConfigError(f"unknown `stash_dtype` {dtype!r}; choose one of {', '.join(DTYPES)}", "stash_dtype")
         root.mkdir(parents=True, exist_ok=True)
-        state = {"format": STASH_FORMAT, "dim": dim, "dtype": dtype, "poolings": list(poolings), "meta": meta or {}}
+        version = CODED_FORMAT if dtype == "int8" else STASH_FORMAT
+        state = {"format": version, "dim": dim, "dtype": dtype, "poolings": list(poolings), "meta": meta or {}}
         stash = cls(root, state | {"parts": []})
         stash._save_state()
         return stash
@@ -105,8 +141,11 @@ class VectorStash:
             version = state.get("format")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
             raise IndexDirError(f"{path} is unreadable ({err}); rebuild the index") from err
-        if version != STASH_FORMAT:
-            raise IndexDirError(f"the stash at {root} has format {version}; this version reads {STASH_FORMAT}")
+        if version not in READ_FORMATS:
+            raise IndexDirError(
+                f"the stash at {root} has format {version}; this version reads format "
+                f"{' or '.join(map(str, READ_FORMATS))}"
+            )
         stash = cls(Path(root), state)
         for part in stash._parts:  # a name from a file is never trusted to point outside the stash
             for name in part.names:
@@ -166,24 +205,37 @@ class VectorStash:
 
         Writing the same stem again replaces the files with identical bytes, so a retried writer is harmless."""
         checksums: dict[str, dict[str, Any]] = {}
-        names = {}
+        names, scales = {}, {}
         for pooling in self.poolings:
             self._check_range(vectors[pooling], ids)
-            array = np.ascontiguousarray(vectors[pooling], dtype=self.dtype)
-            self._check_precision(vectors[pooling], array)
+            array, scale = self._encode(vectors[pooling])
+            self._check_precision(vectors[pooling], array if scale is None else dequantize(array, scale))
             if array.shape != (len(ids), self.dim):
                 raise ValueError(f"part {stem}: vectors {array.shape} for {len(ids)} rows of dimension {self.dim}")
-            buffer = io.BytesIO()
-            np.save(buffer, array, allow_pickle=False)
             names[pooling] = f"{stem}.{pooling}.npy"
-            checksums[names[pooling]] = self._write(names[pooling], buffer.getvalue())
+            checksums[names[pooling]] = self._write(names[pooling], _npy(array))
+            if scale is not None:
+                scales[pooling] = f"{stem}.{pooling}.scale.npy"
+                checksums[scales[pooling]] = self._write(scales[pooling], _npy(scale))
         table = pa.table({"id": pa.array(list(ids), pa.string()), "text": pa.array(list(texts), pa.string())})
         if titles is not None:
             table = table.append_column("title", pa.array(list(titles), pa.string()))
         buffer = io.BytesIO()
         pq.write_table(table, buffer)
         checksums[f"{stem}.parquet"] = self._write(f"{stem}.parquet", buffer.getvalue())
-        return Part(len(ids), names, f"{stem}.parquet", source_batches, checksums)
+        return Part(len(ids), names, f"{stem}.parquet", source_batches, checksums, scales)
+
+    def _encode(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The array a part file holds, and its scale (int8 only)."""
+        if self.dtype == "int8":
+            codes, scale = quantize(vectors)
+            return codes, scale
+        return np.ascontiguousarray(vectors, dtype=self.dtype), None
+
+    def stored(self, vectors: np.ndarray) -> np.ndarray:
+        """``vectors`` (one part's) as this stash gives them back: float32 after its rounding."""
+        array, scale = self._encode(vectors)
+        return array.astype(np.float32, copy=False) if scale is None else dequantize(array, scale)
 
     def _check_range(self, vectors: np.ndarray, ids: Sequence[str]) -> None:
         """Refuse values a 16-bit stash cannot hold: cast, they became inf, and the build failed later on "NaN or
@@ -208,18 +260,19 @@ class VectorStash:
         on the first rows of a part of many (a few near-duplicate rows, such as a small add, say nothing of the
         corpus): the rounding error's energy against their spread about their mean, ~1e-7 for sentence
         embeddings; refused above 1e-3."""
-        if self.dtype != "float16" or len(vectors) < PRECISION_ROWS[0]:
+        if self.dtype == "float32" or len(vectors) < PRECISION_ROWS[0]:
             return
+        limit = PRECISION_LOST_INT8 if self.dtype == "int8" else PRECISION_LOST
         sample = np.asarray(vectors[: PRECISION_ROWS[1]], dtype=np.float32)
         centred = sample - sample.mean(axis=0)
         spread = float(np.vdot(centred, centred))
         rounded = sample - stored[: PRECISION_ROWS[1]].astype(np.float32)
         error = float(np.vdot(rounded, rounded))
-        if spread > 0 and error > PRECISION_LOST * spread:  # identical rows stay identical: nothing is lost
+        if spread > 0 and error > limit * spread:  # identical rows stay identical: nothing is lost
             raise CorpusError(
-                f"a float16 stash would round these vectors' differences away (rounding error {error / spread:.1e} of "
-                f"their spread; values up to {np.abs(sample).max():.3g}): build the index with a float32 stash "
-                "(`index --stash-dtype float32`)"
+                f"a {self.dtype} stash would round these vectors' differences away (rounding error "
+                f"{error / spread:.1e} of their spread; values up to {np.abs(sample).max():.3g}): build the index "
+                "with a float32 stash (`index --stash-dtype float32`)"
             )
 
     def _write(self, name: str, data: bytes) -> dict[str, Any]:
@@ -266,8 +319,9 @@ class VectorStash:
             return
         first = len(self._parts) - tail
         merged = self._parts[first:]
+        # an int8 stash's rows are coded again on the merged rows' ranges (within a step of their values)
         vectors = {
-            pooling: np.concatenate([self._map(pooling, n, keep=False) for n in range(first, len(self._parts))])
+            pooling: np.concatenate([self._decoded(pooling, n) for n in range(first, len(self._parts))])
             for pooling in self.poolings
         }
         docs = pa.concat_tables(self.iter_docs(first), promote_options="default")  # parts with titles and without
@@ -276,6 +330,7 @@ class VectorStash:
         part = self.write_part(self._next_stem(), vectors, ids, texts, batches, titles=titles)
         with self._maps_lock:
             self._maps = {key: array for key, array in self._maps.items() if key[1] < first}
+            self._scales = {key: scale for key, scale in self._scales.items() if key[1] < first}
         self._parts[first:] = [part]
         self._save_state()
         for old in merged:
@@ -352,8 +407,32 @@ class VectorStash:
         with self._maps_lock:
             return self._maps.setdefault(key, array)
 
+    def _scale(self, pooling: str, number: int) -> np.ndarray | None:
+        """Part ``number``'s int8 scale (2, d), read once and kept; None for a float stash."""
+        if self.dtype != "int8":
+            return None
+        key = (pooling, number)
+        with self._maps_lock:
+            if key in self._scales:
+                return self._scales[key]
+        name = self._parts[number].scales.get(pooling)
+        try:
+            scale = np.load(self.root / name, allow_pickle=False) if name else None
+        except (OSError, ValueError, EOFError) as err:
+            raise IndexDirError(f"cannot read stash part {name}: {err}; rebuild the index") from err
+        if scale is None or scale.shape != (2, self.dim):
+            raise IndexDirError(f"stash part {self._parts[number].docs} has no valid int8 scale; rebuild the index")
+        with self._maps_lock:
+            return self._scales.setdefault(key, scale.astype(np.float32))
+
+    def _decoded(self, pooling: str, number: int, rows: Any = slice(None), keep: bool = False) -> np.ndarray:
+        """float32 rows of part ``number`` (all, a slice or an index array), decoded where the stash is int8."""
+        array = np.asarray(self._map(pooling, number, keep))[rows]
+        scale = self._scale(pooling, number)
+        return np.asarray(array, dtype=np.float32) if scale is None else dequantize(array, scale)
+
     def iter_parts(self, pooling: str | None = None) -> Iterator[np.ndarray]:
-        """Each part's vectors as a read-only memory map (float32 or float16 as stored), kept open."""
+        """Each part's vectors as a read-only memory map (float32, float16 or int8 codes as stored), kept open."""
         pooling = self.check_pooling(pooling)
         for number in range(len(self._parts)):
             yield self._map(pooling, number)
@@ -363,10 +442,9 @@ class VectorStash:
         pass: each part is mapped only while it is read, so memory is one block whatever the stash's size."""
         pooling = self.check_pooling(pooling)
         for number in range(len(self._parts)):
-            array = self._map(pooling, number, keep=False)
-            for start in range(0, array.shape[0], block_rows):
-                yield np.array(array[start : start + block_rows], dtype=np.float32)
-            del array
+            rows = self._parts[number].rows
+            for start in range(0, rows, block_rows):
+                yield np.array(self._decoded(pooling, number, slice(start, start + block_rows)), dtype=np.float32)
 
     def read_rows(self, rows: np.ndarray, pooling: str | None = None, keep: bool = True) -> np.ndarray:
         """Vectors of the given global row numbers (any order), float32. ``keep=False`` reads through maps that
@@ -380,7 +458,7 @@ class VectorStash:
         numbers = np.searchsorted(starts, rows, side="right") - 1
         for number in np.unique(numbers):
             inside_part = numbers == number  # np.asarray: index the plain array, not the memmap subclass
-            out[inside_part] = np.asarray(self._map(pooling, int(number), keep))[rows[inside_part] - starts[number]]
+            out[inside_part] = self._decoded(pooling, int(number), rows[inside_part] - starts[number], keep)
         return out
 
     def sample(self, n: int, seed: int = 0, pooling: str | None = None) -> np.ndarray:
@@ -416,3 +494,9 @@ class VectorStash:
     def ids(self) -> list[str]:
         """Every row's id, in row order (all of them in memory: ``iter_ids`` streams them)."""
         return [i for ids in self.iter_ids() for i in ids]
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()

@@ -163,7 +163,9 @@ def _refit(
         fitted = scorer.fit(moments)
         if isinstance(fitted, Whitening):
             save_rescorer(work, fitted)
-        default = RescoreRecord.default(transform_record, manifest.stash, index_record_.factory)
+        default = RescoreRecord.default(
+            transform_record, manifest.stash, index_record_.factory, index_record_.spec.code
+        )
         rescore = RescoreRecord(default.depth, scorer)
         changes = len(manifest.corpus.added) + len(manifest.corpus.removed)
         new = manifest.next_version(

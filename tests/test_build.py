@@ -635,7 +635,7 @@ def test_a_stash_of_another_format_is_refused(stash: tuple[VectorStash, np.ndarr
     s, _ = stash
     state = json.loads((s.root / "stash.json").read_text())
     (s.root / "stash.json").write_text(json.dumps(state | {"format": 1}))
-    with pytest.raises(IndexDirError, match="has format 1; this version reads 2"):
+    with pytest.raises(IndexDirError, match="has format 1; this version reads format 2 or 3"):
         VectorStash.open(s.root)
 
 
@@ -656,7 +656,7 @@ def test_stash_errors(stash: tuple[VectorStash, np.ndarray], tmp_path: Path) -> 
     with pytest.raises(ConfigError, match="not 'first-last-avg'"):
         list(s.iter_parts("first-last-avg"))
     with pytest.raises(ConfigError, match="unknown `stash_dtype`"):
-        VectorStash.create(tmp_path / "x", 4, ["mean"], dtype="int8")
+        VectorStash.create(tmp_path / "x", 4, ["mean"], dtype="int4")
     with pytest.raises(IndexDirError, match="no vector stash"):
         VectorStash.open(tmp_path / "missing")
 

@@ -231,7 +231,7 @@ def test_default_knobs_and_what_info_shows(setup) -> None:
         assert shown.startswith(f"{kind} (")
         assert all(f"{k}={v}" in shown for k, v in params.items() if k != "k_factor"), shown
     flat = json.loads(runner.invoke(app, ["info", str(built["flat"]), "--json"]).stdout)["manifest"]["index"]
-    assert set(flat["faiss"]) == {"class", "ntotal", "dim"} and flat["search"] == {}  # no knobs to show
+    assert set(flat["faiss"]) == {"class", "ntotal", "dim", "code_bytes"} and flat["search"] == {}  # no knobs to show
 
 
 def test_knobs_are_clamped_and_ignored_where_they_do_not_apply(setup) -> None:
