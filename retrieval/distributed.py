@@ -50,6 +50,7 @@ from retrieval import errors
 from retrieval.corpus import Corpus, CorpusReport, Tally, repeated_values
 from retrieval.encode.spec import Encoder, EncoderInfo, EncoderSpec
 from retrieval.errors import ConfigError, RetrievalError
+from retrieval.index import deserialize, load_index, merge, mergeable, save_index, serialize
 from retrieval.ingest import Ingest
 from retrieval.moments import RunningMoments
 from retrieval.stash import BLOCK_ROWS, Part, Titles, VectorStash
@@ -443,10 +444,8 @@ class RayEngine:
         here in row order with FAISS's ``merge_from`` (ids offset by the rows before: the one-shot build's ids).
         None (the local loop fills it) for smaller indexes, one worker, or kinds that cannot merge (HNSW, Flat
         without ids, Refine)."""
-        import faiss
-
         n = len(stash)
-        if n < self.options.fill_rows or not isinstance(faiss.downcast_index(index), faiss.IndexIVF):
+        if n < self.options.fill_rows or not mergeable(index):
             return None
         ray, shards = self._ray(), min(self.workers(), n)
         if shards < 2:
@@ -459,15 +458,14 @@ class RayEngine:
             items = [{"shard": k, "start": bounds[k], "stop": bounds[k + 1]} for k in range(shards)]
             dataset = ray.data.from_items(items, override_num_blocks=shards).map_batches(
                 _fill_shard,
-                fn_args=(str(stash.root), transform, pooling, faiss.serialize_index(index), str(folder)),
+                fn_args=(str(stash.root), transform, pooling, serialize(index), str(folder)),
                 batch_size=1,
                 batch_format="numpy",
             )
             done = sorted(_rows(dataset), key=lambda row: int(row["shard"]))
-            merged = faiss.deserialize_index(faiss.serialize_index(index))  # an owned copy (a downcast is not)
+            merged = deserialize(serialize(index))  # an owned copy (a downcast is not)
             for row in done:
-                shard = faiss.read_index(str(row["path"]))
-                merged.merge_from(shard, merged.ntotal)  # shard-local ids 0.. become rows start..
+                merge(merged, load_index(Path(row["path"])))  # shard-local ids 0.. become rows start..
             if merged.ntotal != n:
                 raise RuntimeError(f"the merged shards hold {merged.ntotal} rows, not {n}")
         finally:
@@ -625,17 +623,15 @@ def _fill_shard(
     folder: str,
 ) -> dict[str, np.ndarray]:
     """A fill task: stash rows ``start`` to ``stop`` transformed and added to a copy of the trained index, saved."""
-    import faiss
-
     stash = VectorStash.open(Path(root))
     paths = []
     for shard, start, stop in zip(items["shard"], items["start"], items["stop"], strict=True):
-        index = faiss.deserialize_index(empty)
+        index = deserialize(empty)
         for first in range(int(start), int(stop), BLOCK_ROWS):
             rows = np.arange(first, min(first + BLOCK_ROWS, int(stop)))
             index.add(transform.transform(stash.read_rows(rows, pooling, keep=False)))  # a pass: maps dropped
         paths.append(str(Path(folder) / f"shard-{int(shard):05d}.faiss"))
-        faiss.write_index(index, paths[-1])
+        save_index(index, Path(paths[-1]))
     return {"shard": items["shard"], "path": np.array(paths, dtype=object)}
 
 

@@ -14,7 +14,7 @@ import numpy as np
 if TYPE_CHECKING:
     import faiss
 
-from retrieval.codes import ROTATIONS, BinaryIndex, binary_factory, is_binary_file
+from retrieval.codes import MAGIC, ROTATIONS, BinaryIndex, binary_factory, is_binary_file
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.files import WRITE_ERRNOS
 
@@ -492,6 +492,41 @@ def load_for_adding(path: Path, rows: int) -> Any:
                     return load_index(path)
             grown.add(block)
     return grown
+
+
+def serialize(index: Any) -> np.ndarray:
+    """An index as bytes (uint8), for another process: FAISS's serialisation, or a binary index's file."""
+    import faiss
+
+    if isinstance(index, BinaryIndex):
+        return np.frombuffer(index.to_bytes(), dtype=np.uint8)
+    return faiss.serialize_index(index)
+
+
+def deserialize(data: np.ndarray) -> Any:
+    """The index ``serialize`` gave: an owned copy."""
+    import faiss
+
+    if bytes(data[: len(MAGIC)]) == MAGIC:
+        return BinaryIndex.from_bytes(np.asarray(data).tobytes())
+    return faiss.deserialize_index(data)
+
+
+def mergeable(index: Any) -> bool:
+    """Whether shards of this index, filled apart, can be merged (``merge``): IVF lists, float or binary."""
+    import faiss
+
+    if isinstance(index, BinaryIndex):
+        return isinstance(index.binary, faiss.IndexBinaryIVF)
+    return isinstance(faiss.downcast_index(index), faiss.IndexIVF)
+
+
+def merge(into: Any, shard: Any) -> None:
+    """Append ``shard``'s rows to ``into`` (both IVF copies of one trained index), numbered after its own."""
+    if isinstance(into, BinaryIndex):
+        into.binary.merge_from(shard.binary, into.ntotal)
+    else:
+        into.merge_from(shard, into.ntotal)
 
 
 def list_sizes(ivf: Any) -> dict[str, Any]:

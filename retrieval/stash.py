@@ -259,16 +259,25 @@ class VectorStash:
         smallest step (~6e-8), came back identical or zero, and the index built from them was all zeros. Judged
         on the first rows of a part of many (a few near-duplicate rows, such as a small add, say nothing of the
         corpus): the rounding error's energy against their spread about their mean, ~1e-7 for sentence
-        embeddings; refused above 1e-3."""
+        embeddings; refused above 1e-3. An int8 stash spans each dimension's range in 255 steps, so one far
+        outlier makes the steps of its dimension too coarse for every other row: judged row by row (error
+        against the row's spread about the median row), the typical row's loss refused above 1e-2."""
         if self.dtype == "float32" or len(vectors) < PRECISION_ROWS[0]:
             return
-        limit = PRECISION_LOST_INT8 if self.dtype == "int8" else PRECISION_LOST
         sample = np.asarray(vectors[: PRECISION_ROWS[1]], dtype=np.float32)
-        centred = sample - sample.mean(axis=0)
-        spread = float(np.vdot(centred, centred))
         rounded = sample - stored[: PRECISION_ROWS[1]].astype(np.float32)
-        error = float(np.vdot(rounded, rounded))
-        if spread > 0 and error > limit * spread:  # identical rows stay identical: nothing is lost
+        if self.dtype == "int8":
+            centred = sample - np.median(sample, axis=0)
+            spreads, errors = (centred * centred).sum(axis=1), (rounded * rounded).sum(axis=1)
+            moved = spreads > 0  # identical rows stay identical: nothing is lost
+            error, spread = (
+                (float(np.median(errors[moved])), float(np.median(spreads[moved]))) if moved.any() else (0, 0)
+            )
+            limit = PRECISION_LOST_INT8
+        else:
+            centred = sample - sample.mean(axis=0)
+            spread, error, limit = float(np.vdot(centred, centred)), float(np.vdot(rounded, rounded)), PRECISION_LOST
+        if spread > 0 and error > limit * spread:
             raise CorpusError(
                 f"a {self.dtype} stash would round these vectors' differences away (rounding error "
                 f"{error / spread:.1e} of their spread; values up to {np.abs(sample).max():.3g}): build the index "

@@ -32,7 +32,7 @@ from retrieval.corpus import Corpus, CorpusSpec, id_hashes
 from retrieval.encode.spec import Encoder
 from retrieval.encode.transformer import from_info
 from retrieval.errors import BusyError, ConfigError, CorpusError
-from retrieval.index import IndexSpec, check_buildable, set_search_params
+from retrieval.index import KINDS, IndexSpec, check_buildable, set_search_params
 from retrieval.indexdir import (
     DOCS,
     INDEX,
@@ -100,7 +100,12 @@ def index_spec(directory: Path, **changes: Any) -> IndexSpec:
     """The FAISS index spec ``directory`` was built with, with ``changes`` applied (None values: keep). A knob
     given for a kind that does not read it is refused (``IndexSpec.check_given``)."""
     kept = current(directory).index.spec
-    spec = dataclasses.replace(kept, **{key: value for key, value in changes.items() if value is not None})
+    given = {key: value for key, value in changes.items() if value is not None}
+    if "kind" in given and given["kind"] not in KINDS and "codes" not in given:
+        given["codes"] = None  # a factory string names its own codes: the kept ones do not carry over
+    if given.get("codes", "binary") != "binary" and "rotation" not in given:
+        given["rotation"] = None  # a binary index's rotation does not carry over to other codes
+    spec = dataclasses.replace(kept, **given)
     spec.check_given({key: value for key, value in changes.items() if key != "kind"})
     return spec
 
