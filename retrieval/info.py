@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from retrieval.errors import ConfigError, render
+from retrieval.index import IndexSpec
 from retrieval.indexdir import IndexDir, IndexRecord, Manifest, RescoreRecord, Verify
 from retrieval.moments import RunningMoments
 from retrieval.whitening import RawTransform, Whitening, kernel_drift
@@ -62,6 +63,7 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
         "dims": f"{t.d} -> {t.k}",
         "rows (N)": f"{manifest.n:,}",
         "index": f"{idx.kind} ({idx.factory}) {_params(idx.faiss)}".strip(),
+        **({"codes": _codes(idx.spec, t.k)} if idx.spec.code else {}),
         "search default": _search_default(idx),
         **({"lists": lists_line(idx.faiss)} if "empty_lists" in idx.faiss else {}),
         "corpus": manifest.corpus.path,
@@ -85,6 +87,13 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
             f"half the variance in {spectrum['dims_for_50pct']} dims, 90% in {spectrum['dims_for_90pct']}"
         )
     return lines
+
+
+def _codes(spec: IndexSpec, k: int) -> str:
+    """What the index keeps of each vector: ``fp16 (256 bytes a vector)``, ``binary (16 bytes a vector, itq
+    rotation, Hamming distance)``."""
+    line = f"{spec.code} ({spec.bytes_per_vector(k):g} bytes a vector"
+    return line + (f", {spec.rotation_used} rotation, Hamming distance)" if spec.binary else ")")
 
 
 def lists_line(faiss_info: dict[str, Any]) -> str:

@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FakeEncoder, write_corpus
+from typer.testing import CliRunner
 
 from retrieval.build import BuildOptions, build_index
+from retrieval.cli import app
 from retrieval.codes import BinaryIndex, fit_rotation
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, CorpusError
@@ -25,6 +27,7 @@ from retrieval.update import index_spec as spec_of
 from retrieval.whitening import TransformSpec, l2_normalize
 
 N = 600
+runner = CliRunner()
 QUERIES = [f"what about topic {i}?" for i in range(40)]
 
 
@@ -214,3 +217,47 @@ def test_a_version_2_manifest_reads_as_the_kinds_default_codes(corpus: Path, tmp
     manifest = IndexDir(out).manifest()
     assert manifest.index.spec.code == "fp16" and manifest.schema_version == 2
     assert len(Searcher.load(out, encoder=FakeEncoder()).search(QUERIES[0])) == 10
+
+
+# ----- the CLI ---------------------------------------------------------------------------------------------------
+def test_cli_builds_binary_codes_with_an_int8_stash_then_refits_to_sq8(
+    tiny_bert: Path, corpus: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "idx"
+    args = ["index", str(corpus), "--model", str(tiny_bert), "--dim", "16", "--codes", "binary", "--out", str(out)]
+    result = runner.invoke(app, [*args, "--stash-dtype", "int8", "--rotation", "random"])
+    assert result.exit_code == 0, result.output
+    manifest = IndexDir(out).manifest()
+    assert (manifest.index.spec.codes, manifest.index.spec.rotation, manifest.stash and manifest.stash.dtype) == (
+        "binary",
+        "random",
+        "int8",
+    )
+    shown = json.loads(runner.invoke(app, ["info", str(out), "--json"]).stdout)
+    assert shown["summary"]["codes"] == "binary (2 bytes a vector, random rotation, Hamming distance)"
+    result = runner.invoke(app, ["refit", str(out), "--codes", "sq8"])
+    assert result.exit_code == 0, result.output
+    manifest = IndexDir(out).manifest()
+    assert (manifest.index.factory, manifest.index.spec.rotation) == ("SQ8", None)
+    assert runner.invoke(app, ["search", "document", "--index", str(out), "-k", "3"]).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        (["--codes", "int2"], "unknown --codes 'int2'"),
+        (["--codes", "sq8", "--rotation", "itq"], "--rotation applies only to --codes binary"),
+        (["--index-type", "HNSW16", "--codes", "sq8"], "names its own codes"),
+        (["--codes", "binary", "--dim", "12"], "--dim must be a multiple of 8 (got 12)"),
+        (["--codes", "binary", "--no-keep-vectors"], "keep the vectors"),
+    ],
+)
+def test_cli_refuses_bad_codes_in_one_line(
+    tiny_bert: Path, corpus: Path, tmp_path: Path, options: list[str], fragment: str
+) -> None:
+    result = runner.invoke(
+        app, ["index", str(corpus), "--model", str(tiny_bert), "--out", str(tmp_path / "i"), *options]
+    )
+    assert result.exit_code == 1 and fragment in result.stderr, result.output
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1
+    assert not (tmp_path / "i").exists()

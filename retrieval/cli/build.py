@@ -6,7 +6,7 @@ import sys
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -15,6 +15,8 @@ from retrieval.build import BuildOptions, build_index, check_target, window_rows
 from retrieval.cli import home
 from retrieval.cli.options import (
     AS_BUILT,
+    CODES_HELP,
+    CodesOption,
     CorpusArg,
     DefaultBuild,
     DefaultEncoder,
@@ -22,6 +24,7 @@ from retrieval.cli.options import (
     DefaultTransform,
     IdOption,
     IndexDirArg,
+    RotationOption,
     SkipEmptyOption,
     TextOption,
     TitleOption,
@@ -100,6 +103,8 @@ def index(
     nlist: Annotated[int | None, typer.Option(help="IVF: lists \\[default: ~4 sqrt(N), at most N/39].")] = None,
     nprobe: Annotated[int | None, typer.Option(help="IVF: lists probed per query \\[default: ~sqrt(nlist)].")] = None,
     train_size: Annotated[int | None, typer.Option(help="IVF/PQ: training sample rows.")] = None,
+    codes: CodesOption = None,
+    rotation: RotationOption = None,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Index directory \\[default: indexes/<stem>].")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing index (only once the new one is done).")] = False,
     keep_vectors: Annotated[
@@ -128,10 +133,11 @@ def index(
     if engine == "local" and (address is not None or workers is not None):
         raise ConfigError("`address` and `workers` are for `engine` ray", "engine")
     transform = TransformSpec(dim=dim, gamma=gamma, epsilon=epsilon, whiten=False if no_whiten else None, center=center)
-    index_spec = IndexSpec(index_type, m, ef_construction, ef_search, nlist, nprobe, train_size)
+    index_spec = IndexSpec(index_type, m, ef_construction, ef_search, nlist, nprobe, train_size, codes, rotation)
     transform.check()  # every value checked before a model is loaded; dim against d once it is known
     index_spec.check()
-    given = {"nlist": nlist, "nprobe": nprobe, "train_size": train_size}  # None unless given; the rest, unless changed
+    given: dict[str, Any] = {"nlist": nlist, "nprobe": nprobe, "train_size": train_size, "codes": codes}
+    given |= {"rotation": rotation}  # None unless given; the rest, unless changed
     given |= {
         name: value
         for name, value in (("m", m), ("ef_construction", ef_construction), ("ef_search", ef_search))
@@ -297,6 +303,8 @@ def refit(
     nlist: Annotated[int | None, typer.Option(help="IVF: number of lists.")] = None,
     nprobe: Annotated[int | None, typer.Option(help="IVF: lists probed per query.")] = None,
     train_size: Annotated[int | None, typer.Option(help="IVF/PQ: training sample rows.")] = None,
+    codes: Annotated[str | None, typer.Option(help=f"{CODES_HELP} \\[default: keep].")] = None,
+    rotation: RotationOption = None,
 ) -> None:
     """Re-fit the kernel and rebuild the index from the stash, without re-encoding; unset options keep their values."""
     from retrieval.update import current, index_spec, transform_spec
@@ -307,7 +315,8 @@ def refit(
     transform = transform_spec(
         index_dir, dim=dim, gamma=gamma, epsilon=epsilon, whiten=whiten, center=center, pooling=pooling
     )
-    knobs = {"m": m, "ef_construction": ef_construction, "ef_search": ef_search, "nlist": nlist, "nprobe": nprobe}
+    knobs: dict[str, Any] = {"m": m, "ef_construction": ef_construction, "ef_search": ef_search, "nlist": nlist}
+    knobs |= {"nprobe": nprobe, "codes": codes, "rotation": rotation}
     spec = index_spec(index_dir, kind=index_type, train_size=train_size, **knobs)
     with sigterm_exits(), progress_bars() as update:
         manifest = refit_index(index_dir, transform, spec, progress=update, generation=generation)

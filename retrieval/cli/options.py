@@ -8,13 +8,23 @@ from typing import Annotated
 import typer
 
 from retrieval.build import BuildOptions
+from retrieval.codes import ROTATIONS
 from retrieval.encode.spec import EncoderSpec
-from retrieval.index import IndexSpec
+from retrieval.index import CODES, IndexSpec
 from retrieval.indexdir import RESCORE_DEPTH
 from retrieval.search import SearchParams
 from retrieval.whitening import TransformSpec
 
 TextOption = Annotated[str, typer.Option(help="Column with the document text.")]
+CODES_HELP = (
+    f"What the index keeps of each vector: {', '.join(CODES)} (flat, hnsw, ivf; binary: 1 bit a dimension, "
+    "Hamming distance, re-scored from the stash)"
+)
+CodesOption = Annotated[str | None, typer.Option(help=f"{CODES_HELP} \\[default: fp16 for ivf, else fp32].")]
+RotationOption = Annotated[
+    str | None,
+    typer.Option(help=f"Binary codes: the rotation after the kernel, {', '.join(ROTATIONS)} \\[default: itq]."),
+]
 IdOption = Annotated[
     str | None,
     typer.Option(

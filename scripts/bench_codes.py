@@ -1,0 +1,375 @@
+"""Compressed codes (issue 41): bytes per vector against nDCG@10, per model x code x dimension, with and without
+re-scoring from the stash (float32 and int8), beside the anchors' recipe (int8 and binary codes of the raw vectors).
+
+Each IR set's corpus is encoded once into a stash (an index built with the raw transform, under indexes/bench);
+everything else works on the stashed vectors in memory, through the library: the kernel fitted on the stash's
+moments (``TransformSpec(dim=k).fit``), a flat index of each code (``index.create_index``: FAISS scalar quantizers,
+or ``codes.BinaryIndex``), re-scoring by ``search.rescore`` from the float32 stash and from an int8 copy of it.
+
+Per (model, set, dimension, code): nDCG@10 of the codes alone (their top 10) and re-scored (the top ``depth`` by
+raw cosine), recall@10 against exact raw search, the index's bytes per vector (in RAM) and with the stash (on
+disk). Depths swept: DEPTHS; the default of each code is the smallest depth that keeps every set at >= 99.5% of
+raw nDCG@10 (``choose_depths``). Anchors: int8 codes of the raw vectors as sentence-transformers'
+``quantize_embeddings`` makes them (each dimension's range over the corpus, 256 levels, dot product of the codes)
+and binary codes (sign bits of the raw vector, Hamming). Latency: single-query p50 (transform, search, re-score)
+for flat and IVF indexes of each code at LATENCY_ROWS rows: every document vector of the four sets plus noisy copies
+of them (real text alone is 21k rows here), MiniLM only.
+
+    flock /tmp/retrieval-bench.lock python scripts/bench_codes.py            # both models (mpnet if installed)
+    flock /tmp/retrieval-bench.lock python scripts/bench_codes.py --models all-MiniLM-L6-v2 --no-latency
+
+Writes results/codes/codes.json, codes.md and pareto.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import basket  # noqa: E402
+import benchlib  # noqa: E402
+
+from retrieval.build import BuildOptions, build_index
+from retrieval.corpus import CorpusSpec
+from retrieval.encoder import resolve_model
+from retrieval.evaluate import read_qrels, read_queries, to_run
+from retrieval.index import CODES, IndexSpec, create_index, default_search_params, search_parameters, train_size
+from retrieval.indexdir import IndexDir
+from retrieval.metrics import evaluate_run
+from retrieval.search import rescore
+from retrieval.stash import VectorStash
+from retrieval.whitening import RawTransform, TransformSpec, l2_normalize
+
+SETS = ("scifact", "cisi", "cacm", "npl")
+DEPTHS = (0, 20, 50, 100, 200, 400)
+KEEP = 0.995  # the share of raw nDCG@10 a default depth must keep on every set
+LATENCY_ROWS = 210_000
+LATENCY_QUERIES = 300
+WINDOW = 2048  # rows per stash part, as a build writes them
+
+
+# ----- data --------------------------------------------------------------------------------------------------
+def collection(name: str, model: str) -> dict[str, Any]:
+    """The set's stash (encoded once, cached), its queries' raw vectors, qrels, doc ids and exact raw top 10."""
+    directory = basket.WORK / f"codes-{name}-{model.lower()}"
+    if not (directory / "manifest.json").is_file():
+        spec = CorpusSpec(basket.DATA / name / "corpus.parquet", id_column="doc_id", title_column="title")
+        print(f"encoding the {name} corpus with {model}...", file=sys.stderr)
+        build_index(spec, basket.encoder(model), directory, TransformSpec.raw(), options=BuildOptions(overwrite=True))
+    stash = IndexDir(directory).stash()
+    queries = read_queries(basket.DATA / name / "queries-test.parquet")
+    raw_queries = basket.encode_cached(model, f"{name}-queries-test", queries.texts)["mean"]
+    docs = np.concatenate(list(stash.iter_blocks()))
+    exact = np.argsort(-(l2_normalize(raw_queries) @ l2_normalize(docs).T), axis=1, kind="stable")[:, :10]
+    return {
+        "stash": stash,
+        "docs": docs,
+        "queries": queries,
+        "raw": raw_queries.astype(np.float32),
+        "qrels": read_qrels(basket.DATA / name / "qrels-test.parquet"),
+        "ids": stash.ids(),
+        "exact": exact,
+    }
+
+
+def int8_copy(stash: VectorStash, root: Path) -> VectorStash:
+    """The stash's vectors in an int8 stash, in parts of a build's window."""
+    coded = VectorStash.create(root, stash.dim, ["mean"], "int8")
+    ids = stash.ids()
+    start = 0
+    for block in stash.iter_blocks(WINDOW):
+        coded.append({"mean": block}, ids[start : start + len(block)], [""] * len(block))
+        start += len(block)
+    return coded
+
+
+def ndcg(data: dict[str, Any], rows: np.ndarray) -> float:
+    ranked = np.arange(rows.shape[1], 0, -1, dtype=np.float32)[None, :].repeat(len(rows), axis=0)
+    run = to_run(data["queries"].ids, ranked, rows, data["ids"])
+    return float(evaluate_run(run, data["qrels"]).metrics["nDCG@10"])
+
+
+def recall(data: dict[str, Any], rows: np.ndarray) -> float:
+    return float(np.mean([len(set(a[:10]) & set(b)) / 10 for a, b in zip(rows, data["exact"], strict=True)]))
+
+
+# ----- one model, one set --------------------------------------------------------------------------------------
+def measure_set(data: dict[str, Any], model: str, name: str, int8: VectorStash) -> list[dict[str, Any]]:
+    d, n = data["stash"].dim, len(data["docs"])
+    raw_score = ndcg(data, data["exact"])
+    scorer = RawTransform(d)
+    rows_out = []
+    dims = [("raw", d), ("whitened", d), ("whitened", d // 2), ("whitened", d // 3), ("whitened", d // 6)]
+    moments = data["stash"].moments()
+    for kind, k in dims:
+        spec = TransformSpec.raw() if kind == "raw" else TransformSpec(dim=k)
+        transform = spec.fit(moments)
+        docs, queries = transform.transform(data["docs"]), transform.transform(data["raw"])
+        for code in (*CODES, "binary-random"):
+            index_spec = IndexSpec("flat", codes="binary", rotation="random") if code == "binary-random" else None
+            index_spec = index_spec or IndexSpec("flat", codes=code)
+            index = create_index(index_spec, k, n)
+            if train_size(index, index_spec, n):
+                index.train(docs)
+            index.add(docs)
+            _, top = index.search(queries, max(DEPTHS))
+            row: dict[str, Any] = {"model": model, "set": name, "transform": kind, "dim": k, "code": code}
+            row |= {"raw_ndcg": raw_score, "ndcg": ndcg(data, top[:, :10]), "recall": recall(data, top)}
+            row["ram_bytes"] = index_spec.bytes_per_vector(k)
+            for depth in DEPTHS[1:]:
+                for label, stash in (("f32", data["stash"]), ("i8", int8)):
+                    _, found = rescore(stash, scorer, data["raw"], top[:, :depth], 10)
+                    row[f"ndcg_{label}_{depth}"] = ndcg(data, found)
+                    row[f"recall_{label}_{depth}"] = recall(data, found)
+            rows_out.append(row)
+    rows_out += anchors(data, model, name, raw_score, int8)
+    return rows_out
+
+
+def anchors(data: dict[str, Any], model: str, name: str, raw_score: float, int8: VectorStash) -> list[dict[str, Any]]:
+    """The published recipe on the raw vectors: int8 codes on each dimension's corpus range (dot product of the
+    codes, as sentence-transformers' ``quantize_embeddings`` ranks), and sign bits (Hamming)."""
+    import faiss
+
+    docs, queries = data["docs"], data["raw"]
+    low, high = docs.min(axis=0), docs.max(axis=0)
+    steps = (high - low) / 255
+
+    def to_int8(x: np.ndarray) -> np.ndarray:
+        return (np.clip(np.rint((x - low) / steps), 0, 255) - 128).astype(np.float32)
+
+    tops = {"raw-int8": np.argsort(-(to_int8(queries) @ to_int8(docs).T), axis=1, kind="stable")[:, : max(DEPTHS)]}
+    binary = faiss.IndexBinaryFlat(docs.shape[1])
+    binary.add(np.packbits(docs > 0, axis=1))
+    tops["raw-binary"] = binary.search(np.packbits(queries > 0, axis=1), max(DEPTHS))[1]
+    out = []
+    d = docs.shape[1]
+    for code, top in tops.items():
+        row: dict[str, Any] = {"model": model, "set": name, "transform": "anchor", "dim": d, "code": code}
+        row |= {"raw_ndcg": raw_score, "ndcg": ndcg(data, top[:, :10]), "recall": recall(data, top)}
+        row["ram_bytes"] = d if code == "raw-int8" else d / 8
+        for depth in DEPTHS[1:]:
+            for label, stash in (("f32", data["stash"]), ("i8", int8)):
+                _, found = rescore(stash, RawTransform(d), queries, top[:, :depth], 10)
+                row[f"ndcg_{label}_{depth}"] = ndcg(data, found)
+                row[f"recall_{label}_{depth}"] = recall(data, found)
+        out.append(row)
+    return out
+
+
+# ----- choosing the default depths -------------------------------------------------------------------------------
+def choose_depths(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per code, the smallest depth at which every (model, set) at every whitened dimension >= d/3 keeps KEEP of
+    raw nDCG@10, re-scored from the int8 stash (None: no depth swept did)."""
+    chosen: dict[str, Any] = {}
+    for code in ("sq8", "sq4", "binary"):
+        cases = [r for r in rows if r["code"] == code and r["transform"] == "whitened" and r["dim"] * 3 >= _d(r)]
+        chosen[code] = next(
+            (depth for depth in DEPTHS[1:] if all(r[f"ndcg_i8_{depth}"] >= KEEP * r["raw_ndcg"] for r in cases)), None
+        )
+    return chosen
+
+
+def _d(row: dict[str, Any]) -> int:
+    return 384 if "MiniLM" in row["model"] else 768
+
+
+# ----- latency -------------------------------------------------------------------------------------------------
+def latency(model: str, sets: dict[str, dict[str, Any]], depths: dict[str, Any]) -> list[dict[str, Any]]:
+    """Single-query p50 at LATENCY_ROWS rows: transform + search + re-score (the code's default depth) from an int8
+    stash on disk (memory-mapped, warm), flat and IVF kinds, raw d and whitened d/3 and d."""
+    rng = np.random.default_rng(0)
+    real = np.concatenate([data["docs"] for data in sets.values()])
+    copies = -(-LATENCY_ROWS // len(real))
+    spread = real.std(axis=0)
+    docs = np.concatenate([real] + [real + 0.3 * spread * rng.standard_normal(real.shape) for _ in range(copies - 1)])
+    docs = docs[:LATENCY_ROWS].astype(np.float32)
+    queries = np.concatenate([data["raw"] for data in sets.values()])[:LATENCY_QUERIES]
+    d = docs.shape[1]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        stash = VectorStash.create(Path(tmp) / "s", d, ["mean"], "int8")
+        for start in range(0, len(docs), WINDOW * 8):
+            block = docs[start : start + WINDOW * 8]
+            stash.append({"mean": block}, [str(i) for i in range(start, start + len(block))], [""] * len(block))
+        from retrieval.moments import RunningMoments
+
+        moments = RunningMoments(d)
+        moments.update(docs)
+        for kind, k in (("raw", d), ("whitened", d), ("whitened", d // 3)):
+            transform = (TransformSpec.raw() if kind == "raw" else TransformSpec(dim=k)).fit(moments)
+            vectors = transform.transform(docs)
+            for index_kind in ("flat", "ivf"):
+                for code in CODES:
+                    spec = IndexSpec(index_kind, codes=code)
+                    index = create_index(spec, k, len(docs))
+                    rows = train_size(index, spec, len(docs))
+                    if rows:
+                        index.train(vectors[rng.choice(len(docs), rows, replace=False)])
+                    index.add(vectors)
+                    params = search_parameters(index, **default_search_params(index, spec))
+                    depth = depths.get(code) or (50 if kind == "whitened" and k < d else 0)
+                    times = []
+                    for query in queries:
+                        began = time.perf_counter()
+                        q = query[None, :]
+                        _, top = index.search(transform.transform(q), max(10, depth), params=params)
+                        if depth:
+                            rescore(stash, RawTransform(d), q, top, 10)
+                        times.append(time.perf_counter() - began)
+                    row = {"model": model, "rows": len(docs), "transform": kind, "dim": k, "kind": index_kind}
+                    row |= {"code": code, "depth": depth, "p50_ms": 1000 * float(np.median(times[20:]))}
+                    row["ram_bytes"] = spec.bytes_per_vector(k)
+                    out.append(row)
+                    print(f"  latency {kind} {k} {index_kind} {code}: {row['p50_ms']:.2f} ms", file=sys.stderr)
+    return out
+
+
+# ----- report --------------------------------------------------------------------------------------------------
+def summary(rows: list[dict[str, Any]], depths: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per (model, transform, dim, code): nDCG@10 as a share of raw, averaged over the sets, and the worst set."""
+    out = []
+    keys = sorted({(r["model"], r["transform"], r["dim"], r["code"]) for r in rows}, key=lambda k: (k[0], -k[2], k))
+    for model, transform, dim, code in keys:
+        group = [r for r in rows if (r["model"], r["transform"], r["dim"], r["code"]) == (model, transform, dim, code)]
+        depth = depths.get(DEPTH_OF.get(code, "")) or (max(DEPTHS) if code in DEPTH_OF else 50)
+        scifact = next(r for r in group if r["set"] == "scifact")
+        share = {
+            key: [r[key] / r["raw_ndcg"] for r in group] for key in ("ndcg", f"ndcg_i8_{depth}", f"ndcg_f32_{depth}")
+        }
+        out.append(
+            {
+                "model": model.split("-")[1],
+                "transform": transform,
+                "dim": dim,
+                "code": code,
+                "ram": group[0]["ram_bytes"],
+                "disk": group[0]["ram_bytes"] + _d(group[0]),  # + the int8 stash
+                "depth": depth,
+                "scifact": 100 * scifact["ndcg"],
+                "scifact_i8": 100 * scifact[f"ndcg_i8_{depth}"],
+                "scifact_f32": 100 * scifact[f"ndcg_f32_{depth}"],
+                "mean_share": float(np.mean(share["ndcg"])),
+                "mean_share_i8": float(np.mean(share[f"ndcg_i8_{depth}"])),
+                "worst_share_i8": float(np.min(share[f"ndcg_i8_{depth}"])),
+                "recall": float(np.mean([r["recall"] for r in group])),
+                "recall_i8": float(np.mean([r[f"recall_i8_{depth}"] for r in group])),
+            }
+        )
+    return out
+
+
+# whose default depth each row is shown at (fp32 and fp16 at the reduced index's 50; a code no swept depth
+# satisfied at the deepest)
+DEPTH_OF = {"sq8": "sq8", "sq4": "sq4", "binary": "binary", "binary-random": "binary", "raw-int8": "sq8"}
+DEPTH_OF |= {"raw-binary": "binary"}
+
+COLUMNS = [
+    ("model", "model"),
+    ("transform", "vectors"),
+    ("dim", "dims"),
+    ("code", "code"),
+    ("ram", "B/vector in RAM"),
+    ("disk", "B/vector with int8 stash"),
+    ("scifact", "SciFact nDCG@10 x100, codes alone"),
+    ("depth", "re-score depth"),
+    ("scifact_i8", "SciFact, re-scored (int8 stash)"),
+    ("scifact_f32", "SciFact, re-scored (float32 stash)"),
+    ("mean_share", "share of raw, 4 sets, codes alone"),
+    ("mean_share_i8", "share of raw, re-scored"),
+    ("worst_share_i8", "worst set, re-scored"),
+    ("recall", "recall@10 vs exact raw, codes alone"),
+    ("recall_i8", "recall@10, re-scored"),
+]
+
+
+def pareto_plot(table: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, key, title in ((axes[0], "mean_share", "codes alone"), (axes[1], "mean_share_i8", "re-scored")):
+        for model in sorted({r["model"] for r in table}):
+            for group, marker in (("whitened", "o"), ("raw", "s"), ("anchor", "x")):
+                points = [r for r in table if r["model"] == model and r["transform"] == group]
+                ax.scatter(
+                    [r["ram"] for r in points], [r[key] for r in points], marker=marker, label=f"{model} {group}"
+                )
+            front, best = [], -1.0
+            for r in sorted((r for r in table if r["model"] == model), key=lambda r: r["ram"]):
+                if r[key] > best:
+                    front.append(r)
+                    best = r[key]
+            ax.plot([r["ram"] for r in front], [r[key] for r in front], "-", alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per vector in the index")
+        ax.set_title(f"nDCG@10 / raw, mean of 4 IR sets, {title}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("share of raw float32 nDCG@10")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(basket.MODELS))
+    parser.add_argument("--no-latency", action="store_true")
+    parser.add_argument("--out", type=Path, default=benchlib.RESULTS / "codes")
+    args = parser.parse_args()
+    info = benchlib.machine(torch_too=True)
+    benchlib.print_machine(info)
+    models = [m for m in args.models if _installed(m)]
+    rows: list[dict[str, Any]] = []
+    lat: list[dict[str, Any]] = []
+    loaded = {}
+    for model in models:
+        sets = {name: collection(name, model) for name in SETS}
+        loaded[model] = sets
+        for name, data in sets.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                int8 = int8_copy(data["stash"], Path(tmp) / "int8")
+                print(f"{model} {name}: {len(data['docs']):,} docs, {len(data['raw'])} queries", file=sys.stderr)
+                rows += measure_set(data, model, name, int8)
+    depths = choose_depths(rows)
+    if not args.no_latency and "all-MiniLM-L6-v2" in loaded:
+        lat = latency("all-MiniLM-L6-v2", loaded["all-MiniLM-L6-v2"], depths)
+    table = summary(rows, depths)
+    out = benchlib.out_dir("codes", args.out.parent) if args.out == benchlib.RESULTS / "codes" else args.out
+    out.mkdir(parents=True, exist_ok=True)
+    benchlib.write_json(out / "codes.json", {"machine": info, "depths": depths, "rows": rows, "latency": lat})
+    md = ["# Codes: bytes per vector against nDCG@10", "", benchlib.machine_md(info), ""]
+    md += [f"Default re-scoring depths chosen (>= {KEEP:.1%} of raw on every set, d/3 and up): {depths}", ""]
+    md += [benchlib.md_table(table, COLUMNS), ""]
+    if lat:
+        md += [f"## Single-query p50 at {lat[0]['rows']:,} rows (ms)", ""]
+        columns = [("transform", "vectors"), ("dim", "dims"), ("kind", "index"), ("code", "code"), ("depth", "depth")]
+        md += [benchlib.md_table(lat, [*columns, ("ram_bytes", "B/vector"), ("p50_ms", "p50 ms")]), ""]
+    (out / "codes.md").write_text("\n".join(md))
+    pareto_plot(table, out / "pareto.png")
+    print("\n".join(md))
+
+
+def _installed(model: str) -> bool:
+    try:
+        resolve_model(model)
+    except Exception as err:  # noqa: BLE001 - any failure to find the model means: skip it, say why
+        print(f"skipping {model}: {err}", file=sys.stderr)
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    main()
