@@ -5,6 +5,7 @@ refused before any work; version-2 manifests still read."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from retrieval.index import CODES, KINDS, IndexSpec, create_index, load_index, s
 from retrieval.indexdir import MANIFEST, RESCORE_DEPTHS, IndexDir, checksum
 from retrieval.search import Searcher, SearchParams
 from retrieval.stash import VectorStash, dequantize, quantize
-from retrieval.update import add, refit, remove, transform_spec
+from retrieval.update import add, calibrate_index, refit, remove, transform_spec
 from retrieval.update import index_spec as spec_of
 from retrieval.whitening import TransformSpec, l2_normalize
 
@@ -261,3 +262,17 @@ def test_cli_refuses_bad_codes_in_one_line(
     assert result.exit_code == 1 and fragment in result.stderr, result.output
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1
     assert not (tmp_path / "i").exists()
+
+
+@pytest.mark.parametrize(("kind", "knob"), [("hnsw", "ef_search"), ("ivf", "nprobe")])
+def test_calibrate_measures_and_publishes_a_knob_of_binary_codes(
+    built: tuple[Path, dict[tuple[str, str], Path]], tmp_path: Path, kind: str, knob: str
+) -> None:
+    directory = tmp_path / "idx"
+    shutil.copytree(built[1][kind, "binary"], directory)
+    raw = FakeEncoder().encode([f"a question about {i}" for i in range(60)])
+    calibration, manifest = calibrate_index(directory, raw, target=0.9, apply=True)
+    assert calibration.knob == knob and calibration.rescore == RESCORE_DEPTHS["binary"] and calibration.reached
+    assert manifest.index.search[knob] == calibration.value and manifest.index.spec.codes == "binary"
+    searcher = Searcher.load(directory, encoder=FakeEncoder())
+    assert isinstance(searcher.index, BinaryIndex) and len(searcher.search(QUERIES[2])) == 10
