@@ -17,6 +17,7 @@ of them (real text alone is 21k rows here), MiniLM only.
 
     flock /tmp/retrieval-bench.lock python scripts/bench_codes.py            # both models (mpnet if installed)
     flock /tmp/retrieval-bench.lock python scripts/bench_codes.py --models all-MiniLM-L6-v2 --no-latency
+    python scripts/bench_codes.py --stashes DIR ...    # raw stashes built elsewhere (DIR/<set>-<model>)
 
 Writes results/codes/codes.json, codes.md and pareto.png.
 """
@@ -56,15 +57,15 @@ WINDOW = 2048  # rows per stash part, as a build writes them
 
 
 # ----- data --------------------------------------------------------------------------------------------------
-def collection(name: str, model: str) -> dict[str, Any]:
+def collection(name: str, model: str, stashes: Path, data: Path) -> dict[str, Any]:
     """The set's stash (encoded once, cached), its queries' raw vectors, qrels, doc ids and exact raw top 10."""
-    directory = basket.WORK / f"codes-{name}-{model.lower()}"
+    directory = stashes / f"{name}-{model.lower()}"
     if not (directory / "manifest.json").is_file():
-        spec = CorpusSpec(basket.DATA / name / "corpus.parquet", id_column="doc_id", title_column="title")
+        spec = CorpusSpec(data / name / "corpus.parquet", id_column="doc_id", title_column="title")
         print(f"encoding the {name} corpus with {model}...", file=sys.stderr)
         build_index(spec, basket.encoder(model), directory, TransformSpec.raw(), options=BuildOptions(overwrite=True))
     stash = IndexDir(directory).stash()
-    queries = read_queries(basket.DATA / name / "queries-test.parquet")
+    queries = read_queries(data / name / "queries-test.parquet")
     raw_queries = basket.encode_cached(model, f"{name}-queries-test", queries.texts)["mean"]
     docs = np.concatenate(list(stash.iter_blocks()))
     exact = np.argsort(-(l2_normalize(raw_queries) @ l2_normalize(docs).T), axis=1, kind="stable")[:, :10]
@@ -73,7 +74,7 @@ def collection(name: str, model: str) -> dict[str, Any]:
         "docs": docs,
         "queries": queries,
         "raw": raw_queries.astype(np.float32),
-        "qrels": read_qrels(basket.DATA / name / "qrels-test.parquet"),
+        "qrels": read_qrels(data / name / "qrels-test.parquet"),
         "ids": stash.ids(),
         "exact": exact,
     }
@@ -240,7 +241,7 @@ def summary(rows: list[dict[str, Any]], depths: dict[str, Any]) -> list[dict[str
     for model, transform, dim, code in keys:
         group = [r for r in rows if (r["model"], r["transform"], r["dim"], r["code"]) == (model, transform, dim, code)]
         depth = depths.get(DEPTH_OF.get(code, "")) or (max(DEPTHS) if code in DEPTH_OF else 50)
-        scifact = next(r for r in group if r["set"] == "scifact")
+        scifact = next((r for r in group if r["set"] == "scifact"), group[0])  # the headline set, when measured
         share = {
             key: [r[key] / r["raw_ndcg"] for r in group] for key in ("ndcg", f"ndcg_i8_{depth}", f"ndcg_f32_{depth}")
         }
@@ -326,6 +327,14 @@ def pareto_plot(table: list[dict[str, Any]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(basket.MODELS))
+    parser.add_argument("--sets", nargs="+", default=list(SETS))
+    parser.add_argument(
+        "--stashes",
+        type=Path,
+        default=basket.WORK / "codes",
+        help="where each set's raw stash is (built if absent): an index directory <set>-<model> of mean pooling",
+    )
+    parser.add_argument("--data", type=Path, default=basket.DATA, help="the shared evaluation data")
     parser.add_argument("--no-latency", action="store_true")
     parser.add_argument("--out", type=Path, default=benchlib.RESULTS / "codes")
     args = parser.parse_args()
@@ -336,7 +345,7 @@ def main() -> None:
     lat: list[dict[str, Any]] = []
     loaded = {}
     for model in models:
-        sets = {name: collection(name, model) for name in SETS}
+        sets = {name: collection(name, model, args.stashes, args.data) for name in args.sets}
         loaded[model] = sets
         for name, data in sets.items():
             with tempfile.TemporaryDirectory() as tmp:
