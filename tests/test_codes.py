@@ -15,7 +15,7 @@ from conftest import FakeEncoder, write_corpus
 from typer.testing import CliRunner
 
 from retrieval.build import BuildOptions, build_index
-from retrieval.cli import app
+from retrieval.cli.app import app
 from retrieval.codes import BinaryIndex, fit_rotation
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, CorpusError
