@@ -18,6 +18,7 @@ of them (real text alone is 21k rows here), MiniLM only.
     flock /tmp/retrieval-bench.lock python scripts/bench_codes.py            # both models (mpnet if installed)
     flock /tmp/retrieval-bench.lock python scripts/bench_codes.py --models all-MiniLM-L6-v2 --no-latency
     python scripts/bench_codes.py --stashes DIR ...    # raw stashes built elsewhere (DIR/<set>-<model>)
+    python scripts/bench_codes.py --sets cisi --no-latency --out A; ... --combine A/codes.json B/codes.json
 
 Writes results/codes/codes.json, codes.md and pareto.png.
 """
@@ -25,6 +26,7 @@ Writes results/codes/codes.json, codes.md and pareto.png.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -42,8 +44,9 @@ from retrieval.corpus import CorpusSpec
 from retrieval.encode.transformer import resolve_model
 from retrieval.evaluate import read_qrels, read_queries, to_run
 from retrieval.index import CODES, IndexSpec, create_index, default_search_params, search_parameters, train_size
-from retrieval.indexdir import IndexDir
+from retrieval.indexdir import RESCORE_DEPTH, IndexDir
 from retrieval.metrics import evaluate_run
+from retrieval.moments import RunningMoments
 from retrieval.search import rescore
 from retrieval.stash import VectorStash
 from retrieval.whitening import RawTransform, TransformSpec, l2_normalize
@@ -51,8 +54,8 @@ from retrieval.whitening import RawTransform, TransformSpec, l2_normalize
 SETS = ("scifact", "cisi", "cacm", "npl")
 DEPTHS = (0, 20, 50, 100, 200, 400)
 KEEP = 0.995  # the share of raw nDCG@10 a default depth must keep on every set
-LATENCY_ROWS = 210_000
-LATENCY_QUERIES = 300
+LATENCY_ROWS = 100_000
+LATENCY_QUERIES = 200
 WINDOW = 2048  # rows per stash part, as a build writes them
 
 
@@ -110,7 +113,7 @@ def measure_set(data: dict[str, Any], model: str, name: str, int8: VectorStash) 
     dims = [("raw", d), ("whitened", d), ("whitened", d // 2), ("whitened", d // 3), ("whitened", d // 6)]
     moments = data["stash"].moments()
     for kind, k in dims:
-        spec = TransformSpec.raw() if kind == "raw" else TransformSpec(dim=k)
+        spec = TransformSpec.raw() if kind == "raw" else TransformSpec(dim=k, whiten=True)  # whitened at d too
         transform = spec.fit(moments)
         docs, queries = transform.transform(data["docs"]), transform.transform(data["raw"])
         for code in (*CODES, "binary-random"):
@@ -167,11 +170,11 @@ def anchors(data: dict[str, Any], model: str, name: str, raw_score: float, int8:
 
 # ----- choosing the default depths -------------------------------------------------------------------------------
 def choose_depths(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per code, the smallest depth at which every (model, set) at every whitened dimension >= d/3 keeps KEEP of
+    """Per code, the smallest depth at which every (model, set) at every whitened dimension >= d/2 keeps KEEP of
     raw nDCG@10, re-scored from the int8 stash (None: no depth swept did)."""
     chosen: dict[str, Any] = {}
     for code in ("sq8", "sq4", "binary"):
-        cases = [r for r in rows if r["code"] == code and r["transform"] == "whitened" and r["dim"] * 3 >= _d(r)]
+        cases = [r for r in rows if r["code"] == code and r["transform"] == "whitened" and r["dim"] * 2 >= _d(r)]
         chosen[code] = next(
             (depth for depth in DEPTHS[1:] if all(r[f"ndcg_i8_{depth}"] >= KEEP * r["raw_ndcg"] for r in cases)), None
         )
@@ -183,54 +186,54 @@ def _d(row: dict[str, Any]) -> int:
 
 
 # ----- latency -------------------------------------------------------------------------------------------------
-def latency(model: str, sets: dict[str, dict[str, Any]], depths: dict[str, Any]) -> list[dict[str, Any]]:
-    """Single-query p50 at LATENCY_ROWS rows: transform + search + re-score (the code's default depth) from an int8
-    stash on disk (memory-mapped, warm), flat and IVF kinds, raw d and whitened d/3 and d."""
+def latency(model: str, sets: dict[str, dict[str, Any]], depths: dict[str, Any], rows: int) -> list[dict[str, Any]]:
+    """Single-query p50 at ``rows`` rows: transform + search + re-score (the code's default depth) from an int8
+    stash on disk (memory-mapped, warm), flat and IVF kinds, raw d and whitened d and d/3. Every index is built
+    first; then each query is timed on every one in a shuffled order, so load from other jobs falls on all alike."""
     rng = np.random.default_rng(0)
     real = np.concatenate([data["docs"] for data in sets.values()])
-    copies = -(-LATENCY_ROWS // len(real))
     spread = real.std(axis=0)
-    docs = np.concatenate([real] + [real + 0.3 * spread * rng.standard_normal(real.shape) for _ in range(copies - 1)])
-    docs = docs[:LATENCY_ROWS].astype(np.float32)
+    copies = [real] + [real + 0.3 * spread * rng.standard_normal(real.shape) for _ in range(-(-rows // len(real)) - 1)]
+    docs = np.concatenate(copies)[:rows].astype(np.float32)
     queries = np.concatenate([data["raw"] for data in sets.values()])[:LATENCY_QUERIES]
     d = docs.shape[1]
-    out = []
     with tempfile.TemporaryDirectory() as tmp:
         stash = VectorStash.create(Path(tmp) / "s", d, ["mean"], "int8")
         for start in range(0, len(docs), WINDOW * 8):
             block = docs[start : start + WINDOW * 8]
             stash.append({"mean": block}, [str(i) for i in range(start, start + len(block))], [""] * len(block))
-        from retrieval.moments import RunningMoments
-
+        list(stash.iter_parts())  # mapped once, as a searcher maps it
         moments = RunningMoments(d)
         moments.update(docs)
+        configs = []
         for kind, k in (("raw", d), ("whitened", d), ("whitened", d // 3)):
-            transform = (TransformSpec.raw() if kind == "raw" else TransformSpec(dim=k)).fit(moments)
+            spec = TransformSpec.raw() if kind == "raw" else TransformSpec(dim=k, whiten=True)
+            transform = spec.fit(moments)
             vectors = transform.transform(docs)
             for index_kind in ("flat", "ivf"):
                 for code in CODES:
-                    spec = IndexSpec(index_kind, codes=code)
-                    index = create_index(spec, k, len(docs))
-                    rows = train_size(index, spec, len(docs))
-                    if rows:
-                        index.train(vectors[rng.choice(len(docs), rows, replace=False)])
+                    index_spec = IndexSpec(index_kind, codes=code)
+                    index = create_index(index_spec, k, len(docs))
+                    sample = train_size(index, index_spec, len(docs))
+                    if sample:
+                        index.train(vectors[rng.choice(len(docs), sample, replace=False)])
                     index.add(vectors)
-                    params = search_parameters(index, **default_search_params(index, spec))
-                    depth = depths.get(code) or (50 if kind == "whitened" and k < d else 0)
-                    times = []
-                    for query in queries:
-                        began = time.perf_counter()
-                        q = query[None, :]
-                        _, top = index.search(transform.transform(q), max(10, depth), params=params)
-                        if depth:
-                            rescore(stash, RawTransform(d), q, top, 10)
-                        times.append(time.perf_counter() - began)
+                    params = search_parameters(index, **default_search_params(index, index_spec))
+                    depth = depths.get(code) or (RESCORE_DEPTH if k < d else 0)
                     row = {"model": model, "rows": len(docs), "transform": kind, "dim": k, "kind": index_kind}
-                    row |= {"code": code, "depth": depth, "p50_ms": 1000 * float(np.median(times[20:]))}
-                    row["ram_bytes"] = spec.bytes_per_vector(k)
-                    out.append(row)
-                    print(f"  latency {kind} {k} {index_kind} {code}: {row['p50_ms']:.2f} ms", file=sys.stderr)
-    return out
+                    row |= {"code": code, "depth": depth, "ram_bytes": index_spec.bytes_per_vector(k)}
+                    configs.append((row, transform, index, params, []))
+        print(f"  timing {len(configs)} indexes of {len(docs):,} rows", file=sys.stderr)
+        for query in queries:
+            q = query[None, :]
+            for number in rng.permutation(len(configs)):
+                row, transform, index, params, times = configs[number]
+                began = time.perf_counter()
+                _, top = index.search(transform.transform(q), max(10, row["depth"]), params=params)
+                if row["depth"]:
+                    rescore(stash, RawTransform(d), q, top, 10)
+                times.append(time.perf_counter() - began)
+    return [row | {"p50_ms": 1000 * float(np.median(times[10:]))} for row, *_, times in configs]
 
 
 # ----- report --------------------------------------------------------------------------------------------------
@@ -241,7 +244,7 @@ def summary(rows: list[dict[str, Any]], depths: dict[str, Any]) -> list[dict[str
     for model, transform, dim, code in keys:
         group = [r for r in rows if (r["model"], r["transform"], r["dim"], r["code"]) == (model, transform, dim, code)]
         depth = depths.get(DEPTH_OF.get(code, "")) or (max(DEPTHS) if code in DEPTH_OF else 50)
-        scifact = next((r for r in group if r["set"] == "scifact"), group[0])  # the headline set, when measured
+        scifact = next((r for r in group if r["set"] == "scifact"), None) or dict.fromkeys(group[0], float("nan"))
         share = {
             key: [r[key] / r["raw_ndcg"] for r in group] for key in ("ndcg", f"ndcg_i8_{depth}", f"ndcg_f32_{depth}")
         }
@@ -336,31 +339,39 @@ def main() -> None:
     )
     parser.add_argument("--data", type=Path, default=basket.DATA, help="the shared evaluation data")
     parser.add_argument("--no-latency", action="store_true")
+    parser.add_argument("--latency-rows", type=int, default=LATENCY_ROWS)
     parser.add_argument("--out", type=Path, default=benchlib.RESULTS / "codes")
+    parser.add_argument(
+        "--combine", nargs="+", type=Path, help="codes.json files of earlier runs: their rows, not measured again"
+    )
     args = parser.parse_args()
     info = benchlib.machine(torch_too=True)
     benchlib.print_machine(info)
     models = [m for m in args.models if _installed(m)]
     rows: list[dict[str, Any]] = []
     lat: list[dict[str, Any]] = []
-    loaded = {}
-    for model in models:
-        sets = {name: collection(name, model, args.stashes, args.data) for name in args.sets}
-        loaded[model] = sets
-        for name, data in sets.items():
+    for path in args.combine or []:
+        earlier = json.loads(path.read_text())
+        rows += earlier["rows"]
+        lat += earlier["latency"]
+    minilm = "all-MiniLM-L6-v2"
+    for model in models if not args.combine else []:
+        for name in args.sets:
+            data = collection(name, model, args.stashes, args.data)
             with tempfile.TemporaryDirectory() as tmp:
                 int8 = int8_copy(data["stash"], Path(tmp) / "int8")
                 print(f"{model} {name}: {len(data['docs']):,} docs, {len(data['raw'])} queries", file=sys.stderr)
                 rows += measure_set(data, model, name, int8)
     depths = choose_depths(rows)
-    if not args.no_latency and "all-MiniLM-L6-v2" in loaded:
-        lat = latency("all-MiniLM-L6-v2", loaded["all-MiniLM-L6-v2"], depths)
+    if not args.no_latency and minilm in models:
+        sets = {name: collection(name, minilm, args.stashes, args.data) for name in args.sets}
+        lat = latency(minilm, sets, depths, args.latency_rows)
     table = summary(rows, depths)
     out = benchlib.out_dir("codes", args.out.parent) if args.out == benchlib.RESULTS / "codes" else args.out
     out.mkdir(parents=True, exist_ok=True)
     benchlib.write_json(out / "codes.json", {"machine": info, "depths": depths, "rows": rows, "latency": lat})
     md = ["# Codes: bytes per vector against nDCG@10", "", benchlib.machine_md(info), ""]
-    md += [f"Default re-scoring depths chosen (>= {KEEP:.1%} of raw on every set, d/3 and up): {depths}", ""]
+    md += [f"Default re-scoring depths chosen (>= {KEEP:.1%} of raw on every set, whitened d/2 and d): {depths}", ""]
     md += [benchlib.md_table(table, COLUMNS), ""]
     if lat:
         md += [f"## Single-query p50 at {lat[0]['rows']:,} rows (ms)", ""]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -276,3 +277,21 @@ def test_calibrate_measures_and_publishes_a_knob_of_binary_codes(
     assert manifest.index.search[knob] == calibration.value and manifest.index.spec.codes == "binary"
     searcher = Searcher.load(directory, encoder=FakeEncoder())
     assert isinstance(searcher.index, BinaryIndex) and len(searcher.search(QUERIES[2])) == 10
+
+
+@pytest.mark.parametrize("code", ["sq4", "binary"])
+def test_the_service_serves_codes(built: tuple[Path, dict[tuple[str, str], Path]], code: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from retrieval.serve.app import create_app
+    from retrieval.serve.service import ServeOptions, Service
+
+    service = Service(built[1]["hnsw", code], ServeOptions(watch_interval=0), encoder=FakeEncoder())
+    with TestClient(create_app(service)) as client:
+        deadline = time.monotonic() + 20
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        hits = client.get("/search", params={"q": QUERIES[3], "k": 5}).json()["results"][0]["hits"]
+        expected = Searcher.load(built[1]["hnsw", code], encoder=FakeEncoder()).search(QUERIES[3], SearchParams(k=5))
+        assert [h["id"] for h in hits] == [h.id for h in expected]
