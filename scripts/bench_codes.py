@@ -8,11 +8,12 @@ or ``codes.BinaryIndex``), re-scoring by ``search.rescore`` from the float32 sta
 
 Per (model, set, dimension, code): nDCG@10 of the codes alone (their top 10) and re-scored (the top ``depth`` by
 raw cosine), recall@10 against exact raw search, the index's bytes per vector (in RAM) and with the stash (on
-disk). Depths swept: DEPTHS; the default of each code is the smallest depth that keeps every set at >= 99.5% of
-raw nDCG@10 (``choose_depths``). Anchors: int8 codes of the raw vectors as sentence-transformers'
-``quantize_embeddings`` makes them (each dimension's range over the corpus, 256 levels, dot product of the codes)
-and binary codes (sign bits of the raw vector, Hamming). Latency: single-query p50 (transform, search, re-score)
-for flat and IVF indexes of each code at LATENCY_ROWS rows: every document vector of the four sets plus noisy copies
+disk). Depths swept: DEPTHS; the default of each code is the smallest depth whose re-scored top 10 finds what the
+uncompressed index's does, within half a point of recall@10 against exact raw search (``choose_depths``).
+Anchors: int8 codes of the raw vectors as sentence-transformers' ``quantize_embeddings`` makes them (each
+dimension's range over the corpus, 256 levels, dot product of the codes) and binary codes (sign bits of the raw
+vector, Hamming). Latency: single-query p50 (transform, search, re-score) for flat and IVF indexes of each code at
+LATENCY_ROWS rows: every document vector of the four sets plus noisy copies
 of them (real text alone is 21k rows here), MiniLM only.
 
     flock /tmp/retrieval-bench.lock python scripts/bench_codes.py            # both models (mpnet if installed)
@@ -53,7 +54,7 @@ from retrieval.whitening import RawTransform, TransformSpec, l2_normalize
 
 SETS = ("scifact", "cisi", "cacm", "npl")
 DEPTHS = (0, 20, 50, 100, 200, 400)
-KEEP = 0.995  # the share of raw nDCG@10 a default depth must keep on every set
+LOST = 0.005  # recall@10 (against exact raw search) a default depth may lose to the uncompressed index
 LATENCY_ROWS = 100_000
 LATENCY_QUERIES = 200
 WINDOW = 2048  # rows per stash part, as a build writes them
@@ -170,13 +171,26 @@ def anchors(data: dict[str, Any], model: str, name: str, raw_score: float, int8:
 
 # ----- choosing the default depths -------------------------------------------------------------------------------
 def choose_depths(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per code, the smallest depth at which every (model, set) at every whitened dimension >= d/2 keeps KEEP of
-    raw nDCG@10, re-scored from the int8 stash (None: no depth swept did)."""
+    """Per code, the smallest depth whose re-scored top 10 finds as much of exact raw search's top 10 as the
+    uncompressed index of the same dimensions does at that depth, less LOST (mean over the sets, re-scored from
+    the float32 stash: the codes' loss alone), at every whitened dimension the code is for: d/3 to d for scalar
+    codes, d for binary ones (None: no depth swept did). nDCG@10 is reported beside."""
+
+    def mean_recall(code: str, model: str, dim: int, depth: int) -> float:
+        group = [r for r in rows if (r["code"], r["transform"], r["model"], r["dim"]) == (code, "whitened", model, dim)]
+        return float(np.mean([r[f"recall_f32_{depth}"] for r in group]))
+
     chosen: dict[str, Any] = {}
     for code in ("sq8", "sq4", "binary"):
-        cases = [r for r in rows if r["code"] == code and r["transform"] == "whitened" and r["dim"] * 2 >= _d(r)]
+        cases = {(r["model"], r["dim"]) for r in rows if r["code"] == code and r["transform"] == "whitened"}
+        cases = {(m, k) for m, k in cases if (k == _d({"model": m}) if code == "binary" else 3 * k >= _d({"model": m}))}
         chosen[code] = next(
-            (depth for depth in DEPTHS[1:] if all(r[f"ndcg_i8_{depth}"] >= KEEP * r["raw_ndcg"] for r in cases)), None
+            (
+                depth
+                for depth in DEPTHS[1:]
+                if cases and all(mean_recall(code, *c, depth) >= mean_recall("fp32", *c, depth) - LOST for c in cases)
+            ),
+            None,
         )
     return chosen
 
@@ -371,7 +385,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     benchlib.write_json(out / "codes.json", {"machine": info, "depths": depths, "rows": rows, "latency": lat})
     md = ["# Codes: bytes per vector against nDCG@10", "", benchlib.machine_md(info), ""]
-    md += [f"Default re-scoring depths chosen (>= {KEEP:.1%} of raw on every set, whitened d/2 and d): {depths}", ""]
+    md += [f"Default re-scoring depths (re-scored recall@10 within {LOST} of fp32 codes' at that depth): {depths}", ""]
     md += [benchlib.md_table(table, COLUMNS), ""]
     if lat:
         md += [f"## Single-query p50 at {lat[0]['rows']:,} rows (ms)", ""]
