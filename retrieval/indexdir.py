@@ -381,8 +381,8 @@ class IndexDir:
             )
         if version not in READ_SCHEMAS:
             raise IndexDirError(
-                f"{self.path} has index schema version {version}; this retrieval reads version {SCHEMA_VERSION}: "
-                "rebuild the index with this version"
+                f"{self.path} has index schema version {version}; this retrieval reads version "
+                f"{' or '.join(map(str, READ_SCHEMAS))}: rebuild the index with this version"
             )
         if "checksum" not in data:
             raise IndexDirError(

@@ -35,7 +35,7 @@ from retrieval.whitening import TransformSpec
         (lambda m: m["transform"]["spec"].__setitem__("gamma", 1.0), "does not match its own checksum"),
         (lambda m: m["encoder"].__setitem__("model", "some/other-model"), "does not match its own checksum"),
         (lambda m: m["transform"].__setitem__("d", 64), "does not match its own checksum"),
-        (lambda m: m.__setitem__("schema_version", 1), "schema version 1; this retrieval reads version 2"),
+        (lambda m: m.__setitem__("schema_version", 1), "schema version 1; this retrieval reads version 2 or 3"),
     ],
     ids=["k", "gamma", "model", "d", "schema"],
 )
