@@ -48,7 +48,7 @@ from retrieval.whitening import TransformSpec
         (["--train-size", "0"], "--train-size must be between 1"),
         (["--pooling", "max"], "unknown --pooling 'max'"),
         (["--precision", "fp8"], "unknown --precision 'fp8'"),
-        (["--stash-dtype", "int8"], "unknown --stash-dtype 'int8'"),
+        (["--stash-dtype", "int4"], "unknown --stash-dtype 'int4'"),
         (["--index-type", "NotAnIndex"], "FAISS cannot build index type 'NotAnIndex'"),
         (["--index-type", "IVF4096,Flat"], "IVF with 4096 lists needs at least that many training rows"),
         (["--index-type", "PQ7x8"], "FAISS cannot build index type 'PQ7x8'"),
