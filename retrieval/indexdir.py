@@ -55,9 +55,11 @@ Identity = tuple[int, ...]  # ``IndexDir.identity``: which version a path names
 # smallest depth that kept every IR dev task of both models at >= 99.9% of raw nDCG@10 at d/3 (worst 99.93%; 30
 # gave 99.77%) for +0.8 ms p50 at 1M rows (docs/defaults.md; scripts/choose_defaults.py).
 RESCORE_DEPTH = 50
-# Deeper for coarser codes: the smallest depth whose re-scored nDCG@10 stayed >= 99.5% of raw on every IR set
-# at every dimension measured (docs/benchmarks/codes.md; scripts/bench_codes.py).
-RESCORE_DEPTHS = {"sq8": 50, "sq4": 100, "binary": 200}
+# Deeper for coarser codes: the smallest depth whose re-scored top 10 finds as much of exact raw search's top 10
+# as 32-bit floats of the same dimensions do (within 0.005 of recall@10, four IR sets, MiniLM; scalar codes at
+# d/3 to d, binary at d). Binary at 384 dims, re-scored from the int8 stash: 99.8% of raw nDCG@10 on SciFact
+# (docs/benchmarks/codes.md; scripts/bench_codes.py).
+RESCORE_DEPTHS = {"sq8": 20, "sq4": 50, "binary": 400}
 LOAD_RETRY_SECONDS = 10.0  # how long a reader keeps retrying a load that raced a publish
 
 Verify = Literal["full", "quick", "none"]
@@ -195,8 +197,8 @@ class RescoreRecord:
         """By raw cosine when the index kept its stash and loses information: ``RESCORE_DEPTH`` when reduced by
         its transform (k < d) or by its FAISS ``factory`` (``lossy_codes``), deeper for coarse codes
         (``code``, ``RESCORE_DEPTHS``); else off."""
-        reduced = transform.k < transform.d or lossy_codes(factory)
-        depth = max(RESCORE_DEPTH if reduced else 0, RESCORE_DEPTHS.get(code or "", 0))
+        lossy = RESCORE_DEPTHS.get(code or "", RESCORE_DEPTH if lossy_codes(factory) else 0)  # measured per code
+        depth = max(RESCORE_DEPTH if transform.k < transform.d else 0, lossy)
         depth = depth if stash is not None else 0
         return cls(depth, TransformSpec.raw(transform.pooling).resolve(transform.d))
 

@@ -57,6 +57,7 @@ DEPTHS = (0, 20, 50, 100, 200, 400)
 LOST = 0.005  # recall@10 (against exact raw search) a default depth may lose to the uncompressed index
 LATENCY_ROWS = 100_000
 LATENCY_QUERIES = 200
+LATENCY_TRAIN = 20_000
 WINDOW = 2048  # rows per stash part, as a build writes them
 
 
@@ -226,7 +227,10 @@ def latency(model: str, sets: dict[str, dict[str, Any]], depths: dict[str, Any],
             vectors = transform.transform(docs)
             for index_kind in ("flat", "ivf"):
                 for code in CODES:
-                    index_spec = IndexSpec(index_kind, codes=code)
+                    # IVF lists trained on 20k rows (k-means on FAISS's default 50 per list took minutes per index
+                    # here): the lists' quality moves recall, not the time a probe takes
+                    train = LATENCY_TRAIN if index_kind == "ivf" else None
+                    index_spec = IndexSpec(index_kind, codes=code, train_size=train)
                     index = create_index(index_spec, k, len(docs))
                     sample = train_size(index, index_spec, len(docs))
                     if sample:
