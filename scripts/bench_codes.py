@@ -370,6 +370,7 @@ def main() -> None:
     lat: list[dict[str, Any]] = []
     for path in args.combine or []:
         earlier = json.loads(path.read_text())
+        info = earlier["machine"] if not rows else info  # the machine the measurements ran on, as it was then
         rows += earlier["rows"]
         lat += earlier["latency"]
     minilm = "all-MiniLM-L6-v2"
