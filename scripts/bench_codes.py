@@ -42,7 +42,7 @@ import benchlib  # noqa: E402
 
 from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
-from retrieval.encode.transformer import resolve_model
+from retrieval.encode.models import resolve_model
 from retrieval.evaluate import read_qrels, read_queries, to_run
 from retrieval.index import CODES, IndexSpec, create_index, default_search_params, search_parameters, train_size
 from retrieval.indexdir import RESCORE_DEPTH, IndexDir
