@@ -46,11 +46,13 @@ from retrieval.indexdir import (
     is_index_dir,
     save_docs,
     save_faiss_index,
+    save_lexical,
     save_moments,
     save_transform,
     write_manifest,
 )
 from retrieval.ingest import Ingest, poolings_for
+from retrieval.lexical import Analyzer, LexicalSpec
 from retrieval.moments import RunningMoments
 from retrieval.progress import Progress, Timer, no_progress
 from retrieval.stash import BLOCK_ROWS, DTYPES, STATE_NAME, VectorStash
@@ -72,8 +74,11 @@ class BuildOptions:
     overwrite: bool = False
     resume: bool = False
     window_rows: int = WINDOW_ROWS
+    lexical: LexicalSpec | None = LexicalSpec()  # the BM25 part beside the dense index; None: dense only
 
     def check(self) -> None:
+        if self.lexical is not None:
+            self.lexical.check()
         if self.stash_dtype not in DTYPES:
             raise ConfigError(
                 f"unknown `stash_dtype` {self.stash_dtype!r}; choose one of {', '.join(DTYPES)}", "stash_dtype"
@@ -204,10 +209,14 @@ def _build(
     stash, skip = _open_stash(work, source, encoder, d, poolings, options)  # a refused resume keeps its work
     window_rows = int(stash.meta.get("window_rows") or options.window_rows)  # a resume keeps the windows it began
     try:
-        ingest = Ingest(stash, encoder, fit_pooling, report.usable, progress)
+        analyzer = Analyzer(options.lexical) if options.lexical is not None else None
+        ingest = Ingest(stash, encoder, fit_pooling, report.usable, progress, analyzer=analyzer)
         with timer.stage("encode"):
             for block in stash.iter_blocks(pooling=fit_pooling):  # rows a resumed build already has
                 ingest.moments.update(block)
+            if analyzer is not None:
+                for table in stash.iter_docs():
+                    ingest.count_terms(table["text"].to_pylist())
             progress("encode", len(stash), report.usable)
             if engine is None:
                 for batch in source.batches(window_rows, skip_batches=skip):
@@ -218,6 +227,13 @@ def _build(
         transform_record, index_record = write_version(
             work, stash, ingest.moments, spec, index, timer, progress, engine
         )
+        lexical = None
+        if ingest.terms is not None and options.lexical is not None:
+            with timer.stage("lexical"):
+                lexical = save_lexical(work, ingest.terms.counts(), options.lexical)
+            # the tokenizing was timed inside "encode": moved here, so the two stages add up to the wall time
+            timer.seconds["encode"] = round(timer.seconds["encode"] - ingest.lexical_seconds, 4)
+            timer.seconds["lexical"] = round(timer.seconds["lexical"] + ingest.lexical_seconds, 4)
     except (RetrievalError, OSError):  # a user's error or a full disk: nothing to resume, nothing left behind
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -239,6 +255,7 @@ def _build(
         ),
         stash=StashRecord.of(stash) if options.keep_vectors else None,
         generation=_replaced_generation(out) + 1,
+        lexical=lexical,
     )
     if not options.keep_vectors:
         shutil.rmtree(work / STASH)

@@ -7,6 +7,7 @@
     docs.arrow      row -> (id, text), memory-mapped
     vectors/        the stash of raw vectors (absent when built without it); its parts carry their own checksums
     rescore.npz     the full-rank transform that re-scores candidates, when tune found one better than raw cosine
+    lexical/        the BM25 index and the per-document term counts it is derived from (``lexical``), when built
 
 Writers (build, add, refit) assemble a new version in a hidden sibling and publish it whole (``files``); a
 reader loads one whole version (``load``): if a publish replaced the directory while it read, it reads again.
@@ -32,15 +33,21 @@ from retrieval.calibrate import Calibration
 from retrieval.docs import Docs
 from retrieval.encode.spec import EncoderInfo
 from retrieval.errors import ConfigError, IndexDirError
+from retrieval.fusion import FusionSpec
 from retrieval.index import IndexSpec
+from retrieval.lexical import FILES as LEXICAL_FILES
+from retrieval.lexical import LexicalIndex, LexicalSpec, TermCounts
 from retrieval.moments import RunningMoments
 from retrieval.stash import STATE_NAME, VectorStash
 from retrieval.whitening import RawTransform, TransformSpec, Whitening, load_transform
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3  # 3: the index spec records `codes` and `rotation`, the index record its metric
-READ_SCHEMAS = (2, SCHEMA_VERSION)  # a version-2 manifest reads as an index of the kind's default codes
+# 3: the index spec records `codes` and `rotation`, the index record its metric; a lexical part and fusion
+# settings (an older retrieval's `add` would leave the lexical part behind). A version-2 manifest reads as a
+# dense-only index of the kind's default codes.
+SCHEMA_VERSION = 3
+READ_SCHEMAS = (2, SCHEMA_VERSION)
 MANIFEST = "manifest.json"
 TRANSFORM = "transform.npz"
 MOMENTS = "moments.npz"
@@ -48,7 +55,8 @@ INDEX = "index.faiss"
 DOCS = "docs.arrow"
 STASH = "vectors"
 RESCORE = "rescore.npz"
-OWN_NAMES = frozenset({MANIFEST, TRANSFORM, MOMENTS, INDEX, DOCS, STASH, RESCORE})  # what a publish replaces
+LEXICAL = "lexical"
+OWN_NAMES = frozenset({MANIFEST, TRANSFORM, MOMENTS, INDEX, DOCS, STASH, RESCORE, LEXICAL})  # what a publish replaces
 FILE_NAMES = (MANIFEST, TRANSFORM, MOMENTS, INDEX, DOCS, RESCORE)  # its own files at the top (the stash is a folder)
 Identity = tuple[int, ...]  # ``IndexDir.identity``: which version a path names
 # Candidates re-scored at full dimension by default when an index is reduced (k < d) and kept its stash: the
@@ -211,6 +219,30 @@ class RescoreRecord:
 
 
 @dataclass(frozen=True)
+class LexicalRecord:
+    """The BM25 part: how texts became terms and scores (``LexicalSpec``), its size, and the bm25s that built it."""
+
+    spec: LexicalSpec
+    terms: int
+    postings: int
+    bytes: int = 0
+    library: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"spec": self.spec.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LexicalRecord:
+        return cls(
+            LexicalSpec.from_dict(data["spec"]),
+            int(data["terms"]),
+            int(data["postings"]),
+            int(data.get("bytes", 0)),
+            str(data.get("library", "")),
+        )
+
+
+@dataclass(frozen=True)
 class CorpusRecord:
     """Where the rows came from: the first corpus, one entry per ``add`` and one per ``remove``."""
 
@@ -261,6 +293,8 @@ class Manifest:
     created: str = ""  # when the index was first built
     updated: str = ""  # when this version was published
     generation: int = 1  # 1 for a first build, +1 for each add, refit or rebuild (--overwrite) at the same path
+    lexical: LexicalRecord | None = None  # the BM25 part, when the index has one
+    fusion: FusionSpec | None = None  # how hybrid searches combine the two rankings (None: ``FusionSpec()``)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -286,6 +320,8 @@ class Manifest:
             "corpus": asdict(self.corpus),
             "stash": asdict(self.stash) if self.stash else None,
             "rescore": self.rescoring.to_dict(),
+            "lexical": self.lexical.to_dict() if self.lexical else None,
+            "fusion": self.fusing.to_dict() if self.lexical else None,
             "timings": self.timings,
             "versions": self.versions,
             "files": self.files,
@@ -308,6 +344,8 @@ class Manifest:
             created=str(data.get("created", "")),
             updated=str(data.get("updated", "")),
             generation=int(data.get("generation", 1)),
+            lexical=LexicalRecord.from_dict(data["lexical"]) if data.get("lexical") else None,
+            fusion=FusionSpec.from_dict(data["fusion"]) if data.get("fusion") else None,
             schema_version=int(data["schema_version"]),
         )
 
@@ -319,6 +357,11 @@ class Manifest:
     def next_version(self, **changes: Any) -> Manifest:
         """This manifest for the next published version (``add``/``refit``): generation + 1, files re-recorded."""
         return replace(self, generation=self.generation + 1, files={}, **changes)
+
+    @property
+    def fusing(self) -> FusionSpec:
+        """How hybrid searches fuse (the recorded choice, else the defaults)."""
+        return self.fusion or FusionSpec()
 
     @property
     def has_rescorer(self) -> bool:
@@ -335,7 +378,7 @@ def library_versions() -> dict[str, str]:
     import retrieval
 
     versions = {"retrieval": retrieval.__version__, "python": platform.python_version()}
-    for name in ("numpy", "faiss-cpu", "pyarrow", "torch", "transformers"):
+    for name in ("numpy", "faiss-cpu", "pyarrow", "torch", "transformers", "bm25s", "PyStemmer"):
         try:
             versions[name.removesuffix("-cpu")] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -430,6 +473,18 @@ class IndexDir:
     def docs(self) -> Docs:
         return Docs(self.path / DOCS)
 
+    def lexical(self, manifest: Manifest) -> LexicalIndex | None:
+        """The BM25 index, memory-mapped, or None when the index has no lexical part."""
+        if manifest.lexical is None:
+            return None
+        return LexicalIndex(self.path / LEXICAL, manifest.lexical.spec)
+
+    def term_counts(self) -> TermCounts:
+        """The per-document term counts the BM25 index was derived from (``add``, ``remove`` re-derive it)."""
+        from retrieval.lexical import load_counts
+
+        return load_counts(self.path / LEXICAL)
+
     def has_stash(self) -> bool:
         return (self.path / STASH / STATE_NAME).is_file()
 
@@ -508,6 +563,7 @@ class Loaded:
     stash: VectorStash | None = None  # raw vectors, mapped at load when this version re-scores by default
     identity: Identity | None = None  # the directory's identity when this version was read
     verify: Verify = "full"  # how it was checked when read (a stash mapped later is checked alike)
+    lexical: LexicalIndex | None = None  # the BM25 index, when built with one
 
     def open_stash(self) -> VectorStash:
         """The stash of this very version: the one mapped at load, else opened now, and only if the directory is
@@ -571,6 +627,7 @@ def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
     manifest = directory.manifest()
     quick = [TRANSFORM, INDEX, DOCS] + ([RESCORE] if manifest.has_rescorer else [])
     quick += [f"{STASH}/{STATE_NAME}"] if manifest.stash is not None else []
+    quick += lexical_names() if manifest.lexical is not None else []
     directory.verify(manifest, verify, quick if verify != "full" else None)
     transform = directory.transform()
     index = directory.faiss_index(mmap=True)  # a reader's: never added to, mapped (a 1.5 GB flat index loads at once)
@@ -595,7 +652,10 @@ def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
     # ``Loaded.open_stash`` (a one-shot search of a raw index never pays for mapping every part).
     rescores = manifest.stash is not None and manifest.rescoring.depth > 0
     stash = _map_stash(directory, manifest, verify) if rescores else None
-    return Loaded(directory, manifest, transform, index, docs, rescorer, stash, verify=verify)
+    lexical = directory.lexical(manifest)
+    if lexical is not None and lexical.n != manifest.n:
+        raise IndexDirError(f"{directory.path}: the lexical index does not match its manifest; rebuild the index")
+    return Loaded(directory, manifest, transform, index, docs, rescorer, stash, verify=verify, lexical=lexical)
 
 
 def _map_stash(directory: IndexDir, manifest: Manifest, verify: Verify = "full") -> VectorStash:
@@ -636,6 +696,27 @@ def save_docs(work: Path, stash: VectorStash) -> None:
     write_docs(stash.iter_docs(), work / DOCS, stash.has_titles())
 
 
+def lexical_names() -> list[str]:
+    """The lexical part's files, as the manifest lists them."""
+    return [f"{LEXICAL}/{name}" for name in LEXICAL_FILES]
+
+
+def save_lexical(work: Path, counts: TermCounts, spec: LexicalSpec) -> LexicalRecord:
+    """Derive the BM25 index from ``counts`` and write it with them; the manifest's record of it."""
+    from retrieval.lexical import save, size_of
+
+    save(work / LEXICAL, counts, spec)
+    return LexicalRecord(
+        spec, len(counts.terms), len(counts.term_ids), size_of(work / LEXICAL), importlib.metadata.version("bm25s")
+    )
+
+
+def link_lexical(work: Path, old: IndexDir) -> None:
+    """Share the previous version's lexical part (its rows are unchanged: ``refit``, ``calibrate``)."""
+    for name in lexical_names():
+        link_from(work, old, name)
+
+
 def link_from(work: Path, old: IndexDir, name: str) -> None:
     """Share an unchanged file of the previous version (hard link: never written again, so never at risk)."""
     files.link_or_copy(old.path / name, work / name)
@@ -648,6 +729,7 @@ def write_manifest(work: Path, manifest: Manifest) -> Manifest:
     assert manifest.stash is not None or rescore.depth == 0, "re-scoring needs the stash"
     names = [TRANSFORM, MOMENTS, INDEX, DOCS] + ([f"{STASH}/{STATE_NAME}"] if manifest.stash else [])
     names += [RESCORE] if rescore.scorer.whiten else []
+    names += lexical_names() if manifest.lexical is not None else []
     missing = [name for name in names if not (work / name).is_file()]
     if missing:
         raise AssertionError(f"incomplete index in {work}: {missing} missing")

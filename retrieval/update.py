@@ -47,14 +47,17 @@ from retrieval.indexdir import (
     RescoreRecord,
     StashRecord,
     link_from,
+    link_lexical,
     now,
     save_docs,
     save_faiss_index,
+    save_lexical,
     save_moments,
     save_rescorer,
     write_manifest,
 )
 from retrieval.ingest import Ingest
+from retrieval.lexical import Analyzer, TermStats, take_rows
 from retrieval.moments import RunningMoments
 from retrieval.progress import Progress, Timer, no_progress
 from retrieval.stash import STATE_NAME, VectorStash, titles_of
@@ -162,6 +165,8 @@ def _refit(
     timer = Timer()
     with files.replacing(old.path, "refitting", OWN_NAMES) as work:
         linked = link_stash(stash, work / STASH)
+        if manifest.lexical is not None:  # the rows and texts are unchanged: so is the BM25 index
+            link_lexical(work, old)
         with timer.stage("moments"):
             moments = old.moments() if pooling == manifest.transform.pooling else linked.moments(pooling)
         transform_record, index_record_ = write_version(work, linked, moments, spec, index, timer, progress)
@@ -252,7 +257,11 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
             link_from(work, old, RESCORE)
         with timer.stage("load"):
             faiss_index = old.faiss_index_for_adding(report.usable)  # the vectors once, not twice
-        ingest = Ingest(grown, encoder, manifest.transform.pooling, report.usable, progress)
+        lexical = manifest.lexical
+        analyzer = Analyzer(lexical.spec) if lexical is not None else None
+        ingest = Ingest(grown, encoder, manifest.transform.pooling, report.usable, progress, analyzer=analyzer)
+        if lexical is not None:  # new rows' counts continue the index's: the BM25 index is derived again
+            ingest.terms = TermStats.of(old.term_counts())
         with timer.stage("encode"):
             for batch in source.batches(window_rows):
                 ids = [str(int(i) + offset) for i in batch.ids] if offset else batch.ids
@@ -263,6 +272,10 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
             added = {"path": str(Path(corpus.path).resolve()), "rows": ingest.moments.n}
             added |= {"sha256": source.fingerprint(), "at": now(), **corpus.settings()}
             record = dataclasses.replace(manifest.corpus, added=[*manifest.corpus.added, added])
+            if lexical is not None and ingest.terms is not None:
+                manifest = dataclasses.replace(
+                    manifest, lexical=save_lexical(work, ingest.terms.counts(), lexical.spec)
+                )
             new = _write_rows_changed(work, manifest, faiss_index, grown, record, timer)
     log.info("added %d rows to %s (now %d)", ingest.moments.n, old.path, new.n)
     return new
@@ -342,6 +355,10 @@ def _remove(old: IndexDir, wanted: set[str], missing_ok: bool, progress: Progres
             removed = {"rows": count, "asked": len(wanted), "ids_sha256": digest}
             removed |= {"next_row_number": next_number, "at": now()}
             record = dataclasses.replace(manifest.corpus, removed=[*manifest.corpus.removed, removed])
+            if manifest.lexical is not None:  # the kept rows' counts, the BM25 index derived again
+                keep = kept_rows(stash, dropped)
+                counts = take_rows(old.term_counts(), keep)
+                manifest = dataclasses.replace(manifest, lexical=save_lexical(work, counts, manifest.lexical.spec))
             new = _write_rows_changed(work, manifest, faiss_index, kept, record, timer)
     log.info("removed %d rows from %s (now %d)", count, old.path, new.n)
     return new
@@ -359,6 +376,16 @@ def _write_rows_changed(
     )
     new = manifest.next_version(corpus=corpus, index=record, stash=StashRecord.of(stash), timings=timer.seconds)
     return write_manifest(work, new)
+
+
+def kept_rows(stash: VectorStash, dropped: list[np.ndarray]) -> np.ndarray:
+    """The rows of ``stash`` not in ``dropped`` (per part, rows within it), ascending."""
+    keep = np.ones(len(stash), dtype=bool)
+    start = 0
+    for part, rows in zip(stash.parts, dropped, strict=True):
+        keep[start + rows] = False
+        start += part.rows
+    return np.flatnonzero(keep)
 
 
 def _stash_without(stash: VectorStash, dropped: list[np.ndarray], root: Path, tag: str) -> VectorStash:
@@ -476,6 +503,8 @@ def _publish_calibration(old: IndexDir, manifest: Manifest, index: Any, calibrat
         link_stash(old.stash("calibrate"), work / STASH)
         for name in (TRANSFORM, MOMENTS, DOCS) + ((RESCORE,) if manifest.has_rescorer else ()):
             link_from(work, old, name)
+        if manifest.lexical is not None:
+            link_lexical(work, old)
         save_faiss_index(work, index)
         record = index_record(index, manifest.index.spec, manifest.n, manifest.index.factory, calibration)
         new = write_manifest(work, manifest.next_version(index=record))

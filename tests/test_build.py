@@ -23,6 +23,7 @@ from retrieval.docs import Docs
 from retrieval.errors import ConfigError, CorpusError, IndexDirError, RetrievalError
 from retrieval.index import IndexSpec, flat_vectors, load_index
 from retrieval.indexdir import SCHEMA_VERSION, IndexDir, Manifest, StashRecord
+from retrieval.lexical import FILES as LEXICAL_FILES
 from retrieval.moments import RunningMoments
 from retrieval.search import Searcher, SearchParams
 from retrieval.stash import VectorStash
@@ -143,7 +144,8 @@ def test_manifest_describes_the_directory(built: tuple[Path, FakeEncoder, Manife
     stash = IndexDir(out).stash()
     assert manifest.stash == StashRecord("float32", ["mean"], N, sum(p.stat().st_size for p in stash.files()[1:]))
     # every top-level file is listed with its true size and sha256; the stash parts in stash.json
-    assert set(manifest.files) == {"transform.npz", "moments.npz", "index.faiss", "docs.arrow", "vectors/stash.json"}
+    own = {"transform.npz", "moments.npz", "index.faiss", "docs.arrow", "vectors/stash.json"}
+    assert set(manifest.files) == own | {f"lexical/{name}" for name in LEXICAL_FILES}
     for name, record in manifest.files.items():
         digest = files.sha256(out / name)
         assert record == {"bytes": (out / name).stat().st_size, "sha256": digest, "quick_sha256": digest}

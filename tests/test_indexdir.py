@@ -98,6 +98,8 @@ def test_a_quick_load_hashes_no_large_file_whole(tmp_path: Path, monkeypatch) ->
     # only stash parts smaller than their sample would be (16 KiB), which a re-scoring load hashes whole
     full_below = files.PART_SAMPLE_BLOCKS * files.PART_SAMPLE_BYTES
     small = {path.name for path in (tmp_path / "idx" / "vectors").glob("*.npy") if path.stat().st_size < full_below}
+    # and files under the quick threshold, hashed whole by design (the lexical part's parameters)
+    small |= {path.name for path in (tmp_path / "idx").rglob("*.json") if path.stat().st_size < 1024}
     assert set(hashed) <= small, hashed
     Searcher.load(tmp_path / "idx", encoder=FakeEncoder(), verify="full")
     assert set(hashed) >= {"index.faiss", "docs.arrow", "transform.npz"}
