@@ -22,6 +22,7 @@ import numpy as np
 from retrieval import files
 from retrieval.calibrate import Calibration
 from retrieval.corpus import Corpus, CorpusReport, CorpusSpec
+from retrieval.docs import ColumnsWriter
 from retrieval.encode.spec import POOLINGS, Encoder, EncoderInfo
 from retrieval.errors import ConfigError, IndexDirError, RetrievalError
 from retrieval.index import (
@@ -35,6 +36,7 @@ from retrieval.index import (
 )
 from retrieval.index import train_size as training_rows
 from retrieval.indexdir import (
+    COLUMNS,
     OWN_NAMES,
     STASH,
     CorpusRecord,
@@ -43,6 +45,7 @@ from retrieval.indexdir import (
     Manifest,
     StashRecord,
     TransformRecord,
+    column_types,
     is_index_dir,
     save_docs,
     save_faiss_index,
@@ -205,24 +208,35 @@ def _build(
                 f"cannot fit on pooling {fit_pooling!r}: this build stashes {', '.join(poolings)}", "pooling"
             )
         check_buildable(index, transform.dim or d, report.usable)
+        if corpus.columns and engine is not None:
+            raise ConfigError(
+                "`columns` are kept by local builds only: drop `engine` ray, or drop `columns`", "columns"
+            )
     work = files.work_dir(out)
     stash, skip = _open_stash(work, source, encoder, d, poolings, options)  # a refused resume keeps its work
     window_rows = int(stash.meta.get("window_rows") or options.window_rows)  # a resume keeps the windows it began
     try:
         analyzer = Analyzer(options.lexical) if options.lexical is not None else None
-        ingest = Ingest(stash, encoder, fit_pooling, report.usable, progress, analyzer=analyzer)
+        columns = ColumnsWriter(work / COLUMNS) if corpus.columns else None
+        ingest = Ingest(stash, encoder, fit_pooling, report.usable, progress, analyzer=analyzer, columns=columns)
         with timer.stage("encode"):
             for block in stash.iter_blocks(pooling=fit_pooling):  # rows a resumed build already has
                 ingest.moments.update(block)
             if analyzer is not None:
                 for table in stash.iter_docs():
                     ingest.count_terms(table["text"].to_pylist())
+            if columns is not None:  # read again (no encoding) for the windows a resumed build already has
+                for batch in source.batches(window_rows, stop_batches=skip):
+                    assert batch.columns is not None
+                    columns.write(batch.columns)
             progress("encode", len(stash), report.usable)
             if engine is None:
                 for batch in source.batches(window_rows, skip_batches=skip):
                     ingest(batch)
             else:  # the same windows, encoded by the engine's workers and adopted here in window order
                 engine.ingest(source, ingest, skip, window_rows)
+            if columns is not None:
+                columns.close()
         spec = replace(transform, pooling=fit_pooling)
         transform_record, index_record = write_version(
             work, stash, ingest.moments, spec, index, timer, progress, engine
@@ -256,6 +270,7 @@ def _build(
         stash=StashRecord.of(stash) if options.keep_vectors else None,
         generation=_replaced_generation(out) + 1,
         lexical=lexical,
+        columns=column_types(columns.schema) if columns is not None else {},
     )
     if not options.keep_vectors:
         shutil.rmtree(work / STASH)

@@ -44,7 +44,8 @@ class CorpusSpec:
     (a single file: ``0``, ``1``, ...; a folder or glob: ``<file>:<row>``, the file's path relative to the folder,
     or to the glob's fixed directory, and the row's number in that file); a column named explicitly must exist.
     ``title_column`` is prepended to the text (``title + " " + text``, as BEIR does). ``vectors_column`` names a
-    list column of precomputed embeddings: rows are then not encoded.
+    list column of precomputed embeddings: rows are then not encoded. ``columns``: metadata columns kept with
+    their types, for filters (``Batch.columns``).
     """
 
     path: Path
@@ -53,16 +54,19 @@ class CorpusSpec:
     title_column: str | None = None
     vectors_column: str | None = None
     skip_empty: bool = False
+    columns: tuple[str, ...] = ()
 
     def settings(self) -> dict[str, object]:
-        """What, besides the files' bytes, decides which rows and texts come out (for fingerprints)."""
-        return {
+        """What, besides the files' bytes, decides which rows and texts come out (for fingerprints); ``columns``
+        only when some are kept (a fingerprint taken before they existed stays the same)."""
+        settings: dict[str, object] = {
             "text_column": self.text_column,
             "id_column": self.id_column,
             "title_column": self.title_column,
             "vectors_column": self.vectors_column,
             "skip_empty": self.skip_empty,
         }
+        return settings | ({"columns": list(self.columns)} if self.columns else {})
 
 
 @dataclass
@@ -73,6 +77,7 @@ class Batch:
     texts: list[str]
     vectors: np.ndarray | None = None
     titles: list[str] | None = None  # the title column's values (also the texts' first words); None: no column
+    columns: pa.Table | None = None  # the kept metadata columns (``CorpusSpec.columns``) of these rows
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -139,6 +144,8 @@ class Corpus:
         self.files: list[SourceFile] = []
         paths, root = _find_files(self.path)
         if root is None and paths[0].suffix == ".npy":  # precomputed vectors, one per row; ids are row numbers
+            if spec.columns:
+                raise CorpusError(f"{paths[0]} is a .npy array: it has no `columns` to keep; give a parquet corpus")
             self._open_npy(paths[0])
             return
         schemas = {}
@@ -197,6 +204,10 @@ class Corpus:
                     f"column {column!r} of {path} holds {schema.field(column).type}, not {kind}; "
                     f"convert it, or choose another column with `{option}`"
                 )
+        for column in spec.columns:
+            if names.count(column) != 1:
+                what = "no column" if column not in names else f"{names.count(column)} columns named"
+                raise CorpusError(f"{path} has {what} {column!r} (columns: {', '.join(names)}); check `columns`")
         if spec.vectors_column:
             vtype = schema.field(spec.vectors_column).type
             value = vtype.value_type if _is_list(vtype) else None
@@ -267,7 +278,7 @@ class Corpus:
             cols.append(self.spec.text_column)
         if self.spec.vectors_column:
             cols.append(self.spec.vectors_column)
-        return cols
+        return cols + [c for c in self.spec.columns if c not in cols]
 
     def _strings(self, rb: pa.RecordBatch, column: str, first_row: int, path: Path | None = None) -> list[str | None]:
         """A text-like column as Python strings; binary is decoded as UTF-8, and refused where it is not (so is
@@ -465,11 +476,15 @@ class Corpus:
             vectors = self._batch_vectors(rb, ok) if self.precomputed else None
             title = self.spec.title_column
             titles = None if not title or isinstance(rb, np.ndarray) else self._strings(rb, title, 0)
+            columns = None
+            if self.spec.columns and not isinstance(rb, np.ndarray):
+                columns = pa.Table.from_batches([rb.select(list(self.spec.columns))]).filter(pa.array(ok))
             yield Batch(
                 ids=[ids[i] for i in keep],
                 texts=[texts[i] or "" for i in keep],
                 vectors=vectors,
                 titles=None if titles is None else [titles[i] or "" for i in keep],
+                columns=columns,
             )
 
     def _batch_vectors(self, rb: pa.RecordBatch | np.ndarray, ok: np.ndarray) -> np.ndarray:

@@ -306,11 +306,14 @@ def evaluate_ir(
 ) -> EvalResult:
     """Search every query (``params.k`` hits deep) and score the run against the qrels.
 
-    ``raw_queries`` are the queries' raw encoder vectors when already computed.
+    ``raw_queries`` are the queries' raw encoder vectors when already computed. ``params.mode``: dense, lexical
+    or hybrid (None: the index's default).
     """
     check_judged_in(searcher.docs, (queries, qrels), searcher.directory)
-    raw = searcher.encode(queries.texts) if raw_queries is None else raw_queries
-    scores, rows = searcher.search_raw(raw, params)
+    raw = raw_queries
+    if raw is None and searcher.mode(params) != "lexical":
+        raw = searcher.encode(queries.texts)
+    scores, rows = searcher.search_raw(raw, params, texts=queries.texts)
     return evaluate_run(to_run(queries.ids, scores, rows, searcher.docs.ids), qrels)
 
 

@@ -291,8 +291,11 @@ def set_search_params(index: faiss.Index, ef_search: int | None = None, nprobe: 
         ivf.nprobe = int(min(nprobe, ivf.nlist))
 
 
-def search_parameters(index: faiss.Index, ef_search: int | None = None, nprobe: int | None = None) -> Any:
-    """FAISS's per-call search parameters for these knobs, or None when the index has none of them.
+def search_parameters(
+    index: faiss.Index, ef_search: int | None = None, nprobe: int | None = None, selector: Any = None
+) -> Any:
+    """FAISS's per-call search parameters for these knobs and ``selector`` (a FAISS ``IDSelector``: only the rows
+    it holds are searched), or None when there is nothing to set.
 
     Passed to ``index.search(..., params=...)``, they leave the shared index untouched, so concurrent callers
     with different knobs cannot race (setting ``efSearch``/``nprobe`` on the index itself would)."""
@@ -301,24 +304,25 @@ def search_parameters(index: faiss.Index, ef_search: int | None = None, nprobe: 
     fx: Any = faiss  # the stubs lack the SearchParameters constructors' keywords
     top = index.binary if isinstance(index, BinaryIndex) else faiss.downcast_index(index)
     if isinstance(top, faiss.IndexPreTransform):  # "RR16,IVF...", "OPQ...", "PCA...": the knobs are the inner's
-        inner = search_parameters(top.index, ef_search, nprobe)
+        inner = search_parameters(top.index, ef_search, nprobe, selector)
         if inner is None:
             return None
         params = fx.SearchParametersPreTransform(index_params=inner)
         params.referenced = inner  # as for Refine below: keep the inner parameters alive with ``params``
         return params
     if isinstance(top, faiss.IndexRefine):
-        base = search_parameters(top.base_index, ef_search, nprobe)
+        base = search_parameters(top.base_index, ef_search, nprobe, selector)
         if base is None:
             return None
         params = fx.IndexRefineSearchParameters(k_factor=top.k_factor, base_index_params=base)
         params.referenced = base  # the C++ object points at ``base``: keep it alive as long as ``params``
         return params
-    if ef_search is not None and isinstance(top, (faiss.IndexHNSW, faiss.IndexBinaryHNSW)):
-        return fx.SearchParametersHNSW(efSearch=int(ef_search))
-    if nprobe is not None and isinstance(top, (faiss.IndexIVF, faiss.IndexBinaryIVF)):
-        return fx.SearchParametersIVF(nprobe=int(min(nprobe, top.nlist)))
-    return None
+    extra = {} if selector is None else {"sel": selector}
+    if isinstance(top, (faiss.IndexHNSW, faiss.IndexBinaryHNSW)) and (ef_search is not None or selector is not None):
+        return fx.SearchParametersHNSW(efSearch=int(top.hnsw.efSearch if ef_search is None else ef_search), **extra)
+    if isinstance(top, (faiss.IndexIVF, faiss.IndexBinaryIVF)) and (nprobe is not None or selector is not None):
+        return fx.SearchParametersIVF(nprobe=int(min(top.nprobe if nprobe is None else nprobe, top.nlist)), **extra)
+    return fx.SearchParameters(**extra) if selector is not None else None
 
 
 def default_search_params(index: faiss.Index, spec: IndexSpec) -> dict[str, int]:

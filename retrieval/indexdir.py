@@ -5,6 +5,7 @@
     moments.npz     RunningMoments of the pooling the transform was fitted on
     index.faiss     the FAISS index of the transformed vectors
     docs.arrow      row -> (id, text), memory-mapped
+    columns.arrow   the metadata columns kept for filters (``--columns``), row by row, when asked for
     vectors/        the stash of raw vectors (absent when built without it); its parts carry their own checksums
     rescore.npz     the full-rank transform that re-scores candidates, when tune found one better than raw cosine
     lexical/        the BM25 index and the per-document term counts it is derived from (``lexical``), when built
@@ -30,7 +31,7 @@ from typing import Any, Literal
 
 from retrieval import files
 from retrieval.calibrate import Calibration
-from retrieval.docs import Docs
+from retrieval.docs import Docs, read_columns
 from retrieval.encode.spec import EncoderInfo
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.fusion import FusionSpec
@@ -56,8 +57,12 @@ DOCS = "docs.arrow"
 STASH = "vectors"
 RESCORE = "rescore.npz"
 LEXICAL = "lexical"
-OWN_NAMES = frozenset({MANIFEST, TRANSFORM, MOMENTS, INDEX, DOCS, STASH, RESCORE, LEXICAL})  # what a publish replaces
-FILE_NAMES = (MANIFEST, TRANSFORM, MOMENTS, INDEX, DOCS, RESCORE)  # its own files at the top (the stash is a folder)
+COLUMNS = "columns.arrow"
+OWN_NAMES = frozenset(
+    {MANIFEST, TRANSFORM, MOMENTS, INDEX, DOCS, STASH, RESCORE, LEXICAL, COLUMNS}
+)  # what a publish replaces
+# its own files at the top (the stash and the lexical part are folders)
+FILE_NAMES = (MANIFEST, TRANSFORM, MOMENTS, INDEX, DOCS, RESCORE, COLUMNS)
 Identity = tuple[int, ...]  # ``IndexDir.identity``: which version a path names
 # Candidates re-scored at full dimension by default when an index is reduced (k < d) and kept its stash: the
 # smallest depth that kept every IR dev task of both models at >= 99.9% of raw nDCG@10 at d/3 (worst 99.93%; 30
@@ -295,6 +300,7 @@ class Manifest:
     generation: int = 1  # 1 for a first build, +1 for each add, refit or rebuild (--overwrite) at the same path
     lexical: LexicalRecord | None = None  # the BM25 part, when the index has one
     fusion: FusionSpec | None = None  # how hybrid searches combine the two rankings (None: ``FusionSpec()``)
+    columns: dict[str, str] = field(default_factory=dict)  # metadata columns kept for filters: name -> type
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -322,6 +328,7 @@ class Manifest:
             "rescore": self.rescoring.to_dict(),
             "lexical": self.lexical.to_dict() if self.lexical else None,
             "fusion": self.fusing.to_dict() if self.lexical else None,
+            "columns": self.columns,
             "timings": self.timings,
             "versions": self.versions,
             "files": self.files,
@@ -346,6 +353,7 @@ class Manifest:
             generation=int(data.get("generation", 1)),
             lexical=LexicalRecord.from_dict(data["lexical"]) if data.get("lexical") else None,
             fusion=FusionSpec.from_dict(data["fusion"]) if data.get("fusion") else None,
+            columns=dict(data.get("columns") or {}),
             schema_version=int(data["schema_version"]),
         )
 
@@ -479,6 +487,10 @@ class IndexDir:
             return None
         return LexicalIndex(self.path / LEXICAL, manifest.lexical.spec)
 
+    def columns(self, manifest: Manifest) -> Any:
+        """The kept metadata columns (a memory-mapped ``pyarrow.Table``), or None when none were kept."""
+        return read_columns(self.path / COLUMNS) if manifest.columns else None
+
     def term_counts(self) -> TermCounts:
         """The per-document term counts the BM25 index was derived from (``add``, ``remove`` re-derive it)."""
         from retrieval.lexical import load_counts
@@ -564,6 +576,7 @@ class Loaded:
     identity: Identity | None = None  # the directory's identity when this version was read
     verify: Verify = "full"  # how it was checked when read (a stash mapped later is checked alike)
     lexical: LexicalIndex | None = None  # the BM25 index, when built with one
+    columns: Any = None  # the kept metadata columns (pyarrow.Table), when built with some
 
     def open_stash(self) -> VectorStash:
         """The stash of this very version: the one mapped at load, else opened now, and only if the directory is
@@ -628,6 +641,7 @@ def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
     quick = [TRANSFORM, INDEX, DOCS] + ([RESCORE] if manifest.has_rescorer else [])
     quick += [f"{STASH}/{STATE_NAME}"] if manifest.stash is not None else []
     quick += lexical_names() if manifest.lexical is not None else []
+    quick += [COLUMNS] if manifest.columns else []
     directory.verify(manifest, verify, quick if verify != "full" else None)
     transform = directory.transform()
     index = directory.faiss_index(mmap=True)  # a reader's: never added to, mapped (a 1.5 GB flat index loads at once)
@@ -655,7 +669,12 @@ def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
     lexical = directory.lexical(manifest)
     if lexical is not None and lexical.n != manifest.n:
         raise IndexDirError(f"{directory.path}: the lexical index does not match its manifest; rebuild the index")
-    return Loaded(directory, manifest, transform, index, docs, rescorer, stash, verify=verify, lexical=lexical)
+    columns = directory.columns(manifest)
+    if columns is not None and (columns.num_rows != manifest.n or columns.column_names != list(manifest.columns)):
+        raise IndexDirError(f"{directory.path}: the metadata columns do not match the manifest; rebuild the index")
+    return Loaded(
+        directory, manifest, transform, index, docs, rescorer, stash, verify=verify, lexical=lexical, columns=columns
+    )
 
 
 def _map_stash(directory: IndexDir, manifest: Manifest, verify: Verify = "full") -> VectorStash:
@@ -717,6 +736,11 @@ def link_lexical(work: Path, old: IndexDir) -> None:
         link_from(work, old, name)
 
 
+def column_types(schema: Any) -> dict[str, str]:
+    """The manifest's record of kept metadata columns: name -> Arrow type, in file order."""
+    return {f.name: str(f.type) for f in schema}
+
+
 def link_from(work: Path, old: IndexDir, name: str) -> None:
     """Share an unchanged file of the previous version (hard link: never written again, so never at risk)."""
     files.link_or_copy(old.path / name, work / name)
@@ -730,6 +754,7 @@ def write_manifest(work: Path, manifest: Manifest) -> Manifest:
     names = [TRANSFORM, MOMENTS, INDEX, DOCS] + ([f"{STASH}/{STATE_NAME}"] if manifest.stash else [])
     names += [RESCORE] if rescore.scorer.whiten else []
     names += lexical_names() if manifest.lexical is not None else []
+    names += [COLUMNS] if manifest.columns else []
     missing = [name for name in names if not (work / name).is_file()]
     if missing:
         raise AssertionError(f"incomplete index in {work}: {missing} missing")

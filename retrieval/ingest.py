@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from retrieval.corpus import Batch
+from retrieval.docs import ColumnsWriter
 from retrieval.encode.spec import Encoder, MultiPoolingEncoder
 from retrieval.errors import ConfigError, CorpusError
 from retrieval.lexical import Analyzer, TermStats
@@ -94,12 +95,14 @@ class Ingest:
         progress: Progress = no_progress,
         write: PartWriter | None = None,
         analyzer: Analyzer | None = None,
+        columns: ColumnsWriter | None = None,
     ):
         self.stash, self.encoder, self.pooling = stash, encoder, pooling
         self.moments = RunningMoments(stash.dim)
         self.analyzer = analyzer
         self.terms = TermStats() if analyzer is not None else None
         self.lexical_seconds = 0.0
+        self.columns = columns  # where each batch's kept metadata columns go, when it has some
         self.parts: list[Part] = []
         self._write = write or stash.append
         self._on_batch = lambda n: progress("encode", n, total)
@@ -128,6 +131,8 @@ class Ingest:
         vectors = encode_batch(batch, self.encoder, self.stash.poolings, self.stash.dim, self._on_batch)
         self.parts.append(self._write(vectors, batch.ids if ids is None else ids, batch.texts, titles=batch.titles))
         self.count_terms(batch.texts)
+        if self.columns is not None and batch.columns is not None:
+            self.columns.write(batch.columns)
         stored = self.stash.stored(vectors[self.pooling])  # the moments of what the stash gives back
         self.moments.update(stored)
         return stored

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,9 @@ from retrieval.encode.spec import Encoder
 from retrieval.encode.transformer import from_info
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.files import available_memory, touch_pages
+from retrieval.filtered import search_filtered
+from retrieval.filters import Filter, evaluate
+from retrieval.fusion import FusionSpec, check_mode, fuse
 from retrieval.index import FaissProduct, flat_vectors, list_count, one_query_twin, search_parameters
 from retrieval.indexdir import Loaded, Verify, load
 from retrieval.scan import FlatScan
@@ -40,14 +43,24 @@ class SearchParams:
     ``k``) at full dimension, from the raw vectors kept in the stash; 0: off; None: the index's default, which is
     ``RESCORE_DEPTH`` when the index kept its stash and is reduced (k < d, or lossy FAISS codes), else off
     (``Manifest.rescoring``).
-    ``ef_search`` / ``nprobe``: HNSW / IVF knobs for this call (None: the index's defaults)."""
+    ``ef_search`` / ``nprobe``: HNSW / IVF knobs for this call (None: the index's defaults).
+    ``mode``: dense, lexical or hybrid (None: hybrid where the index has a lexical part, else dense); ``fusion``:
+    how hybrid fuses (None: the index's recorded choice); ``where``: a metadata filter (``retrieval.filters``),
+    applied inside the search."""
 
     k: int = 10
     rescore: int | None = None
     ef_search: int | None = None
     nprobe: int | None = None
+    mode: str | None = None
+    fusion: FusionSpec | None = None
+    where: Filter | None = None
 
     def check(self) -> None:
+        if self.mode is not None:
+            check_mode(self.mode)
+        if self.fusion is not None:
+            self.fusion.check()
         for name, value, low in (("k", self.k, 1), ("rescore", self.rescore, 0)):
             if name == "rescore" and value is None:
                 continue
@@ -103,6 +116,8 @@ class Searcher:
         self._scan = FlatScan(flat) if flat is not None else None
         self._one_query = one_query_twin(self.index)  # an IVF index's twin for single queries, on every core
         self._stash_lock = threading.Lock()
+        self._masks: dict[Filter, np.ndarray] = {}  # the last few filters' rows, evaluated once each
+        self._masks_lock = threading.Lock()
         self._described: dict[str, Any] | None = None  # `describe()`, read and computed once
         # Queries searched by FAISS (HNSW, IVF...) are multiplied by FAISS's BLAS, on the pool it then searches
         # with (``index.FaissProduct``); a flat scan's own products are numpy's, and so are its queries'.
@@ -197,16 +212,68 @@ class Searcher:
     def search_batch(self, queries: Sequence[str], params: SearchParams = SearchParams()) -> list[list[Hit]]:
         params.check()
         check_queries(queries)
-        return self.hits(*self.search_raw(self.encode(queries), params))
+        raw = self.encode(queries) if self.mode(params) != "lexical" else None
+        return self.hits(*self.search_raw(raw, params, texts=queries))
+
+    def mode(self, params: SearchParams) -> str:
+        """The mode a search with ``params`` runs in: its own, else hybrid where this index has a lexical part."""
+        if params.mode is None:
+            return "hybrid" if self.loaded.lexical is not None else "dense"
+        check_mode(params.mode)
+        if params.mode != "dense" and self.loaded.lexical is None:
+            raise ConfigError(
+                f"{self.directory} has no lexical index: search it with `mode` dense, or rebuild it with `lexical`",
+                "mode",
+            )
+        return params.mode
+
+    def mask(self, where: Filter | None) -> np.ndarray | None:
+        """The rows ``where`` keeps (None: every row), evaluated over the index's kept columns."""
+        if where is None:
+            return None
+        with self._masks_lock:
+            cached = self._masks.get(where)
+        if cached is not None:
+            return cached
+        mask = evaluate(where, self.loaded.columns)
+        mask.flags.writeable = False
+        with self._masks_lock:
+            if len(self._masks) >= 16:
+                self._masks.pop(next(iter(self._masks)))
+            self._masks[where] = mask
+        return mask
 
     def search_vectors(self, raw: np.ndarray, params: SearchParams = SearchParams()) -> list[list[Hit]]:
         """Search with raw encoder-space vectors (they get the index's transform)."""
         return self.hits(*self.search_raw(raw, params))
 
-    def search_raw(self, raw: np.ndarray, params: SearchParams = SearchParams()) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, rows) for raw encoder-space query vectors, ``min(k, N)`` columns wide; rows are -1 where an
-        approximate index found fewer even with its knobs widened to span it (``search_transformed``)."""
+    def search_raw(
+        self, raw: np.ndarray | None, params: SearchParams = SearchParams(), texts: Sequence[str] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, rows) for raw encoder-space query vectors (and their ``texts``, which lexical and hybrid
+        searches need; a lexical one needs no vectors), ``min(k, N)`` columns wide; rows are -1 where fewer were
+        found (an approximate index even with its knobs widened, a filter keeping fewer rows, a lexical search
+        with fewer documents sharing a term). Without ``texts``, the default mode is dense."""
         params.check()
+        mode = "dense" if params.mode is None and texts is None else self.mode(params)  # vectors alone: dense
+        if mode != "dense" and texts is None:
+            raise ConfigError(f"a `mode` {mode} search needs the query texts, not only their vectors", "mode")
+        mask = self.mask(params.where)
+        k = min(params.k, self.index.ntotal)
+        lexical = self.loaded.lexical
+        if mode == "lexical":
+            assert lexical is not None and texts is not None
+            return lexical.search(texts, k, mask)
+        assert raw is not None
+        if mode == "dense":
+            return self._dense(raw, params, mask)
+        assert lexical is not None and texts is not None
+        fusion = params.fusion or self.manifest.fusing
+        depth = max(params.k, fusion.depth)
+        dense = self._dense(raw, replace(params, k=depth), mask)
+        return fuse(dense, lexical.search(texts, depth, mask), fusion, k)
+
+    def _dense(self, raw: np.ndarray, params: SearchParams, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         raw = np.atleast_2d(np.asarray(raw, dtype=np.float32))
         if raw.shape[1] != self.transform.dim_in:
             raise ConfigError(f"query vectors have {raw.shape[1]} dims; this index takes {self.transform.dim_in}")
@@ -222,7 +289,10 @@ class Searcher:
         depth = max(params.k, rescore)
         # one query: numpy's product, measured 3% faster than FAISS's at batch 1, where no pools fight
         vectors = self.transform.transform(raw, product=self._query_product if len(raw) > 1 else None)
-        scores, rows = self.search_transformed(vectors, depth, params.ef_search, params.nprobe)
+        if mask is None:
+            scores, rows = self.search_transformed(vectors, depth, params.ef_search, params.nprobe)
+        else:
+            scores, rows = self._search_filtered(vectors, depth, params, mask)
         if rescore:
             scores, rows = self._rescore(raw, rows, params.k)
         return scores[:, : params.k], rows[:, : params.k]
@@ -258,6 +328,24 @@ class Searcher:
             scores[short], rows[short] = index.search(vectors[short], k, params=params)
             short = short[(rows[short] < 0).any(axis=1)]
         return scores, rows
+
+    def _search_filtered(
+        self, vectors: np.ndarray, k: int, params: SearchParams, mask: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``search_transformed`` over only the rows ``mask`` keeps (``filtered.search_filtered``)."""
+        defaults = self.manifest.index.search
+        ef_search = defaults.get("ef_search") if params.ef_search is None else params.ef_search
+        nprobe = defaults.get("nprobe") if params.nprobe is None else params.nprobe
+        vectors_of = None
+        if self.manifest.stash is not None:
+            stash, pooling = self.stash(), self.manifest.transform.pooling
+
+            def vectors_of(rows: np.ndarray) -> np.ndarray:
+                return self.transform.transform(stash.read_rows(rows, pooling))
+
+        k = min(k, self.index.ntotal)
+        flat = self._scan is not None
+        return search_filtered(self.index, vectors, k, mask, ef_search, nprobe, vectors_of, flat)
 
     def stash(self) -> VectorStash:
         """This version's raw-vector stash, its parts memory-mapped (``Loaded.open_stash``)."""

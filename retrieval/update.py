@@ -29,11 +29,13 @@ from retrieval import files
 from retrieval.build import WINDOW_ROWS, index_record, input_dim, write_version
 from retrieval.calibrate import Calibration, Served, calibrate, check_target, query_sample
 from retrieval.corpus import Corpus, CorpusSpec, id_hashes
+from retrieval.docs import ColumnsWriter
 from retrieval.encode.spec import Encoder
 from retrieval.encode.transformer import from_info
 from retrieval.errors import BusyError, ConfigError, CorpusError
 from retrieval.index import KINDS, IndexSpec, check_buildable, set_search_params
 from retrieval.indexdir import (
+    COLUMNS,
     DOCS,
     INDEX,
     MOMENTS,
@@ -167,6 +169,8 @@ def _refit(
         linked = link_stash(stash, work / STASH)
         if manifest.lexical is not None:  # the rows and texts are unchanged: so is the BM25 index
             link_lexical(work, old)
+        if manifest.columns:
+            link_from(work, old, COLUMNS)
         with timer.stage("moments"):
             moments = old.moments() if pooling == manifest.transform.pooling else linked.moments(pooling)
         transform_record, index_record_ = write_version(work, linked, moments, spec, index, timer, progress)
@@ -226,6 +230,7 @@ def read_like_build(directory: Path, path: Path, **given: Any) -> CorpusSpec:
     settings |= {name: value for name, value in given.items() if value is not None}
     for name in ("id_column", "title_column", "vectors_column"):
         settings[name] = settings.get(name) or None  # "" asks for none: row-number ids, no title, texts encoded
+    settings["columns"] = tuple(settings.get("columns") or ())  # added rows keep the metadata the index keeps
     return CorpusSpec(Path(path), **settings)
 
 
@@ -234,6 +239,9 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
     old.verify(manifest, "full", list(manifest.files))  # what add reads: the index, moments, transform, docs
     stash = old.stash("add")
     stash.verify(full=False, docs=True)  # vectors are only linked: sizes; ids and texts are read again: sha256
+    if list(corpus.columns) != list(manifest.columns):
+        kept = ", ".join(manifest.columns) or "none"
+        raise ConfigError(f"this index keeps the metadata columns: {kept}; add rows with the same `columns`", "columns")
     source = Corpus(corpus)
     report = source.validate(min_rows=1)
     encoder = _encoder_for(manifest, source, encoder)
@@ -262,11 +270,17 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
         ingest = Ingest(grown, encoder, manifest.transform.pooling, report.usable, progress, analyzer=analyzer)
         if lexical is not None:  # new rows' counts continue the index's: the BM25 index is derived again
             ingest.terms = TermStats.of(old.term_counts())
+        if manifest.columns:  # the index's rows first, then the new ones, cast to the index's types
+            kept = old.columns(manifest)
+            ingest.columns = ColumnsWriter(work / COLUMNS, kept.schema)
+            ingest.columns.write(kept)
         with timer.stage("encode"):
             for batch in source.batches(window_rows):
                 ids = [str(int(i) + offset) for i in batch.ids] if offset else batch.ids
                 faiss_index.add(transform.transform(ingest(batch, ids)))
             grown.merge_tail(window_rows)  # small adds do not pile up parts (each an open file in a reader)
+            if ingest.columns is not None:
+                ingest.columns.close()
         with timer.stage("write"):
             save_moments(work, old.moments().merge(ingest.moments))  # fresh files: the old index stays intact
             added = {"path": str(Path(corpus.path).resolve()), "rows": ingest.moments.n}
@@ -355,8 +369,12 @@ def _remove(old: IndexDir, wanted: set[str], missing_ok: bool, progress: Progres
             removed = {"rows": count, "asked": len(wanted), "ids_sha256": digest}
             removed |= {"next_row_number": next_number, "at": now()}
             record = dataclasses.replace(manifest.corpus, removed=[*manifest.corpus.removed, removed])
+            keep = kept_rows(stash, dropped)
+            if manifest.columns:
+                writer = ColumnsWriter(work / COLUMNS)
+                writer.write(old.columns(manifest).take(keep))
+                writer.close()
             if manifest.lexical is not None:  # the kept rows' counts, the BM25 index derived again
-                keep = kept_rows(stash, dropped)
                 counts = take_rows(old.term_counts(), keep)
                 manifest = dataclasses.replace(manifest, lexical=save_lexical(work, counts, manifest.lexical.spec))
             new = _write_rows_changed(work, manifest, faiss_index, kept, record, timer)
@@ -505,6 +523,8 @@ def _publish_calibration(old: IndexDir, manifest: Manifest, index: Any, calibrat
             link_from(work, old, name)
         if manifest.lexical is not None:
             link_lexical(work, old)
+        if manifest.columns:
+            link_from(work, old, COLUMNS)
         save_faiss_index(work, index)
         record = index_record(index, manifest.index.spec, manifest.n, manifest.index.factory, calibration)
         new = write_manifest(work, manifest.next_version(index=record))

@@ -299,7 +299,9 @@ class Batcher:
     ) -> None:
         """One FAISS call for every job of the group (same knobs), its rows handed back job by job."""
         try:
-            scores, rows = searcher.search_raw(np.concatenate([vectors[id(job)] for job in group]), params)
+            texts = [text for job in group for text in job.texts]  # lexical and hybrid searches read them
+            raw = np.concatenate([vectors[id(job)] for job in group])
+            scores, rows = searcher.search_raw(raw, params, texts=texts)
             hits = searcher.hits(scores, rows)
         except BaseException as err:  # noqa: BLE001 - handed to the callers
             for job in group:

@@ -1,0 +1,90 @@
+"""Dense search over only the rows a filter keeps: FAISS's per-call ID selector, or exact scoring of those rows.
+
+A flat index searches with an ``IDSelectorBitmap`` in its search parameters: exact, and equal to scoring the kept
+rows alone. HNSW and IVF take the same selector, with their beam or probe count widened by the share of rows
+kept (a graph walk or a list scan sees that share of candidates pass). When the filter keeps so few rows that
+the graph or the lists would miss them (``exact_below``), those rows are scored exactly instead, from the stash
+(or from the index's own vectors where it has no stash), as Qdrant switches to a full scan under a cardinality
+threshold.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from retrieval.index import list_count, search_parameters
+
+# Below this many kept rows, or this share of the index, an HNSW or IVF index's filtered search scores the kept
+# rows exactly: measured by scripts/bench_hybrid.py (docs/benchmarks/hybrid.md), where the approximate search's
+# recall@10 against exact filtered search fell under 0.95 or its p50 rose over the exact scan's.
+EXACT_ROWS = 20_000
+EXACT_SHARE = 0.05
+WIDEN_CAP = 16  # an approximate filtered search widens its knob by 1 / share, at most this many times
+
+
+def exact_below(kept: int, n: int) -> bool:
+    """Whether a filter keeping ``kept`` of ``n`` rows is searched by scoring those rows exactly."""
+    return kept <= EXACT_ROWS or kept <= EXACT_SHARE * n
+
+
+def selector(mask: np.ndarray) -> tuple[Any, np.ndarray]:
+    """A FAISS ``IDSelectorBitmap`` over the rows ``mask`` keeps, and the bitmap it reads (keep both alive for
+    as long as the selector is used)."""
+    import faiss
+
+    bits = np.packbits(np.asarray(mask, dtype=bool), bitorder="little")
+    return faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(bits)), bits
+
+
+def exact_top(vectors: np.ndarray, rows: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, rows) of each query's best ``k`` of ``rows``, whose vectors (in the index's space) are
+    ``vectors``: inner products, ties by row order; ``k`` columns, -1 / -inf past the rows there are."""
+    scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    found = np.full((len(queries), k), -1, dtype=np.int64)
+    if not len(rows):
+        return scores, found
+    products = queries.astype(np.float32) @ vectors.astype(np.float32).T
+    take = min(k, len(rows))
+    best = np.argsort(-products, axis=1, kind="stable")[:, :take]
+    scores[:, :take] = np.take_along_axis(products, best, axis=1)
+    found[:, :take] = rows[best]
+    return scores, found
+
+
+def search_filtered(
+    index: Any,
+    queries: np.ndarray,
+    k: int,
+    mask: np.ndarray,
+    ef_search: int | None,
+    nprobe: int | None,
+    vectors_of: Callable[[np.ndarray], np.ndarray] | None,
+    flat: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, rows) of each query's best ``k`` rows among those ``mask`` keeps. ``vectors_of(rows)`` gives rows'
+    vectors in the index's space for exact scoring (None: this index cannot, and the selector search is widened to
+    span every row instead)."""
+    rows = np.flatnonzero(mask)
+    n = int(index.ntotal)
+    if not flat and vectors_of is not None and exact_below(len(rows), n):
+        return exact_top(vectors_of(rows), rows, queries, k)
+    take = min(k, len(rows))
+    scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    found = np.full((len(queries), k), -1, dtype=np.int64)
+    if take == 0:
+        return scores, found
+    chosen, bits = selector(mask)  # ``bits``, which the selector reads, lives until the search has returned
+    share = len(rows) / max(n, 1)
+    widen = min(WIDEN_CAP, 1 / share) if vectors_of is not None else math.inf
+    if ef_search is not None:
+        ef_search = int(min(max(ef_search * widen, take), n))
+    if nprobe is not None:
+        nprobe = int(min(math.ceil(nprobe * widen), list_count(index) or nprobe))
+    params = search_parameters(index, ef_search=ef_search, nprobe=nprobe, selector=chosen)
+    got_scores, got_rows = index.search(np.ascontiguousarray(queries, dtype=np.float32), take, params=params)
+    scores[:, :take], found[:, :take] = got_scores, got_rows
+    return scores, found
