@@ -26,6 +26,7 @@ COMPARISONS = {"=": "equal", "!=": "not_equal", "<": "less", "<=": "less_equal",
 OPS = (*COMPARISONS, "in", "not in", "is null", "is not null")
 MAX_NODES = 1000  # conditions and connectives in one filter: a bigger one is not a filter a person wrote
 MAX_TEXT = 10_000
+MAX_DEPTH = 50  # nested parentheses or connectives (a deeper one would exhaust the parser's stack first)
 
 Literal = str | int | float | bool
 
@@ -113,6 +114,7 @@ class _Parser:
         self.text = text
         self.tokens = _tokens(text)
         self.at = 0
+        self.depth = 0
 
     def fail(self, what: str) -> FilterError:
         if self.at < len(self.tokens):
@@ -155,6 +157,15 @@ class _Parser:
         return items[0] if len(items) == 1 else And(tuple(items))
 
     def not_expr(self) -> Filter:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise self.fail(f"nested more than {MAX_DEPTH} deep")
+        try:
+            return self._not_expr()
+        finally:
+            self.depth -= 1
+
+    def _not_expr(self) -> Filter:
         if self.peek("keyword", "not"):
             self.at += 1
             return Not(self.not_expr())
@@ -202,12 +213,14 @@ def parse(text: str) -> Filter:
 # ----- the JSON form -------------------------------------------------------------------------------------
 def from_json(data: Any) -> Filter:
     """The filter a JSON object states (the service's ``filter`` field)."""
-    node = _from_json(data, "filter")
+    node = _from_json(data, "filter", 0)
     _check_size(node)
     return node
 
 
-def _from_json(data: Any, where: str) -> Filter:
+def _from_json(data: Any, where: str, depth: int) -> Filter:
+    if depth > MAX_DEPTH:
+        raise FilterError(f"`where`: the filter is nested more than {MAX_DEPTH} deep")
     if not isinstance(data, Mapping):
         raise FilterError(f"`where`: {where} must be an object, not {type(data).__name__}")
     keys = set(data)
@@ -216,10 +229,10 @@ def _from_json(data: Any, where: str) -> Filter:
         items = data[key]
         if not isinstance(items, list) or not items:
             raise FilterError(f"`where`: {where}.{key} must be a non-empty list of filters")
-        nodes = tuple(_from_json(item, f"{where}.{key}[{i}]") for i, item in enumerate(items))
+        nodes = tuple(_from_json(item, f"{where}.{key}[{i}]", depth + 1) for i, item in enumerate(items))
         return And(nodes) if key == "and" else Or(nodes)
     if keys == {"not"}:
-        return Not(_from_json(data["not"], f"{where}.not"))
+        return Not(_from_json(data["not"], f"{where}.not", depth + 1))
     if "column" in keys and "op" in keys and keys <= {"column", "op", "value"}:
         column, op = data["column"], data["op"]
         if not isinstance(column, str) or not column:
