@@ -164,7 +164,7 @@ def output_errors(path: Path) -> Iterator[None]:
 
 # The work directories of updates (``replacing``): never resumed, so any left when a writer takes the lock is a
 # killed writer's, and goes. A build's ("building") is kept for ``--resume``.
-UPDATE_PURPOSES = ("adding", "refitting", "removing", "calibrating")
+UPDATE_PURPOSES = ("adding", "refitting", "removing", "calibrating", "fusing")
 # Every hidden sibling a writer makes beside an index ("old": the previous version, renamed aside by ``publish``)
 OWN_PURPOSES = ("building", "old", *UPDATE_PURPOSES)
 

@@ -33,6 +33,7 @@ from retrieval.docs import ColumnsWriter
 from retrieval.encode.spec import Encoder
 from retrieval.encode.transformer import from_info
 from retrieval.errors import BusyError, ConfigError, CorpusError
+from retrieval.fusion import FusionSpec
 from retrieval.index import KINDS, IndexSpec, check_buildable, set_search_params
 from retrieval.indexdir import (
     COLUMNS,
@@ -529,6 +530,29 @@ def _publish_calibration(old: IndexDir, manifest: Manifest, index: Any, calibrat
         record = index_record(index, manifest.index.spec, manifest.n, manifest.index.factory, calibration)
         new = write_manifest(work, manifest.next_version(index=record))
     log.info("%s: default %s %d (recall@10 %.3f)", old.path, calibration.knob, calibration.value, calibration.recall)
+    return new
+
+
+# ----- fusion ----------------------------------------------------------------------------------------------
+def set_fusion(directory: Path, fusion: FusionSpec) -> Manifest:
+    """Publish a new version of the index at ``directory`` whose hybrid searches fuse by ``fusion`` (``tune
+    --mode hybrid --apply``); every file is shared with the previous version, only the manifest changes."""
+    fusion.check()
+    directory = files.resolved(directory)
+    with files.write_errors(directory), files.writing(directory):
+        old = IndexDir(directory)
+        manifest = old.manifest()
+        if manifest.lexical is None:
+            raise ConfigError(f"{directory} has no lexical index to fuse with; rebuild it with `lexical`", "mode")
+        old.verify(manifest, "quick")
+        with files.replacing(old.path, "fusing", OWN_NAMES) as work:
+            if manifest.stash is not None:
+                link_stash(old.stash("set the fusion"), work / STASH)
+            for name in manifest.files:
+                if not name.startswith(f"{STASH}/"):
+                    link_from(work, old, name)
+            new = write_manifest(work, manifest.next_version(fusion=fusion))
+    log.info("%s: hybrid searches fuse by %s, dense weight %.2f", directory, fusion.method, fusion.weight)
     return new
 
 

@@ -175,3 +175,29 @@ def test_columns_must_exist(tmp_path: Path) -> None:
     with pytest.raises(CorpusError, match="no column 'venue'"):
         build_index(corpus, FakeEncoder(), tmp_path / "idx", TransformSpec(dim=8))
     assert not (tmp_path / "idx").exists()
+
+
+def test_tune_fusion_chooses_on_dev_and_apply_records_it(built: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    from retrieval.evaluate import Queries
+    from retrieval.tune_fusion import GRID, tune_fusion
+
+    shutil.copytree(built["flat"], tmp_path / "idx")
+    searcher = Searcher.load(tmp_path / "idx", encoder=FakeEncoder())
+    texts = [searcher.docs.texts([r])[0] for r in range(0, 400, 20)]
+    queries = Queries([f"q{i}" for i in range(len(texts))], [" ".join(t.split()[:3]) for t in texts])
+    qrels = {f"q{i}": {searcher.docs.id(r): 1} for i, r in enumerate(range(0, 400, 20))}
+    result = tune_fusion(tmp_path / "idx", (queries, qrels), encoder=FakeEncoder())
+    fused = [t for t in result.trials if t.fusion is not None]
+    assert [t.fusion for t in fused] == list(GRID) and {t.mode for t in result.trials} == {"dense", "lexical", "hybrid"}
+    assert result.best.dev["nDCG@10"] == max(t.dev["nDCG@10"] for t in fused)
+    manifest = update.set_fusion(tmp_path / "idx", result.best.fusion)
+    assert manifest.fusion == result.best.fusion and manifest.generation == searcher.manifest.generation + 1
+    again = Searcher.load(tmp_path / "idx", encoder=FakeEncoder())
+    assert again.manifest.fusing == result.best.fusion
+    mine = again.search_batch(queries.texts, SearchParams(k=10))
+    theirs = again.search_batch(queries.texts, SearchParams(k=10, fusion=result.best.fusion))
+    assert [[h.row for h in hits] for hits in mine] == [[h.row for h in hits] for hits in theirs]
+    with pytest.raises(ConfigError, match="dense weight|fusion_weight"):
+        update.set_fusion(tmp_path / "idx", FusionSpec("convex", weight=2.0))

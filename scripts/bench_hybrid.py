@@ -1,0 +1,252 @@
+"""Hybrid search and metadata filters: quality of each mode, what the lexical part costs, filtered search at scale.
+
+``ir``: every IR set in ../shared/data (scifact, cisi, cacm, npl), per model: an index built with the defaults
+(the lexical part included; its share of the build's wall time and its size recorded), then nDCG@10 of the test
+queries in each mode (dense, lexical, hybrid with the recorded default) and over a grid of fusions (RRF, convex
+at several dense weights). The default fusion is chosen on SciFact's TRAIN queries (``--choose``), never on test.
+
+``filters``: N synthetic rows (clustered 384-d vectors: real text at 1M rows does not fit this run) with a
+``bucket`` column, so that filters keep 50%, 10%, 1% and 0.1% of the rows; for flat, HNSW and IVF: recall@10 of
+the filtered search against exact search over the kept rows, and p50 latency of single queries, filtered and
+unfiltered, on both sides of the exact-scoring switch (``retrieval.filtered.EXACT_ROWS`` / ``EXACT_SHARE``).
+
+    python scripts/bench_hybrid.py ir --models all-MiniLM-L6-v2 [--models all-mpnet-base-v2]
+    python scripts/bench_hybrid.py filters --rows 100000
+
+Heavy runs go under ``flock /tmp/retrieval-bench.lock``. Writes results/hybrid/{ir,filters}.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+from retrieval import filtered  # noqa: E402
+from retrieval.build import BuildOptions, build_index  # noqa: E402
+from retrieval.corpus import CorpusSpec  # noqa: E402
+from retrieval.encoder import TransformerEncoder  # noqa: E402
+from retrieval.evaluate import evaluate_ir, read_qrels, read_queries  # noqa: E402
+from retrieval.filters import parse  # noqa: E402
+from retrieval.fusion import FusionSpec  # noqa: E402
+from retrieval.index import IndexSpec  # noqa: E402
+from retrieval.search import Searcher, SearchParams  # noqa: E402
+from retrieval.whitening import TransformSpec  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "indexes" / "bench" / "hybrid"
+SETS = ("scifact", "cisi", "cacm", "npl")
+GRID = [FusionSpec("rrf")] + [FusionSpec("convex", weight=w) for w in (0.3, 0.4, 0.5, 0.6, 0.7)]
+SHARES = (0.5, 0.1, 0.01, 0.001)
+
+
+def label(fusion: FusionSpec) -> str:
+    return f"rrf k={fusion.rrf_k}" if fusion.method == "rrf" else f"convex {fusion.weight:.1f}"
+
+
+# ----- IR -----------------------------------------------------------------------------------------------------
+def build(data: Path, name: str, model: str, encoder: TransformerEncoder, rebuild: bool) -> tuple[Path, dict]:
+    directory = WORK / f"{name}-{model.lower()}"
+    corpus = CorpusSpec(data / name / "corpus.parquet", id_column="doc_id", title_column="title")
+    if rebuild or not (directory / "manifest.json").is_file():
+        start = time.perf_counter()
+        manifest = build_index(corpus, encoder, directory, TransformSpec(), options=BuildOptions(overwrite=True))
+        wall = time.perf_counter() - start
+        lexical = manifest.timings.get("lexical", 0.0)
+        assert manifest.lexical is not None
+        cost = {
+            "build_s": wall,
+            "lexical_s": lexical,
+            "lexical_share_of_build": lexical / (wall - lexical),  # what the lexical part adds to a dense build
+            "lexical_mib": manifest.lexical.bytes / 2**20,
+            "terms": manifest.lexical.terms,
+            "docs": manifest.n,
+        }
+        benchlib.write_json(directory / "bench-build.json", cost)
+    import json
+
+    return directory, json.loads((directory / "bench-build.json").read_text())
+
+
+def ndcg(searcher: Searcher, queries: Any, qrels: Any, raw: np.ndarray, params: SearchParams) -> float:
+    return evaluate_ir(searcher, queries, qrels, params, raw_queries=raw).metrics["nDCG@10"]
+
+
+def run_ir(args: argparse.Namespace) -> None:
+    out = benchlib.out_dir("hybrid")
+    info = benchlib.machine(torch_too=True)
+    benchlib.print_machine(info)
+    rows, choice_rows = [], []
+    for model in args.models:
+        encoder = TransformerEncoder(model, "mean")
+        for name in args.sets:
+            directory, cost = build(args.data, name, model, encoder, args.rebuild)
+            searcher = Searcher.load(directory, encoder=encoder)
+            for split in ("test", "train") if name == "scifact" else ("test",):
+                queries = read_queries(args.data / name / f"queries-{split}.parquet")
+                qrels = read_qrels(args.data / name / f"qrels-{split}.parquet")
+                raw = searcher.encode(queries.texts)
+                row: dict[str, Any] = {"model": model, "set": name, "split": split, "queries": len(queries.ids)}
+                for mode in ("dense", "lexical", "hybrid"):
+                    row[mode] = ndcg(searcher, queries, qrels, raw, SearchParams(k=100, mode=mode))
+                for fusion in GRID:
+                    params = SearchParams(k=100, mode="hybrid", fusion=fusion)
+                    row[label(fusion)] = ndcg(searcher, queries, qrels, raw, params)
+                row["best side"] = max(row["dense"], row["lexical"])
+                row["hybrid / best side"] = row["hybrid"] / row["best side"]
+                (choice_rows if split == "train" else rows).append(row | (cost if split == "test" else {}))
+                print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    fusions = [label(f) for f in GRID]
+    result = {"machine": info, "default_fusion": FusionSpec().to_dict(), "test": rows, "train": choice_rows}
+    if choice_rows:
+        scifact = [r for r in choice_rows if r["model"] == args.models[0]]
+        result["chosen_on_train"] = max(fusions, key=lambda f: scifact[0][f])
+    benchlib.write_json(out / "ir.json", result)
+    columns = [("model", "model"), ("set", "set"), ("dense", "dense"), ("lexical", "BM25"), ("hybrid", "hybrid")]
+    columns += [("hybrid / best side", "hybrid / best side")] + [(f, f) for f in fusions]
+    cost_columns = [("model", "model"), ("set", "set"), ("docs", "docs"), ("build_s", "build s")]
+    cost_columns += [("lexical_s", "lexical s"), ("lexical_share_of_build", "lexical / dense build")]
+    cost_columns += [("lexical_mib", "lexical MiB"), ("terms", "terms")]
+    text = [
+        "# Hybrid search: nDCG@10 by mode (test queries)\n",
+        f"Default fusion: {label(FusionSpec())}, depth {FusionSpec().depth} per side.\n",
+        benchlib.md_table(rows, columns),
+        "\n## SciFact train (where the default fusion is chosen)\n",
+        benchlib.md_table(choice_rows, columns),
+        f"\nBest on SciFact train: {result.get('chosen_on_train')}\n",
+        "\n## The lexical part's cost\n",
+        benchlib.md_table(rows, cost_columns),
+        "\n" + benchlib.machine_md(info),
+    ]
+    (out / "ir.md").write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+
+
+# ----- filters ------------------------------------------------------------------------------------------------
+def synthetic(path: Path, n: int, d: int = 384, seed: int = 0) -> Path:
+    """``n`` clustered unit vectors (a mixture of 1,000 Gaussians, like embeddings' clumps) and a ``bucket`` column
+    (0-999, uniform) for filters of known selectivity."""
+    if path.is_file():
+        return path
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(1000, d)).astype(np.float32)
+    labels = rng.integers(0, 1000, n)
+    vectors = centres[labels] + 0.8 * rng.normal(size=(n, d)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    table = pa.table(
+        {
+            "id": [str(i) for i in range(n)],
+            "vector": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), d),
+            "bucket": pa.array(rng.integers(0, 1000, n), pa.int32()),
+        }
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+    return path
+
+
+def exact(searcher: Searcher, queries: np.ndarray, mask: np.ndarray, k: int = 10) -> list[set[int]]:
+    rows = np.flatnonzero(mask)
+    stash = searcher.stash()
+    vectors = searcher.transform.transform(stash.read_rows(rows, searcher.manifest.transform.pooling))
+    q = searcher.transform.transform(queries)
+    scores = q @ vectors.T
+    return [set(rows[np.argsort(-s, kind="stable")[:k]].tolist()) for s in scores]
+
+
+def timed(searcher: Searcher, queries: np.ndarray, params: SearchParams) -> tuple[list[set[int]], float]:
+    found, times = [], []
+    searcher.search_vectors(queries[:1], params)  # warm-up
+    for query in queries:
+        start = time.perf_counter()
+        hits = searcher.search_vectors(query[None], params)[0]
+        times.append(time.perf_counter() - start)
+        found.append({h.row for h in hits})
+    return found, float(np.median(times)) * 1e3
+
+
+def run_filters(args: argparse.Namespace) -> None:
+    out = benchlib.out_dir("hybrid")
+    info = benchlib.machine()
+    benchlib.print_machine(info)
+    corpus = CorpusSpec(synthetic(WORK / f"synthetic-{args.rows}.parquet", args.rows), vectors_column="vector")
+    corpus = replace(corpus, columns=("bucket",))
+    rng = np.random.default_rng(1)
+    rows = []
+    for kind in ("flat", "hnsw", "ivf"):
+        directory = WORK / f"synthetic-{args.rows}-{kind}"
+        if args.rebuild or not (directory / "manifest.json").is_file():
+            options = BuildOptions(overwrite=True, lexical=None)
+            build_index(corpus, None, directory, TransformSpec.raw(), IndexSpec(kind=kind), options=options)
+        searcher = Searcher.load(directory)
+        stash = searcher.stash()
+        queries = stash.read_rows(rng.choice(len(stash), args.queries, replace=False), None)
+        queries = queries + 0.3 * rng.normal(size=queries.shape).astype(np.float32)
+        _, unfiltered_ms = timed(searcher, queries, SearchParams(k=10, mode="dense"))
+        for share in SHARES:
+            where = parse(f"bucket < {round(1000 * share)}")
+            mask = searcher.mask(where)
+            want = exact(searcher, queries, mask)
+            paths = ("selector",) if kind == "flat" else ("selector", "exact")
+            for path in paths:
+                saved = filtered.EXACT_ROWS, filtered.EXACT_SHARE
+                filtered.EXACT_ROWS, filtered.EXACT_SHARE = (0, 0.0) if path == "selector" else (len(stash), 1.0)
+                try:
+                    found, p50 = timed(searcher, queries, SearchParams(k=10, mode="dense", where=where))
+                finally:
+                    filtered.EXACT_ROWS, filtered.EXACT_SHARE = saved
+                recall = float(np.mean([len(f & w) / max(len(w), 1) for f, w in zip(found, want, strict=True)]))
+                chosen = "exact" if filtered.exact_below(int(mask.sum()), len(stash)) and kind != "flat" else "selector"
+                rows.append(
+                    {
+                        "kind": kind,
+                        "kept": share,
+                        "rows kept": int(mask.sum()),
+                        "path": path,
+                        "default path": path == chosen,
+                        "recall@10": recall,
+                        "p50 ms": p50,
+                        "unfiltered p50 ms": unfiltered_ms,
+                        "p50 / unfiltered": p50 / unfiltered_ms,
+                    }
+                )
+                print(rows[-1], flush=True)
+    benchlib.write_json(out / "filters.json", {"machine": info, "rows": args.rows, "results": rows})
+    columns = [(k, k) for k in ("kind", "kept", "rows kept", "path", "default path", "recall@10", "p50 ms")]
+    columns += [("unfiltered p50 ms", "unfiltered p50 ms"), ("p50 / unfiltered", "p50 / unfiltered")]
+    text = [
+        f"# Filtered search: {args.rows:,} synthetic 384-d rows, {args.queries} single queries\n",
+        f"Switch to exact scoring at <= {filtered.EXACT_ROWS:,} rows or <= {filtered.EXACT_SHARE:.0%} kept.\n",
+        benchlib.md_table(rows, columns),
+        "\n" + benchlib.machine_md(info),
+    ]
+    (out / "filters.md").write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=("ir", "filters"))
+    parser.add_argument("--models", action="append", help="encoder models (default all-MiniLM-L6-v2)")
+    parser.add_argument("--sets", nargs="+", default=list(SETS))
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data", help="the shared IR sets")
+    parser.add_argument("--rows", type=int, default=100_000, help="rows of the filtered-search benchmark")
+    parser.add_argument("--queries", type=int, default=200)
+    parser.add_argument("--rebuild", action="store_true", help="build the indexes again")
+    args = parser.parse_args()
+    args.models = args.models or ["all-MiniLM-L6-v2"]
+    run_ir(args) if args.part == "ir" else run_filters(args)
+
+
+if __name__ == "__main__":
+    main()
