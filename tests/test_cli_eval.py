@@ -258,6 +258,7 @@ def test_tune_apply_refits_the_index(built: dict[str, Path], tmp_path: Path) -> 
     hits = ok(run("search", doc_text(42), "--index", index, "--json", "-k", 3)).stdout.splitlines()
     assert len(hits) == 3 and json.loads(hits[0])["id"] == "doc42"
     args = ("eval", "ir", index, "--queries", built["dev_q"], "--qrels", built["dev_r"], "--json", "--rescore", 0)
+    args += ("--mode", "dense")  # the sweep scores the dense side; the default mode is hybrid
     metrics = json.loads(ok(run(*args)).stdout)
     assert metrics["nDCG@10"] == pytest.approx(best["dev"]["nDCG@10"], abs=1e-6)  # flat index = the sweep's search
 
@@ -292,7 +293,7 @@ def test_tune_apply_writes_a_raw_index_when_raw_wins(built: dict[str, Path], tmp
     index = Path(shutil.copytree(built["index"], tmp_path / "idx"))
     ok(run("refit", index, "--no-whiten"))
     queries = pq.read_table(built["dev_q"]).to_pydict()
-    ranked = Searcher.load(index).search_batch(queries["text"], SearchParams(k=10))
+    ranked = Searcher.load(index).search_batch(queries["text"], SearchParams(k=10, mode="dense"))
     graded = [
         (q, hit.id, 10 - hit.rank + 1) for q, hits in zip(queries["query_id"], ranked, strict=True) for hit in hits
     ]

@@ -36,6 +36,7 @@ from retrieval.encode.spec import POOLINGS, PRECISIONS, EncoderSpec
 from retrieval.errors import ConfigError, Interrupted
 from retrieval.index import IndexSpec
 from retrieval.indexdir import Manifest
+from retrieval.lexical import LexicalSpec
 from retrieval.stash import DTYPES
 from retrieval.whitening import DEFAULT_GAMMA, TransformSpec
 
@@ -122,6 +123,14 @@ def index(
         typer.Option(help="Ray: a running cluster (auto, host:port, ray://host:port) \\[default: start a local Ray]."),
     ] = None,
     workers: Annotated[int | None, typer.Option(help="Ray: encoding workers \\[default: one per CPU].")] = None,
+    lexical: Annotated[
+        bool,
+        typer.Option(help="Also build a BM25 index of the texts (English stop words and stemmer), for hybrid search."),
+    ] = True,
+    columns: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated parquet columns kept with their types, for `search --where` filters."),
+    ] = None,
 ) -> None:
     """Build a whitened FAISS index from a parquet corpus (a file, a folder or a glob) or a .npy of vectors."""
     from retrieval.distributed import RayOptions
@@ -144,13 +153,15 @@ def index(
         if value != getattr(DefaultIndex, name)
     }
     index_spec.check_given(given)
+    kept = tuple(c.strip() for c in (columns or "").split(",") if c.strip())
+    options = BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume)
     run_build(
-        CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty),
+        CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty, kept),
         EncoderSpec(model, pooling, max_length, batch_size, precision),
         out_dir or home.default_out(corpus),
         transform,
         index_spec,
-        BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume),
+        replace(options, lexical=LexicalSpec() if lexical else None),
         RayOptions(address, workers) if engine == "ray" else None,
     )
 

@@ -16,14 +16,18 @@ from retrieval.cli.options import (
     DefaultSearch,
     DefaultTransform,
     EfOption,
+    FusionOption,
+    FusionWeightOption,
     IndexArg,
+    ModeOption,
     NprobeOption,
     RescoreOption,
+    WhereOption,
+    search_params,
 )
 from retrieval.cli.shell import choice, out, progress_bars, safe, user_errors, writable_file
 from retrieval.encode.spec import POOLINGS, EncoderSpec
 from retrieval.errors import ConfigError
-from retrieval.search import SearchParams
 from retrieval.whitening import DEFAULT_GAMMA, TransformSpec
 
 eval_app = typer.Typer(
@@ -44,6 +48,10 @@ def eval_ir(
     nprobe: NprobeOption = None,
     per_query: Annotated[Path | None, typer.Option(help="Write per-query metrics here (JSON lines).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON.")] = False,
+    mode: ModeOption = None,
+    where: WhereOption = None,
+    fusion: FusionOption = None,
+    fusion_weight: FusionWeightOption = None,
 ) -> None:
     """nDCG@10, Recall@10/100, MRR@10, MAP@100 of an index on queries with relevance judgements."""
     from retrieval.evaluate import evaluate_ir, read_judged
@@ -53,8 +61,8 @@ def eval_ir(
         raise ConfigError(f"`depth` must be at least {IR_DEPTH}, the deepest cut-off reported (got {depth})", "depth")
     if per_query is not None:
         writable_file(per_query, "per_query")  # before the evaluation, not after it
-    params = SearchParams(k=depth, rescore=rescore, ef_search=ef_search, nprobe=nprobe)
-    params.check()
+    knobs = {"k": depth, "rescore": rescore, "ef_search": ef_search, "nprobe": nprobe}
+    params = search_params(index_dir, mode, where, fusion, fusion_weight, **knobs)
     judged = read_judged(queries, qrels)  # before the encoder loads: a bad file is refused at once
     result = evaluate_ir(Searcher.load(index_dir), *judged, params)
     if per_query:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from retrieval.build import BuildOptions
 from retrieval.codes import ROTATIONS
 from retrieval.encode.spec import EncoderSpec
+from retrieval.fusion import METHODS, MODES, FusionSpec
 from retrieval.index import CODES, IndexSpec
 from retrieval.indexdir import RESCORE_DEPTH
 from retrieval.search import SearchParams
@@ -64,3 +66,40 @@ RescoreOption = Annotated[
 AS_BUILT = "\\[default: as the index was built]"
 IndexDirArg = Annotated[Path, typer.Argument(help="Index directory to change in place (atomically).", file_okay=False)]
 IndexArg = Annotated[Path, typer.Argument(help="Index directory.", exists=True, file_okay=False)]
+
+ModeOption = Annotated[
+    str | None,
+    typer.Option(help=f"{', '.join(MODES)} \\[default: hybrid where the index has a lexical part, else dense]."),
+]
+WhereOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Keep only rows matching this filter over the index's --columns, e.g. \"year >= 2020 and source = "
+        "'pubmed'\" (=, !=, <, <=, >, >=, in (...), not in (...), is null, is not null; and, or, not, parentheses)."
+    ),
+]
+FusionOption = Annotated[
+    str | None, typer.Option(help=f"Hybrid: fuse by {' or '.join(METHODS)} \\[default: the index's].")
+]
+FusionWeightOption = Annotated[
+    float | None, typer.Option(help="Hybrid: the dense side's weight, 0-1 \\[default: the index's].")
+]
+
+
+def search_params(
+    directory: Path | None, mode: str | None, where: str | None, fusion: str | None, weight: float | None, **knobs: Any
+) -> SearchParams:
+    """The search parameters of the CLI's options, every value checked (``fusion`` starts from the index's)."""
+    from retrieval.filters import parse
+
+    spec = None
+    if fusion is not None or weight is not None:
+        recorded = FusionSpec()
+        if directory is not None:
+            from retrieval.indexdir import IndexDir
+
+            recorded = IndexDir(directory).manifest().fusing
+        spec = replace(recorded, method=fusion or recorded.method, weight=recorded.weight if weight is None else weight)
+    params = SearchParams(mode=mode, fusion=spec, where=parse(where) if where is not None else None, **knobs)
+    params.check()
+    return params

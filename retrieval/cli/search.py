@@ -12,7 +12,18 @@ from rich.table import Table
 from rich.text import Text
 
 from retrieval.cli import home
-from retrieval.cli.options import DefaultSearch, EfOption, IndexOption, NprobeOption, RescoreOption
+from retrieval.cli.options import (
+    DefaultSearch,
+    EfOption,
+    FusionOption,
+    FusionWeightOption,
+    IndexOption,
+    ModeOption,
+    NprobeOption,
+    RescoreOption,
+    WhereOption,
+    search_params,
+)
 from retrieval.cli.shell import out, progress_bars, safe, user_errors
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.indexdir import Manifest
@@ -40,6 +51,10 @@ def search(
     text_column: Annotated[
         str | None, typer.Option(help="--queries parquet: the column of query texts \\[default: text].")
     ] = None,
+    mode: ModeOption = None,
+    where: WhereOption = None,
+    fusion: FusionOption = None,
+    fusion_weight: FusionWeightOption = None,
 ) -> None:
     """Search an index with a text query, or with every query of a file (--queries)."""
     from retrieval.search import Searcher
@@ -48,9 +63,9 @@ def search(
         raise ConfigError("give a QUERY or `queries` (a file of queries), not both", "queries")
     if query is None and queries is None:
         raise ConfigError("give a QUERY to search for, or `queries` (a file of queries)", "queries")
-    params = SearchParams(k=k, rescore=rescore, ef_search=ef_search, nprobe=nprobe)
-    params.check()
     directory = index_dir or home.default_index()
+    knobs = {"k": k, "rescore": rescore, "ef_search": ef_search, "nprobe": nprobe}
+    params = search_params(directory, mode, where, fusion, fusion_weight, **knobs)
     if query is not None:
         search_one(query, directory, params, as_json)
         return

@@ -17,6 +17,7 @@ from retrieval.cli.shell import (
     numbers,
     out,
     progress_bars,
+    safe,
     sigterm_exits,
     summary_line,
     user_errors,
@@ -138,12 +139,34 @@ def tune(
     ] = False,
     auto_queries: Annotated[int, typer.Option(help="--auto: how many pseudo-queries of each kind.")] = AUTO_QUERIES,
     seed: Annotated[int, typer.Option(help="--auto: seed of the documents sampled.")] = 0,
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="dense: sweep the transform; hybrid: choose how the index fuses BM25 with dense search (RRF or "
+            "a convex mix at several dense weights), on --queries/--qrels."
+        ),
+    ] = "dense",
 ) -> None:
     """Sweep pooling x k x gamma (and raw) WITHOUT re-encoding the corpus; choose on dev, report on test.
 
-    With --auto no qrels are needed: the dev split is made of pseudo-queries from the corpus itself."""
+    With --auto no qrels are needed: the dev split is made of pseudo-queries from the corpus itself.
+    With --mode hybrid the fusion of a hybrid index is chosen instead."""
     from retrieval import tune as tuning
     from retrieval.evaluate import read_judged, read_pairs
+
+    choice("mode", mode, ("dense", "hybrid"))
+    if mode == "hybrid":
+        if index_dir is None or queries is None or qrels is None or auto:
+            raise ConfigError(
+                "`mode` hybrid chooses an INDEX_DIR's fusion on `queries` and `qrels` (pseudo-queries are sentences "
+                "of the indexed texts, which BM25 finds verbatim: they cannot judge a fusion)",
+                "mode",
+            )
+        if (test_queries is None) != (test_qrels is None):
+            raise ConfigError("`test_queries` and `test_qrels` go together: give both or neither", "test_qrels")
+        test = read_judged(test_queries, test_qrels) if test_queries and test_qrels else None
+        _tune_fusion(index_dir, read_judged(queries, qrels), test, metric or "nDCG@10", apply)
+        return
 
     tuning.check_request(
         index=index_dir is not None, pairs=pairs is not None, queries=queries is not None, qrels=qrels is not None,
@@ -198,6 +221,30 @@ def tune(
         with sigterm_exits():
             manifest = refit(index_dir, result.best.candidate, scorer=scorer, generation=result.generation)
         err.print(summary_line(index_dir, manifest, "refitted"), markup=False)
+
+
+def _tune_fusion(index_dir: Path, dev: Any, test: Any, metric: str, apply: bool) -> None:
+    from retrieval.tune_fusion import tune_fusion
+
+    with progress_bars() as update:
+        result = tune_fusion(index_dir, dev, test, metric, progress=update)
+    table = Table(title=f"fusion: chosen on dev by {metric}", title_justify="left")
+    for name in ("candidate", f"dev {metric}", f"test {metric}"):
+        table.add_column(name, justify="left" if name == "candidate" else "right")
+    for trial in result.trials:
+        style = "bold green" if trial is result.best else None
+        test_value = f"{trial.test[metric]:.4f}" if trial.test else "-"
+        table.add_row(trial.label, f"{trial.dev[metric]:.4f}", test_value, style=style)
+    out.print(table)
+    out.print(f"chosen: {result.best.label}: dev {result.best.dev[metric]:.4f}", markup=False)
+    if apply:
+        from retrieval.update import set_fusion
+
+        assert result.best.fusion is not None
+        with sigterm_exits():
+            manifest = set_fusion(index_dir, result.best.fusion)
+        version = f"version {manifest.generation}"
+        err.print(f"{safe(str(index_dir))}: hybrid searches now fuse by {result.best.label} ({version})", markup=False)
 
 
 def _report_tuning(result: Any, folder: Path | None) -> None:

@@ -8,6 +8,7 @@ import hmac
 import json
 import urllib.parse
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -16,6 +17,7 @@ from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
 from retrieval.errors import ConfigError, render
+from retrieval.filters import Filter, FilterError, from_json, parse
 from retrieval.search import SearchParams
 from retrieval.serve.errors import ApiError, client_closed, field_name, shutting_down
 from retrieval.serve.schemas import WHOLE_DIGITS, default_k, param_bounds
@@ -26,10 +28,17 @@ INT_PARAMS = frozenset({"k", "rescore", "ef", "nprobe"})  # GET /search's whole-
 
 
 def search_params(
-    service: Service, k: int | None, rescore: int | None, ef: int | None, nprobe: int | None
+    service: Service,
+    k: int | None,
+    rescore: int | None,
+    ef: int | None,
+    nprobe: int | None,
+    mode: str | None = None,
+    where: Filter | None = None,
 ) -> SearchParams:
     """The search knobs of a request, each checked against the server's bounds (``param_bounds``): 422 naming
-    the field otherwise. A ``k`` left out is never one the server refuses (``default_k``)."""
+    the field otherwise. A ``k`` left out is never one the server refuses (``default_k``). A mode the index
+    cannot serve and a filter over columns it did not keep (or of the wrong type) are 422s too, found now."""
     options = service.options
     k = default_k(options) if k is None else k
     given = {"k": k, "rescore": rescore, "ef": ef, "nprobe": nprobe}
@@ -39,13 +48,32 @@ def search_params(
             raise ApiError(422, "invalid_param", f"`{name}` must be between {low} and {high} (got {value})", name)
     if rescore and service.ready and service.searcher().manifest.stash is None:
         raise ApiError(422, "invalid_param", "this index kept no raw-vector stash: `rescore` must be 0", "rescore")
-    extra = {} if rescore is None else {"rescore": rescore}  # None: the library's default depth
-    params = SearchParams(k=k, ef_search=ef, nprobe=nprobe, **extra)
+    params = SearchParams(k=k, ef_search=ef, nprobe=nprobe, mode=mode, where=where)
+    if rescore is not None:  # None: the library's default depth
+        params = replace(params, rescore=rescore)
     try:
         params.check()
+        if service.ready:
+            searcher = service.searcher()
+            searcher.mode(params)
+            searcher.mask(where)
+    except FilterError as err:
+        raise ApiError(422, "invalid_filter", render(err, field_name), "filter") from err
     except ConfigError as err:
         raise ApiError(422, "invalid_param", render(err, field_name), field_name(err.param or "") or None) from err
     return params
+
+
+def parse_filter(text: str | None, data: dict[str, Any] | None) -> Filter | None:
+    """A request's filter: GET's ``where`` text or POST's ``filter`` object, as one structure; 422 naming it."""
+    try:
+        if text is not None:
+            return parse(text)
+        return from_json(data) if data is not None else None
+    except FilterError as err:
+        raise ApiError(
+            422, "invalid_filter", render(err, field_name), "where" if text is not None else "filter"
+        ) from err
 
 
 def query_texts(values: list[str], name: str, options: ServeOptions) -> list[str]:
@@ -89,7 +117,7 @@ def check_query_string(request: Request) -> None:
             # Python's int() (which FastAPI uses) also takes " 5", "+5", "1_0"
             message = f"`{name}` must be a whole number in digits (got {value[:40]!r})"
             raise ApiError(422, "invalid_request", message, name)
-    unknown = sorted(set(request.query_params) - {"q", *INT_PARAMS})
+    unknown = sorted(set(request.query_params) - {"q", "mode", "where", *INT_PARAMS})
     if unknown:
         raise ApiError(422, "invalid_request", f"unknown parameter `{unknown[0]}`", unknown[0])
     twice = next((name for name in request.query_params if len(request.query_params.getlist(name)) > 1), None)

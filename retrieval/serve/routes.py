@@ -18,7 +18,7 @@ from retrieval.search import SearchParams
 from retrieval.serve.errors import ApiError, client_closed, shutting_down
 from retrieval.serve.metrics import Metrics
 from retrieval.serve.openai_compat import openai_routes
-from retrieval.serve.requests import check_query_string, disconnected, query_texts, search_params
+from retrieval.serve.requests import check_query_string, disconnected, parse_filter, query_texts, search_params
 from retrieval.serve.schemas import (
     BODY_ERRORS,
     ERRORS,
@@ -103,10 +103,15 @@ def search_routes(api: APIRouter, service: Service) -> None:
         rescore: Annotated[WholeNumberText | None, Query(description="Re-rank this many candidates.")] = None,
         ef: Annotated[WholeNumberText | None, Query(description="HNSW search beam width.")] = None,
         nprobe: Annotated[WholeNumberText | None, Query(description="IVF lists probed.")] = None,
+        mode: Annotated[str | None, Query(description="dense, lexical or hybrid.")] = None,
+        where: Annotated[
+            str | None, Query(description="A filter over the kept columns, e.g. year >= 2020 and source = 'pubmed'.")
+        ] = None,
     ) -> JSONResponse:
         check_query_string(request)
         texts = query_texts([q], "q", options)
-        return await run_search(request, texts, search_params(service, k, rescore, ef, nprobe))
+        params = search_params(service, k, rescore, ef, nprobe, mode, parse_filter(where, None))
+        return await run_search(request, texts, params)
 
     @api.post(
         "/search",
@@ -122,7 +127,9 @@ def search_routes(api: APIRouter, service: Service) -> None:
             texts = query_texts([body.query], "query", options)
         else:
             texts = query_texts(body.queries or [], "queries", options)
-        return await run_search(request, texts, search_params(service, body.k, body.rescore, body.ef, body.nprobe))
+        where = parse_filter(None, body.filter)
+        params = search_params(service, body.k, body.rescore, body.ef, body.nprobe, body.mode, where)
+        return await run_search(request, texts, params)
 
     openai_routes(api, service, answer, encodes)
 

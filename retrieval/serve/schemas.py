@@ -42,6 +42,18 @@ class SearchRequest(BaseModel):
     rescore: WholeNumber | None = Field(None, description="Re-rank this many candidates by the full stashed vectors.")
     ef: WholeNumber | None = Field(None, description="HNSW search beam width (efSearch) for this request.")
     nprobe: WholeNumber | None = Field(None, description="IVF lists probed for this request.")
+    mode: str | None = Field(
+        None, description="dense, lexical or hybrid (default: hybrid where the index has a lexical part)."
+    )
+    filter: dict[str, Any] | None = Field(
+        None,
+        description="Keep only rows matching this filter over the index's kept columns: {'and': [...]}, "
+        "{'or': [...]}, {'not': ...}, or {'column': ..., 'op': ..., 'value': ...} with op one of =, !=, <, <=, >, "
+        ">=, in, not in, is null, is not null.",
+        examples=[
+            {"and": [{"column": "year", "op": ">=", "value": 2020}, {"column": "source", "op": "=", "value": "x"}]}
+        ],
+    )
 
 
 class EmbedRequest(BaseModel):
