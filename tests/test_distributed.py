@@ -205,6 +205,9 @@ def assert_same_index(a: Path, b: Path, encoder, vectors_atol: float = 0.0) -> N
         assert [h.id for h in ha] == [h.id for h in hb]
         np.testing.assert_allclose([h.score for h in ha], [h.score for h in hb], atol=1e-4)  # float32 search
     IndexDir(b).verify(sb.manifest, "full")
+    # the lexical part: term counts gathered on the driver (from adopted parts) in window order, byte for byte
+    lexical = [{n: r["sha256"] for n, r in s.manifest.files.items() if n.startswith("lexical/")} for s in (sa, sb)]
+    assert lexical[0] and lexical[0] == lexical[1]
 
 
 # ----- tests --------------------------------------------------------------------------------------------------
