@@ -42,16 +42,20 @@ def selector(mask: np.ndarray) -> tuple[Any, np.ndarray]:
 
 def exact_top(vectors: np.ndarray, rows: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(scores, rows) of each query's best ``k`` of ``rows``, whose vectors (in the index's space) are
-    ``vectors``: inner products, ties by row order; ``k`` columns, -1 / -inf past the rows there are."""
+    ``vectors``: inner products by FAISS's exact ``knn`` (its BLAS, on the pool FAISS searches with: numpy's own
+    threads fought it, 50 ms for 1,500 rows on two busy cores); ``k`` columns, -1 / -inf past the rows there are."""
+    import faiss
+
     scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
     found = np.full((len(queries), k), -1, dtype=np.int64)
-    if not len(rows):
-        return scores, found
-    products = queries.astype(np.float32) @ vectors.astype(np.float32).T
     take = min(k, len(rows))
-    best = np.argsort(-products, axis=1, kind="stable")[:, :take]
-    scores[:, :take] = np.take_along_axis(products, best, axis=1)
-    found[:, :take] = rows[best]
+    if take == 0:
+        return scores, found
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    best_scores, best = faiss.knn(
+        queries, np.ascontiguousarray(vectors, dtype=np.float32), take, faiss.METRIC_INNER_PRODUCT
+    )
+    scores[:, :take], found[:, :take] = best_scores, rows[best]
     return scores, found
 
 
