@@ -19,6 +19,7 @@ Heavy runs go under ``flock /tmp/retrieval-bench.lock``. Writes results/hybrid/{
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import replace
@@ -35,11 +36,12 @@ import benchlib  # noqa: E402
 from retrieval import filtered  # noqa: E402
 from retrieval.build import BuildOptions, build_index  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
-from retrieval.encode.transformer import TransformerEncoder  # noqa: E402
+from retrieval.encode.transformer import EncoderSpec  # noqa: E402
 from retrieval.evaluate import evaluate_ir, read_qrels, read_queries  # noqa: E402
 from retrieval.filters import parse  # noqa: E402
 from retrieval.fusion import FusionSpec  # noqa: E402
 from retrieval.index import IndexSpec  # noqa: E402
+from retrieval.indexdir import IndexDir  # noqa: E402
 from retrieval.search import Searcher, SearchParams  # noqa: E402
 from retrieval.whitening import TransformSpec  # noqa: E402
 
@@ -55,27 +57,52 @@ def label(fusion: FusionSpec) -> str:
 
 
 # ----- IR -----------------------------------------------------------------------------------------------------
-def build(data: Path, name: str, model: str, encoder: TransformerEncoder, rebuild: bool) -> tuple[Path, dict]:
+def build(args: argparse.Namespace, name: str, model: str) -> tuple[Path, dict[str, Any], Any]:
+    """The hybrid index of set ``name`` for ``model`` (built with the defaults unless there), what building it cost,
+    and the encoder its queries take. With ``--vectors-from``, the dense vectors come from the stash of an index of
+    the same corpus built by retrieval with the same settings (raw, mean pooling, titles prepended): nothing is
+    encoded again, and the dense build's cost is that index's recorded one."""
     directory = WORK / f"{name}-{model.lower()}"
-    corpus = CorpusSpec(data / name / "corpus.parquet", id_column="doc_id", title_column="title")
-    if rebuild or not (directory / "manifest.json").is_file():
+    corpus = CorpusSpec(args.data / name / "corpus.parquet", id_column="doc_id", title_column="title")
+    source = Path(args.vectors_from.format(set=name, model=model.lower())) if args.vectors_from else None
+    if source is not None:
+        built = IndexDir(source).manifest()
+        settings = built.corpus.settings
+        same = (built.transform.kind, built.encoder.model, built.encoder.pooling) == ("raw", model, "mean")
+        if not same or (settings.get("id_column"), settings.get("title_column")) != ("doc_id", "title"):
+            raise SystemExit(f"{source} is not a raw mean-pooled {model} index of {name} with titles: not reused")
+        encoder = EncoderSpec(model, "mean", built.encoder.max_length, 32, built.encoder.precision_used).load()
+    else:
+        encoder = EncoderSpec(model, "mean").load()
+    if args.rebuild or not (directory / "manifest.json").is_file():
         start = time.perf_counter()
-        manifest = build_index(corpus, encoder, directory, TransformSpec(), options=BuildOptions(overwrite=True))
-        wall = time.perf_counter() - start
+        if source is None:
+            manifest = build_index(corpus, encoder, directory, TransformSpec(), options=BuildOptions(overwrite=True))
+            dense = time.perf_counter() - start - manifest.timings.get("lexical", 0.0)
+        else:
+            stash = IndexDir(source).stash()
+            table = pa.concat_tables(stash.iter_docs())
+            vectors = np.concatenate(list(stash.iter_blocks()))
+            table = table.append_column(
+                "vector", pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), vectors.shape[1])
+            )
+            pq.write_table(table, WORK / f"{name}-{model.lower()}.parquet")
+            spec = CorpusSpec(WORK / f"{name}-{model.lower()}.parquet", vectors_column="vector")
+            manifest = build_index(spec, None, directory, TransformSpec(), options=BuildOptions(overwrite=True))
+            dense = sum(built.timings.values())
         lexical = manifest.timings.get("lexical", 0.0)
         assert manifest.lexical is not None
         cost = {
-            "build_s": wall,
+            "dense_build_s": dense,
             "lexical_s": lexical,
-            "lexical_share_of_build": lexical / (wall - lexical),  # what the lexical part adds to a dense build
+            "lexical_share_of_build": lexical / dense,  # what the lexical part adds to a dense build's wall time
             "lexical_mib": manifest.lexical.bytes / 2**20,
             "terms": manifest.lexical.terms,
             "docs": manifest.n,
+            "vectors_from": str(source) if source else None,
         }
         benchlib.write_json(directory / "bench-build.json", cost)
-    import json
-
-    return directory, json.loads((directory / "bench-build.json").read_text())
+    return directory, json.loads((directory / "bench-build.json").read_text()), encoder
 
 
 def ndcg(searcher: Searcher, queries: Any, qrels: Any, raw: np.ndarray, params: SearchParams) -> float:
@@ -88,14 +115,13 @@ def run_ir(args: argparse.Namespace) -> None:
     benchlib.print_machine(info)
     rows, choice_rows = [], []
     for model in args.models:
-        encoder = TransformerEncoder(model, "mean")
         for name in args.sets:
-            directory, cost = build(args.data, name, model, encoder, args.rebuild)
-            searcher = Searcher.load(directory, encoder=encoder)
+            directory, cost, encoder = build(args, name, model)
+            searcher = Searcher.load(directory, encoder=None)
             for split in ("test", "train") if name == "scifact" else ("test",):
                 queries = read_queries(args.data / name / f"queries-{split}.parquet")
                 qrels = read_qrels(args.data / name / f"qrels-{split}.parquet")
-                raw = searcher.encode(queries.texts)
+                raw = encoder.encode(queries.texts)
                 row: dict[str, Any] = {"model": model, "set": name, "split": split, "queries": len(queries.ids)}
                 for mode in ("dense", "lexical", "hybrid"):
                     row[mode] = ndcg(searcher, queries, qrels, raw, SearchParams(k=100, mode=mode))
@@ -114,7 +140,7 @@ def run_ir(args: argparse.Namespace) -> None:
     benchlib.write_json(out / "ir.json", result)
     columns = [("model", "model"), ("set", "set"), ("dense", "dense"), ("lexical", "BM25"), ("hybrid", "hybrid")]
     columns += [("hybrid / best side", "hybrid / best side")] + [(f, f) for f in fusions]
-    cost_columns = [("model", "model"), ("set", "set"), ("docs", "docs"), ("build_s", "build s")]
+    cost_columns = [("model", "model"), ("set", "set"), ("docs", "docs"), ("dense_build_s", "dense build s")]
     cost_columns += [("lexical_s", "lexical s"), ("lexical_share_of_build", "lexical / dense build")]
     cost_columns += [("lexical_mib", "lexical MiB"), ("terms", "terms")]
     text = [
@@ -247,6 +273,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=100_000, help="rows of the filtered-search benchmark")
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--rebuild", action="store_true", help="build the indexes again")
+    parser.add_argument(
+        "--vectors-from",
+        help="reuse the raw vectors of existing indexes of the same sets and model (a pattern with {set} and "
+        "{model}, e.g. indexes/bench/{set}-{model}); the dense build's cost is then theirs",
+    )
     args = parser.parse_args()
     args.models = args.models or ["all-MiniLM-L6-v2"]
     run_ir(args) if args.part == "ir" else run_filters(args)
