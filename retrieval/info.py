@@ -49,10 +49,26 @@ def describe(
     return report
 
 
+def _lexical(manifest: Manifest) -> str:
+    """The BM25 part and how hybrid searches fuse, in one line ("none" for a dense-only index)."""
+    lexical = manifest.lexical
+    if lexical is None:
+        return "none (dense search only)"
+    spec, fusion = lexical.spec, manifest.fusing
+    fused = f"rrf k={fusion.rrf_k}" if fusion.method == "rrf" else f"convex, dense weight {fusion.weight:g}"
+    return (
+        f"BM25 k1 {spec.k1:g} b {spec.b:g}, {lexical.terms:,} terms, stop words {spec.stopwords}, stemmer "
+        f"{spec.stemmer}; hybrid by {fused}, {fusion.depth} candidates a side"
+    )
+
+
 def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str, Any]:
     """The human-readable lines of ``retrieval info`` (model, pooling, d -> k, gamma, N, index, sizes, ...)."""
     enc, t, idx = manifest.encoder, manifest.transform, manifest.index
-    sizes = {name: record["bytes"] for name, record in manifest.files.items()}
+    sizes: dict[str, int] = {}
+    for name, record in manifest.files.items():  # the lexical part's files as one entry
+        part = "lexical" if name.startswith("lexical/") else name
+        sizes[part] = sizes.get(part, 0) + record["bytes"]
     stash = manifest.stash
     lines: dict[str, Any] = {
         "model": enc.model or f"precomputed vectors ({enc.column})",
@@ -69,6 +85,8 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
         "corpus": manifest.corpus.path,
         "stash": "none" if not stash else f"{stash.rows:,} rows, {stash.dtype}, poolings {', '.join(stash.poolings)}",
         "re-scoring": _rescoring(manifest),
+        "lexical": _lexical(manifest),
+        **({"columns": ", ".join(f"{n} ({t})" for n, t in manifest.columns.items())} if manifest.columns else {}),
         "size on disk": _sizes(sizes, stash.bytes if stash else 0),
         "built": f"{manifest.created} with retrieval {manifest.versions.get('retrieval')}",
         "version": f"{manifest.generation} (published {manifest.updated})",

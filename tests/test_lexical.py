@@ -203,3 +203,16 @@ def test_a_schema_2_index_without_a_lexical_part_still_loads(tmp_path: Path) -> 
     files.write_atomic(path, json.dumps(data).encode())
     loaded = load(tmp_path / "idx")
     assert loaded.manifest.schema_version == 2 and loaded.lexical is None
+
+
+def test_info_shows_the_lexical_part_and_the_kept_columns(tmp_path: Path) -> None:
+    from retrieval.info import describe_index
+
+    corpus = write_corpus(tmp_path / "c.parquet", n=50, year=list(range(50)))
+    build_index(CorpusSpec(corpus, columns=("year",)), FakeEncoder(), tmp_path / "idx", TransformSpec(dim=8))
+    summary = describe_index(tmp_path / "idx")["summary"]
+    assert summary["lexical"].startswith("BM25 k1 1.5 b 0.75") and "convex, dense weight 0.5" in summary["lexical"]
+    assert summary["columns"] == "year (int64)" and "lexical " in summary["size on disk"]
+    options = BuildOptions(lexical=None)
+    build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "dense", TransformSpec(dim=8), options=options)
+    assert describe_index(tmp_path / "dense")["summary"]["lexical"] == "none (dense search only)"
