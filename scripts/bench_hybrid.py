@@ -65,21 +65,21 @@ def build(args: argparse.Namespace, name: str, model: str) -> tuple[Path, dict[s
     directory = WORK / f"{name}-{model.lower()}"
     corpus = CorpusSpec(args.data / name / "corpus.parquet", id_column="doc_id", title_column="title")
     source = Path(args.vectors_from.format(set=name, model=model.lower())) if args.vectors_from else None
-    if source is not None:
-        built = IndexDir(source).manifest()
+    built = IndexDir(source).manifest() if source is not None else None
+    if built is not None:
         settings = built.corpus.settings
         same = (built.transform.kind, built.encoder.model, built.encoder.pooling) == ("raw", model, "mean")
         if not same or (settings.get("id_column"), settings.get("title_column")) != ("doc_id", "title"):
             raise SystemExit(f"{source} is not a raw mean-pooled {model} index of {name} with titles: not reused")
-        encoder = EncoderSpec(model, "mean", built.encoder.max_length, 32, built.encoder.precision_used).load()
-    else:
-        encoder = EncoderSpec(model, "mean").load()
     if args.rebuild or not (directory / "manifest.json").is_file():
         start = time.perf_counter()
-        if source is None:
+        if built is None:
+            encoder = EncoderSpec(model, "mean").load()
             manifest = build_index(corpus, encoder, directory, TransformSpec(), options=BuildOptions(overwrite=True))
             dense = time.perf_counter() - start - manifest.timings.get("lexical", 0.0)
+            precision = manifest.encoder.precision_used
         else:
+            assert source is not None
             stash = IndexDir(source).stash()
             table = pa.concat_tables(stash.iter_docs())
             vectors = np.concatenate(list(stash.iter_blocks()))
@@ -90,6 +90,7 @@ def build(args: argparse.Namespace, name: str, model: str) -> tuple[Path, dict[s
             spec = CorpusSpec(WORK / f"{name}-{model.lower()}.parquet", vectors_column="vector")
             manifest = build_index(spec, None, directory, TransformSpec(), options=BuildOptions(overwrite=True))
             dense = sum(built.timings.values())
+            precision = built.encoder.precision_used
         lexical = manifest.timings.get("lexical", 0.0)
         assert manifest.lexical is not None
         cost = {
@@ -100,9 +101,11 @@ def build(args: argparse.Namespace, name: str, model: str) -> tuple[Path, dict[s
             "terms": manifest.lexical.terms,
             "docs": manifest.n,
             "vectors_from": str(source) if source else None,
+            "precision": precision,  # the documents' encoding, which their queries take too
         }
         benchlib.write_json(directory / "bench-build.json", cost)
-    return directory, json.loads((directory / "bench-build.json").read_text()), encoder
+    cost = json.loads((directory / "bench-build.json").read_text())
+    return directory, cost, EncoderSpec(model, "mean", precision=cost.get("precision") or "auto").load()
 
 
 def ndcg(searcher: Searcher, queries: Any, qrels: Any, raw: np.ndarray, params: SearchParams) -> float:
