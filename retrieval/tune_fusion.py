@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from retrieval.encode.transformer import Encoder
+from retrieval.encode.spec import Encoder
 from retrieval.errors import ConfigError
 from retrieval.evaluate import Queries, evaluate_ir
 from retrieval.fusion import FusionSpec

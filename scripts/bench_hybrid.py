@@ -36,7 +36,7 @@ import benchlib  # noqa: E402
 from retrieval import filtered  # noqa: E402
 from retrieval.build import BuildOptions, build_index  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
-from retrieval.encode.transformer import EncoderSpec  # noqa: E402
+from retrieval.encode.spec import EncoderSpec  # noqa: E402
 from retrieval.evaluate import evaluate_ir, read_qrels, read_queries  # noqa: E402
 from retrieval.filters import parse  # noqa: E402
 from retrieval.fusion import FusionSpec  # noqa: E402
