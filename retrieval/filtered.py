@@ -1,11 +1,12 @@
 """Dense search over only the rows a filter keeps: FAISS's per-call ID selector, or exact scoring of those rows.
 
-A flat index searches with an ``IDSelectorBitmap`` in its search parameters: exact, and equal to scoring the kept
-rows alone. HNSW and IVF take the same selector, with their beam or probe count widened by the share of rows
-kept (a graph walk or a list scan sees that share of candidates pass). When the filter keeps so few rows that
-the graph or the lists would miss them (``exact_below``), those rows are scored exactly instead, from the stash
-(or from the index's own vectors where it has no stash), as Qdrant switches to a full scan under a cardinality
-threshold.
+A flat index scores every row by blocked products and drops the rows the filter leaves out before the top k
+(FAISS's flat search with a selector scores row by row, without BLAS: 13x the unfiltered time at half the rows
+kept), or, when it keeps few rows, searches with an ``IDSelectorBitmap``, which skips the others; both exact.
+HNSW and IVF take the same selector, with their beam or probe count widened by the share of rows kept (a graph
+walk or a list scan sees that share of candidates pass). When the filter keeps so few rows that the graph or the
+lists would miss them (``exact_below``), those rows are scored exactly instead, from the stash, as Qdrant
+switches to a full scan under a cardinality threshold.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from retrieval.index import list_count, search_parameters
 EXACT_ROWS = 20_000
 EXACT_SHARE = 0.05
 WIDEN_CAP = 16  # an approximate filtered search widens its knob by 1 / share, at most this many times
+FLAT_SELECTOR_SHARE = 0.02  # a flat index searches with the selector below this share kept, else blocked products
+BLOCK_ROWS = 65536  # rows per block of a masked flat scan
 
 
 def exact_below(kept: int, n: int) -> bool:
@@ -59,6 +62,25 @@ def exact_top(vectors: np.ndarray, rows: np.ndarray, queries: np.ndarray, k: int
     return scores, found
 
 
+def scan_masked(vectors: np.ndarray, queries: np.ndarray, k: int, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top ``k`` of every row of ``vectors`` that ``mask`` keeps: inner products a block at a time, the rows
+    left out set to -inf before each block's top k (``scan.TopK``); -1 / -inf past the rows kept."""
+    from retrieval.scan import TopK
+
+    top = TopK(len(queries), k)
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    for start in range(0, len(vectors), BLOCK_ROWS):
+        scores = queries @ np.asarray(vectors[start : start + BLOCK_ROWS]).T
+        scores[:, ~mask[start : start + BLOCK_ROWS]] = -np.inf
+        top.push(scores, start)
+    scores, rows = top.result()
+    out_scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    out_rows = np.full((len(queries), k), -1, dtype=np.int64)
+    out_scores[:, : scores.shape[1]], out_rows[:, : rows.shape[1]] = scores, rows
+    out_rows[np.isneginf(out_scores)] = -1
+    return out_scores, out_rows
+
+
 def search_filtered(
     index: Any,
     queries: np.ndarray,
@@ -67,14 +89,16 @@ def search_filtered(
     ef_search: int | None,
     nprobe: int | None,
     vectors_of: Callable[[np.ndarray], np.ndarray] | None,
-    flat: bool,
+    flat: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(scores, rows) of each query's best ``k`` rows among those ``mask`` keeps. ``vectors_of(rows)`` gives rows'
     vectors in the index's space for exact scoring (None: this index cannot, and the selector search is widened to
-    span every row instead)."""
+    span every row instead); ``flat``: a flat index's vectors (None for any other kind)."""
     rows = np.flatnonzero(mask)
     n = int(index.ntotal)
-    if not flat and vectors_of is not None and exact_below(len(rows), n):
+    if flat is not None and len(rows) > FLAT_SELECTOR_SHARE * n:
+        return scan_masked(flat, queries, k, mask)
+    if flat is None and vectors_of is not None and exact_below(len(rows), n):
         return exact_top(vectors_of(rows), rows, queries, k)
     take = min(k, len(rows))
     scores = np.full((len(queries), k), -np.inf, dtype=np.float32)

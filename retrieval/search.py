@@ -344,7 +344,7 @@ class Searcher:
                 return self.transform.transform(stash.read_rows(rows, pooling))
 
         k = min(k, self.index.ntotal)
-        flat = self._scan is not None
+        flat = self._scan.matrix if self._scan is not None else None
         return search_filtered(self.index, vectors, k, mask, ef_search, nprobe, vectors_of, flat)
 
     def stash(self) -> VectorStash:
