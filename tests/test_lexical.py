@@ -211,7 +211,7 @@ def test_info_shows_the_lexical_part_and_the_kept_columns(tmp_path: Path) -> Non
     corpus = write_corpus(tmp_path / "c.parquet", n=50, year=list(range(50)))
     build_index(CorpusSpec(corpus, columns=("year",)), FakeEncoder(), tmp_path / "idx", TransformSpec(dim=8))
     summary = describe_index(tmp_path / "idx")["summary"]
-    assert summary["lexical"].startswith("BM25 k1 1.5 b 0.75") and "convex, dense weight 0.5" in summary["lexical"]
+    assert summary["lexical"].startswith("BM25 k1 1.5 b 0.75") and "convex, dense weight 0.4" in summary["lexical"]
     assert summary["columns"] == "year (int64)" and "lexical " in summary["size on disk"]
     options = BuildOptions(lexical=None)
     build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "dense", TransformSpec(dim=8), options=options)
