@@ -50,6 +50,7 @@ WORK = ROOT / "indexes" / "bench" / "hybrid"
 SETS = ("scifact", "cisi", "cacm", "npl")
 GRID = [FusionSpec("rrf")] + [FusionSpec("convex", weight=w) for w in (0.3, 0.4, 0.5, 0.6, 0.7)]
 SHARES = (0.5, 0.1, 0.01, 0.001)
+KINDS = ("flat", "hnsw", "ivf")
 
 
 def label(fusion: FusionSpec) -> str:
@@ -212,7 +213,7 @@ def run_filters(args: argparse.Namespace) -> None:
     corpus = replace(corpus, columns=("bucket",))
     rng = np.random.default_rng(1)
     rows = []
-    for kind in ("flat", "hnsw", "ivf"):
+    for kind in args.kinds:
         directory = WORK / f"synthetic-{args.rows}-{kind}"
         if args.rebuild or not (directory / "manifest.json").is_file():
             options = BuildOptions(overwrite=True, lexical=None)
@@ -254,7 +255,8 @@ def run_filters(args: argparse.Namespace) -> None:
                     }
                 )
                 print(rows[-1], flush=True)
-    benchlib.write_json(out / "filters.json", {"machine": info, "rows": args.rows, "results": rows})
+    name = "filters" if list(args.kinds) == list(KINDS) else f"filters-{'-'.join(args.kinds)}"
+    benchlib.write_json(out / f"{name}.json", {"machine": info, "rows": args.rows, "results": rows})
     columns = [(k, k) for k in ("kind", "kept", "rows kept", "path", "default path", "recall@10", "p50 ms")]
     columns += [("unfiltered p50 ms", "unfiltered p50 ms"), ("p50 / unfiltered", "p50 / unfiltered")]
     text = [
@@ -263,7 +265,7 @@ def run_filters(args: argparse.Namespace) -> None:
         benchlib.md_table(rows, columns),
         "\n" + benchlib.machine_md(info),
     ]
-    (out / "filters.md").write_text("\n".join(text) + "\n")
+    (out / f"{name}.md").write_text("\n".join(text) + "\n")
     print("\n".join(text))
 
 
@@ -275,6 +277,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data", help="the shared IR sets")
     parser.add_argument("--rows", type=int, default=100_000, help="rows of the filtered-search benchmark")
     parser.add_argument("--queries", type=int, default=200)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="index kinds (filters)")
     parser.add_argument("--rebuild", action="store_true", help="build the indexes again")
     parser.add_argument(
         "--vectors-from",
