@@ -25,8 +25,8 @@ from retrieval.index import list_count, search_parameters
 EXACT_ROWS = 20_000
 EXACT_SHARE = 0.05
 WIDEN_CAP = 16  # an approximate filtered search widens its knob by 1 / share, at most this many times
+FEW_QUERIES = 8  # fewer queries than this are multiplied on one BLAS thread
 FLAT_SELECTOR_SHARE = 0.02  # a flat index searches with the selector below this share kept, else blocked products
-BLOCK_ROWS = 65536  # rows per block of a masked flat scan
 
 
 def exact_below(kept: int, n: int) -> bool:
@@ -63,22 +63,24 @@ def exact_top(vectors: np.ndarray, rows: np.ndarray, queries: np.ndarray, k: int
 
 
 def scan_masked(vectors: np.ndarray, queries: np.ndarray, k: int, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top ``k`` of every row of ``vectors`` that ``mask`` keeps: inner products a block at a time, the rows
-    left out set to -inf before each block's top k (``scan.TopK``); -1 / -inf past the rows kept."""
-    from retrieval.scan import TopK
+    """Exact top ``k`` of every row of ``vectors`` that ``mask`` keeps: inner products tile by tile as the flat
+    scan computes them (``scan.tiles``: aligned, so BLAS multiplies them; a mapped index's rows need not be), the
+    rows left out set to -inf before they reach the heaps; -1 / -inf past the rows kept."""
+    from threadpoolctl import threadpool_limits
 
-    top = TopK(len(queries), k)
+    from retrieval.scan import Heaps, _best_first, tiles
+
     queries = np.ascontiguousarray(queries, dtype=np.float32)
-    for start in range(0, len(vectors), BLOCK_ROWS):
-        scores = queries @ np.asarray(vectors[start : start + BLOCK_ROWS]).T
-        scores[:, ~mask[start : start + BLOCK_ROWS]] = -np.inf
-        top.push(scores, start)
-    scores, rows = top.result()
-    out_scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
-    out_rows = np.full((len(queries), k), -1, dtype=np.int64)
-    out_scores[:, : scores.shape[1]], out_rows[:, : rows.shape[1]] = scores, rows
-    out_rows[np.isneginf(out_scores)] = -1
-    return out_scores, out_rows
+    heaps = Heaps(len(queries), k)
+    # a few queries' products on one BLAS thread: numpy's pool waking for each tile cost 5x on two busy cores
+    with threadpool_limits(1 if len(queries) < FEW_QUERIES else None, user_api="blas"):
+        for first, tile in tiles(vectors, 0, len(vectors)):
+            scores = queries @ tile.T
+            scores[:, ~mask[first : first + len(tile)]] = -np.inf
+            heaps.add(scores, first)
+    scores, rows = _best_first(*heaps.result(), k)
+    rows = np.where(np.isneginf(scores), -1, rows)
+    return scores, rows
 
 
 def search_filtered(
