@@ -18,7 +18,7 @@ from retrieval.metrics import Qrels
 from retrieval.progress import Progress, no_progress
 from retrieval.search import Searcher, SearchParams
 
-GRID = (FusionSpec("rrf"), *(FusionSpec("convex", weight=w) for w in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)))
+GRID = (FusionSpec("rrf", weight=0.5), *(FusionSpec("convex", weight=w) for w in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)))
 DEPTH = 100  # hits per query scored (nDCG@10 and Recall@100 both read them)
 
 

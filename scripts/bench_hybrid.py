@@ -48,7 +48,7 @@ from retrieval.whitening import TransformSpec  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "indexes" / "bench" / "hybrid"
 SETS = ("scifact", "cisi", "cacm", "npl")
-GRID = [FusionSpec("rrf")] + [FusionSpec("convex", weight=w) for w in (0.3, 0.4, 0.5, 0.6, 0.7)]
+GRID = [FusionSpec("rrf", weight=0.5)] + [FusionSpec("convex", weight=w) for w in (0.3, 0.4, 0.5, 0.6, 0.7)]
 SHARES = (0.5, 0.1, 0.01, 0.001)
 KINDS = ("flat", "hnsw", "ivf")
 
