@@ -8,7 +8,7 @@ import os
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
@@ -84,7 +84,13 @@ def search_routes(api: APIRouter, service: Service) -> None:
         took = round((time.perf_counter() - start) * 1000, 3)
         return JSONResponse({"results": results, "generation": result.generation, "took_ms": took})
 
-    search_doc = "Hits (rank, id, score, text) for each query, best first."
+    search_doc = (
+        "Hits (rank, id, score, text) for each query, best first. A filter over the columns the index kept: "
+        'POST `filter` as {"and": [...]}, {"or": [...]}, {"not": {...}} or {"column": ..., "op": ..., '
+        '"value": ...} (op: =, !=, <, <=, >, >=, in, not in, is null, is not null); GET `where` as text, e.g. '
+        "year >= 2020 and source = 'pubmed'. A filter naming a column the index did not keep, a value of the wrong "
+        "type or a syntax error is a 422 naming it."
+    )
 
     @api.get(
         "/search",
@@ -103,10 +109,10 @@ def search_routes(api: APIRouter, service: Service) -> None:
         rescore: Annotated[WholeNumberText | None, Query(description="Re-rank this many candidates.")] = None,
         ef: Annotated[WholeNumberText | None, Query(description="HNSW search beam width.")] = None,
         nprobe: Annotated[WholeNumberText | None, Query(description="IVF lists probed.")] = None,
-        mode: Annotated[str | None, Query(description="dense, lexical or hybrid.")] = None,
-        where: Annotated[
-            str | None, Query(description="A filter over the kept columns, e.g. year >= 2020 and source = 'pubmed'.")
+        mode: Annotated[
+            Literal["dense", "lexical", "hybrid"] | None, Query(description="dense, lexical or hybrid.")
         ] = None,
+        where: Annotated[str | None, Query(include_in_schema=False)] = None,  # see search_doc and schemas.SearchRequest
     ) -> JSONResponse:
         check_query_string(request)
         texts = query_texts([q], "q", options)
