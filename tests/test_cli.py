@@ -134,7 +134,9 @@ def assert_hits_of_each_query(lines: list[str], ids: list[str], built: Path, k: 
         alone = searcher.search(query, SearchParams(k=k))
         got = hits[n * k : (n + 1) * k]
         assert [h["id"] for h in got] == [h.id for h in alone] and [h["rank"] for h in got] == list(range(1, k + 1))
-        assert [h["score"] for h in got] == pytest.approx([h.score for h in alone], abs=1e-5)
+        # hybrid (the default) scores are min-max scaled over each side's candidates, which turns the encoder's
+        # batch-against-single rounding (~1e-5 in a cosine) into ~1e-3: the same hits, in the same order
+        assert [h["score"] for h in got] == pytest.approx([h.score for h in alone], abs=5e-3)
 
 
 def test_search_every_query_of_a_text_file(built: Path, tmp_path: Path) -> None:
