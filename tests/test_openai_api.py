@@ -150,6 +150,7 @@ def wait_ready(url: str, key: str, server: object, timeout: float = 180.0) -> No
     raise AssertionError("the server was not ready in time")
 
 
+@pytest.mark.process
 def test_the_official_openai_client_against_a_live_server(tiny_bert: Path, tmp_path: Path) -> None:
     """`openai.OpenAI(base_url=...).embeddings.create(...)` against a real `retrieval serve` process (the tiny
     BERT): the vectors equal the library's own for the same texts (cosine >= 0.9999), with and without
