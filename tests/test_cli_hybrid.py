@@ -137,6 +137,18 @@ def test_http_search_takes_mode_and_a_json_filter(client) -> None:
     assert all(int(h["id"].removeprefix("doc")) % 3 == 0 for h in response.json()["results"][0]["hits"])
 
 
+def test_info_names_the_modes_and_columns_the_search_page_offers(client) -> None:
+    """The search page shows a mode switch and one filter per kept column from these /info fields, and sends
+    filters with the operators the filter grammar takes (tests/test_server_page.py checks the page's side)."""
+    index = client.get("/info").json()["index"]
+    assert index["modes"] == ["dense", "lexical", "hybrid"] and index["default_mode"] == "hybrid"
+    assert [(c["name"], c["type"]) for c in index["columns"]] == [("year", "int32"), ("source", "string")]
+    page_filter = {
+        "and": [{"column": "year", "op": ">=", "value": 2020}, {"column": "source", "op": "=", "value": "x"}]
+    }
+    assert client.post("/search", json={"query": "gene", "mode": "lexical", "filter": page_filter}).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("body", "param", "fragment"),
     [

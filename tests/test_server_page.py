@@ -272,9 +272,9 @@ def test_modes_and_filters_show_when_info_names_them(
         "mode": "lexical",
         "filter": {
             "and": [
-                {"column": "year", "op": "ge", "value": 2020},
-                {"column": "source", "op": "eq", "value": "pubmed"},
-                {"column": "peer_reviewed", "op": "eq", "value": True},
+                {"column": "year", "op": ">=", "value": 2020},
+                {"column": "source", "op": "=", "value": "pubmed"},
+                {"column": "peer_reviewed", "op": "=", "value": True},
             ]
         },
     }
@@ -301,7 +301,7 @@ def test_one_mode_is_no_switch_and_one_filter_is_sent_alone(
     browser.get(page_server + "?q=x&k=2&f.le.year=1999")
     WebDriverWait(browser, 20).until(lambda _: requests_sent(browser))
     assert not browser.find_element(By.ID, "mode").is_displayed()
-    assert requests_sent(browser) == [{"query": "x", "k": 2, "filter": {"column": "year", "op": "le", "value": 1999}}]
+    assert requests_sent(browser) == [{"query": "x", "k": 2, "filter": {"column": "year", "op": "<=", "value": 1999}}]
     assert browser.find_element(By.ID, "filter-0-le").get_attribute("value") == "1999"
 
 

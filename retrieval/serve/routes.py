@@ -288,5 +288,9 @@ def describe(service: Service) -> dict[str, Any]:
         "rescore_depth": m.rescoring.depth,  # candidates re-scored by default; 0: off
         "versions": m.versions,
         **searcher.describe(),  # summary, spectrum, drift: as `retrieval info --json` has them
+        # what the search page offers controls for: the search modes, and a filter per kept column
+        "modes": ["dense", "lexical", "hybrid"] if m.lexical is not None else ["dense"],
+        "default_mode": "hybrid" if m.lexical is not None else "dense",
+        "columns": [{"name": name, "type": kind} for name, kind in m.columns.items()],
     }
     return {"ready": service.ready, "index": index, "server": server}
