@@ -30,6 +30,15 @@ from retrieval.whitening import TransformSpec  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
+# The marks of every module that drives the page: the browser tier, skipped (saying why) without Chromium.
+PAGE_TESTS = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        CHROMIUM is None or DRIVER is None,
+        reason="Chromium or chromedriver is absent: apt-get install chromium chromium-driver "
+        "(make test does it as root)",
+    ),
+]
 
 
 @contextmanager

@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
 
-from page_driver import CHROMIUM, DRIVER, chromium, search, serve_index, wait_for_hits  # noqa: E402
+from page_driver import PAGE_TESTS, chromium, search, serve_index, wait_for_hits  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
@@ -27,14 +27,7 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 from retrieval.serve import routes as server  # noqa: E402
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(
-        CHROMIUM is None or DRIVER is None,
-        reason="Chromium or chromedriver is absent: apt-get install chromium chromium-driver "
-        "(make test does it as root)",
-    ),
-]
+pytestmark = PAGE_TESTS
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><b>bold?</b>"
 LONG_ID = "LONGID-" + "x" * 400
 # What the page sends to /search, recorded before its own script runs (so the search an address starts is seen too).

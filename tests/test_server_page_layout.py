@@ -24,7 +24,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
 
-from page_driver import CHROMIUM, DRIVER, chromium, search, serve_index  # noqa: E402
+from page_driver import PAGE_TESTS, chromium, search, serve_index  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
@@ -32,14 +32,7 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 from retrieval.serve import routes as server  # noqa: E402
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(
-        CHROMIUM is None or DRIVER is None,
-        reason="Chromium or chromedriver is absent: apt-get install chromium chromium-driver "
-        "(make test does it as root)",
-    ),
-]
+pytestmark = PAGE_TESTS
 ROOT = Path(__file__).resolve().parents[1]
 AXE = Path(os.environ.get("RETRIEVAL_AXE_CORE") or ROOT / ".cache/npm/node_modules/axe-core/axe.min.js")
 QUERY = "does vitamin D reduce fractures"
