@@ -86,5 +86,5 @@ VENV310 ?= /tmp/retrieval-py310
 test-py310:
 	@if [ -z "$(PY310)" ]; then echo "no python3.10 on this machine: skipping the 3.10 check"; else \
 	  set -e; [ -x $(VENV310)/bin/python ] || $(PY310) -m venv $(VENV310); \
-	  $(VENV310)/bin/pip install -q numpy faiss-cpu pyarrow typer threadpoolctl pytest; \
+	  $(VENV310)/bin/pip install -q numpy faiss-cpu pyarrow typer threadpoolctl 'bm25s>=0.3.16,<0.4' 'PyStemmer>=2.2' pytest; \
 	  PYTHONPATH=$(CURDIR) $(VENV310)/bin/python -m pytest -q -p no:cacheprovider; fi

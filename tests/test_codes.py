@@ -282,6 +282,7 @@ def test_calibrate_measures_and_publishes_a_knob_of_binary_codes(
 
 @pytest.mark.parametrize("code", ["sq4", "binary"])
 def test_the_service_serves_codes(built: tuple[Path, dict[tuple[str, str], Path]], code: str) -> None:
+    pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
     from retrieval.serve.app import create_app
