@@ -182,11 +182,18 @@ class TermStats:
         self.add(TermCounts.of(texts, analyzer))
 
     def counts(self) -> TermCounts:
-        """Everything merged: one CSR by document over ``terms``."""
+        """Everything merged: one CSR by document over ``terms``, the terms in sorted order, so the result is the
+        same however the rows were cut into windows (a local build's windows are not a Ray build's)."""
         indptr = np.concatenate([np.zeros(1, np.int64), *self._indptr])
         term_ids = np.concatenate([np.zeros(0, np.int32), *self._term_ids])
         counts = np.concatenate([np.zeros(0, np.int32), *self._counts])
-        return TermCounts(list(self.terms), indptr, term_ids, counts)
+        order = sorted(range(len(self.terms)), key=self.terms.__getitem__)
+        rank = np.empty(len(order), dtype=np.int32)
+        rank[order] = np.arange(len(order), dtype=np.int32)
+        ids = rank[term_ids] if len(term_ids) else term_ids
+        doc = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
+        keep = np.lexsort((ids, doc))  # ascending term ids within each document again
+        return TermCounts([self.terms[i] for i in order], indptr, ids[keep], counts[keep])
 
     @classmethod
     def of(cls, counts: TermCounts) -> TermStats:

@@ -84,8 +84,8 @@ def test_every_option_reaches_the_server(client: Client) -> None:
             client.search(QUERY, **{option: value})
         assert raised.value.status == 422 and raised.value.param == option, raised.value
     with pytest.raises(ServerError) as raised:  # an option this server does not take: passed on, refused there
-        client.search(QUERY, mode="hybrid")
-    assert (raised.value.status, raised.value.code, raised.value.param) == (422, "invalid_request", "mode")
+        client.search(QUERY, colour="red")
+    assert (raised.value.status, raised.value.code, raised.value.param) == (422, "invalid_request", "colour")
 
 
 def test_embed_raw_and_transformed(client: Client, live: tuple[str, Path]) -> None:

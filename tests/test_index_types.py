@@ -344,7 +344,10 @@ def test_cli_index_type_and_search_knobs(tiny_bert: Path, tmp_path: Path, monkey
         info = json.loads(runner.invoke(app, ["info", str(out), "--json"]).stdout)
         assert info["manifest"]["index"]["spec"]["kind"] == kind
         calls.clear()
-        found = runner.invoke(app, ["search", query, "--index", str(out), "--json", "-k", "3", flag, str(value)])
+        dense = ["--mode", "dense"]  # hybrid's dense side asks for more candidates (here every row: a wider knob)
+        found = runner.invoke(
+            app, ["search", query, "--index", str(out), "--json", "-k", "3", flag, str(value), *dense]
+        )
         assert found.exit_code == 0, found.output
         hits = [json.loads(line) for line in found.stdout.splitlines()]
         assert [h["rank"] for h in hits] == [1, 2, 3]
