@@ -22,7 +22,7 @@ from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
 from selenium.webdriver.support import expected_conditions  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
-from retrieval.build import build_index  # noqa: E402
+from retrieval.build import BuildOptions, build_index  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
 from retrieval.serve.app import create_app  # noqa: E402
 from retrieval.serve.service import ServeOptions, Service  # noqa: E402
@@ -47,7 +47,15 @@ def serve_index(
 ) -> Iterator[str]:
     """``corpus`` indexed (fake encoder, 8 dims) and served on 127.0.0.1 at a free port; yields the page's URL and
     stops the server at the end whatever happened. ``options``: ServeOptions, and ``api_key``."""
-    build_index(CorpusSpec(corpus, title_column=title_column), FakeEncoder(), tmp_path / "idx", TransformSpec(dim=8))
+    # dense only: the page's own tests expect no mode switch unless they fake /info's modes
+    dense = BuildOptions(lexical=None)
+    build_index(
+        CorpusSpec(corpus, title_column=title_column),
+        FakeEncoder(),
+        tmp_path / "idx",
+        TransformSpec(dim=8),
+        options=dense,
+    )
     options = dict(options)
     api_key = options.pop("api_key", None)
     service = Service(tmp_path / "idx", ServeOptions(**{"watch_interval": 0, **options}), encoder=FakeEncoder())
