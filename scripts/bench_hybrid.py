@@ -13,7 +13,7 @@ unfiltered, on both sides of the exact-scoring switch (``retrieval.filtered.EXAC
     python scripts/bench_hybrid.py ir --models all-MiniLM-L6-v2 [--models all-mpnet-base-v2]
     python scripts/bench_hybrid.py filters --rows 100000
 
-Heavy runs go under ``flock /tmp/retrieval-bench.lock``. Writes results/hybrid/{ir,filters}.{json,md}.
+Heavy runs take the benchmark lock (benchlib). Writes results/hybrid/{ir,filters}.{json,md}.
 """
 
 from __future__ import annotations
