@@ -16,8 +16,8 @@ vector, Hamming). Latency: single-query p50 (transform, search, re-score) for fl
 LATENCY_ROWS rows: every document vector of the four sets plus noisy copies
 of them (real text alone is 21k rows here), MiniLM only.
 
-    flock /tmp/retrieval-bench.lock python scripts/bench_codes.py            # both models (mpnet if installed)
-    flock /tmp/retrieval-bench.lock python scripts/bench_codes.py --models all-MiniLM-L6-v2 --no-latency
+    python scripts/bench_codes.py            # both models (mpnet if installed)
+    python scripts/bench_codes.py --models all-MiniLM-L6-v2 --no-latency
     python scripts/bench_codes.py --stashes DIR ...    # raw stashes built elsewhere (DIR/<set>-<model>)
     python scripts/bench_codes.py --sets cisi --no-latency --out A; ... --combine A/codes.json B/codes.json
 
