@@ -20,7 +20,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from retrieval import files
-from retrieval.calibrate import Calibration
 from retrieval.corpus import Corpus, CorpusReport, CorpusSpec
 from retrieval.docs import ColumnsWriter
 from retrieval.encode.spec import POOLINGS, Encoder, EncoderInfo
@@ -39,6 +38,7 @@ from retrieval.indexdir import (
     COLUMNS,
     OWN_NAMES,
     STASH,
+    Calibration,
     CorpusRecord,
     IndexDir,
     IndexRecord,

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from retrieval.errors import ConfigError
 from retrieval.index import _hnsw, _ivf, search_parameters
+from retrieval.indexdir import Calibration
 from retrieval.stash import BLOCK_ROWS
 
 if TYPE_CHECKING:
@@ -60,42 +61,6 @@ class Served:
 
     depth: int
     rerank: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What ``calibrate`` measured: ``knob`` (ef_search or nprobe) at ``value`` gave ``recall`` (recall@10 of
-    ``queries`` queries from ``source`` against their exact neighbours); ``reached``: recall >= ``target``.
-    ``curve``: every (value, recall) measured on the way. ``rescore``: the searches re-scored their top this many
-    candidates, as served (0: recall in the index's own space). ``rows``: the index's size when measured (0 in
-    records written before it was kept); ``add`` keeps the calibration, and ``info`` says how much it has grown."""
-
-    knob: str
-    value: int
-    recall: float
-    target: float
-    queries: int
-    source: str
-    reached: bool
-    curve: list[tuple[int, float]]
-    rescore: int = 0
-    rows: int = 0
-
-    @property
-    def measured_as(self) -> str:
-        return f"as served (re-scoring the top {self.rescore})" if self.rescore else "in the index's own space"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"curve": [list(point) for point in self.curve]}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Calibration:
-        curve = [(int(value), float(recall)) for value, recall in data["curve"]]
-        return cls(
-            data["knob"], int(data["value"]), float(data["recall"]), float(data["target"]), int(data["queries"]),
-            str(data["source"]), bool(data["reached"]), curve, int(data.get("rescore", 0)),
-            int(data.get("rows", 0)),
-        )  # fmt: skip
 
 
 def knob_of(index: faiss.Index) -> str | None:

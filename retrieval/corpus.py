@@ -194,8 +194,8 @@ class Corpus:
                     f"{path} has no column {column!r} (columns: {', '.join(names)}); choose one with `{option}`"
                 )
         for option, column, check in (
-            ("text_column", spec.text_column if self.has_text else None, _is_text),
-            ("title_column", spec.title_column, _is_text),
+            ("text_column", spec.text_column if self.has_text else None, is_text_type),
+            ("title_column", spec.title_column, is_text_type),
             ("id_column", self.id_column, is_id_type),
         ):
             if column is not None and not check(schema.field(column).type):
@@ -495,22 +495,27 @@ class Corpus:
         return _vectors(rb.column(self.spec.vectors_column).filter(pa.array(ok)), self.spec.vectors_column)
 
 
-def _is_text(kind: pa.DataType) -> bool:
+def is_text_type(kind: pa.DataType, raw: bool = True) -> bool:
+    """Strings, in any of arrow's layouts (pandas writes a categorical column as a dictionary of strings). With
+    ``raw`` (a corpus's text and title), also bytes, read as UTF-8, and a column of nulls only (empty texts);
+    without (the queries and pairs of an evaluation), strings only."""
     if pa.types.is_dictionary(kind):
-        return _is_text(kind.value_type)
+        return is_text_type(kind.value_type, raw)
+    strings = pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"
+    if not raw:
+        return strings
     return (
-        pa.types.is_string(kind)
-        or pa.types.is_large_string(kind)
+        strings
         or pa.types.is_binary(kind)
         or pa.types.is_large_binary(kind)
         or pa.types.is_null(kind)
-        or str(kind) in ("string_view", "binary_view")
+        or str(kind) == "binary_view"
     )
 
 
 def is_id_type(kind: pa.DataType) -> bool:
     """Ids are strings (or bytes that are UTF-8) or integers; a float id (1.0 vs "1") is refused as ambiguous."""
-    return (_is_text(kind) and not pa.types.is_null(kind)) or pa.types.is_integer(kind)
+    return (is_text_type(kind) and not pa.types.is_null(kind)) or pa.types.is_integer(kind)
 
 
 def _is_list(kind: pa.DataType) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import sys
@@ -14,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from retrieval.corpus import is_id_type
+from retrieval.corpus import is_id_type, is_text_type
 from retrieval.docs import Docs
 from retrieval.encode.spec import Encoder
 from retrieval.errors import ConfigError, CorpusError
@@ -57,15 +58,12 @@ def _read_schema(path: Path, columns: Sequence[str], what: str) -> Any:
     return schema
 
 
-def _is_text(kind: pa.DataType) -> bool:
-    """Strings, in any of arrow's layouts: pandas writes a categorical column as a dictionary of strings."""
-    if pa.types.is_dictionary(kind):
-        return _is_text(kind.value_type)
-    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"
+# what ``_strings`` reads: strings only (no bytes, no all-null column), in any of arrow's layouts
+_strings_only = functools.partial(is_text_type, raw=False)
 
 
 def _strings(values: Any) -> list[Any]:
-    """A column that passed ``_is_text`` as Python strings, whatever its layout; None for nulls, which each
+    """A column that passed ``_strings_only`` as Python strings, whatever its layout; None for nulls, which each
     caller refuses."""
     return values.cast(pa.string()).to_pylist()
 
@@ -103,7 +101,7 @@ def read_queries(path: Path, id_column: str = "query_id", text_column: str = "te
     table = _read(path, [id_column, text_column], "queries")
     if not table.num_rows:
         raise CorpusError(f"{path} holds no queries")
-    _require(table, text_column, path, _is_text, ", not text")
+    _require(table, text_column, path, _strings_only, ", not text")
     ids, texts = _ids(table.column(id_column), id_column, path), _strings(table.column(text_column))
     for row, (query, text) in enumerate(zip(ids, texts, strict=True)):
         if query is None:
@@ -148,7 +146,7 @@ class QueryFile:
         if self.parquet:
             schema = _read_schema(self.path, [self.text_column], "queries")
             kind = schema.field(self.text_column).type
-            if not _is_text(kind):
+            if not _strings_only(kind):
                 raise CorpusError(f"column {self.text_column!r} of {path} holds {kind}, not text")
             self._with_ids = id_column in schema.names
         elif self._stdin is None and not self.path.is_file():
@@ -221,7 +219,7 @@ class QueryFile:
 def read_texts(path: Path, text_column: str = "text") -> list[str]:
     """The non-blank texts of one column: queries that need no ids (``calibrate``)."""
     table = _read(path, [text_column], "queries")
-    _require(table, text_column, path, _is_text, ", not text")
+    _require(table, text_column, path, _strings_only, ", not text")
     texts = [text for text in _strings(table.column(text_column)) if text is not None and not blank(text)]
     if not texts:
         raise CorpusError(f"{path} holds no query text in column {text_column!r}")
@@ -339,7 +337,7 @@ def read_pairs(path: Path) -> Pairs:
     table = _read(path, ["sentence1", "sentence2", "score"], "pairs", optional=["subset"])
     has_subset = "subset" in table.column_names
     for column in ("sentence1", "sentence2", *(["subset"] if has_subset else [])):
-        _require(table, column, path, _is_text, ", not text")
+        _require(table, column, path, _strings_only, ", not text")
         if table.column(column).null_count:
             raise CorpusError(f"column {column!r} of {path} has nulls: every pair needs two sentences (and a subset)")
     _require(table, "score", path, _is_number, ": gold scores must be numbers")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -585,3 +586,24 @@ def _ivf(index: faiss.Index) -> Any:
         return faiss.extract_index_ivf(index)
     except RuntimeError:
         return None
+
+
+# FAISS factory parts that keep less than the vectors they are given: a PCA, product or 4-8-bit scalar quantisers,
+# binary codes. Measured (QA, random 48-d vectors, raw transform): "PCA8,HNSW16" recall@10 0.31 against exact
+# cosine, 0.95 re-scoring 50 candidates from the stash. 16-bit scalar codes (the `ivf` kind) lose next to nothing.
+# Product, residual and additive quantisers (PQ, OPQ, RQ, PRQ, LSQ, PLSQ) are all lossy.
+LOSSY = re.compile(r"PCA|PQ|RQ|LSQ|SQ[468](?![0-9])|LSH|RaBitQ")
+EXACT_REFINE = re.compile(r"RFlat|Refine\((Flat|SQfp16|SQbf16)\)")  # RFlat: FAISS's short Refine(Flat)
+
+
+def trained_on_rows(factory: str) -> bool:
+    """Whether an index from this factory string has parts trained on its rows (IVF lists, quantiser codes),
+    which ``add`` and ``remove`` keep and ``refit`` trains again."""
+    return "IVF" in factory or bool(LOSSY.search(factory))
+
+
+def lossy_codes(factory: str) -> bool:
+    """Whether an index built from this factory string ranks by approximate scores the stash could correct:
+    lossy codes with no exact (or 16-bit) ``Refine`` after them, or a PCA (a refine works in the reduced
+    space)."""
+    return "PCA" in factory or (bool(LOSSY.search(factory)) and not EXACT_REFINE.search(factory))

@@ -23,19 +23,17 @@ import json
 import logging
 import os
 import platform
-import re
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from retrieval import files
-from retrieval.calibrate import Calibration
 from retrieval.docs import Docs, read_columns
 from retrieval.encode.spec import EncoderInfo
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.fusion import FusionSpec
-from retrieval.index import IndexSpec
+from retrieval.index import IndexSpec, lossy_codes
 from retrieval.lexical import FILES as LEXICAL_FILES
 from retrieval.lexical import LexicalIndex, LexicalSpec, TermCounts
 from retrieval.moments import RunningMoments
@@ -127,6 +125,42 @@ class TransformRecord:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """What ``calibrate`` measured: ``knob`` (ef_search or nprobe) at ``value`` gave ``recall`` (recall@10 of
+    ``queries`` queries from ``source`` against their exact neighbours); ``reached``: recall >= ``target``.
+    ``curve``: every (value, recall) measured on the way. ``rescore``: the searches re-scored their top this many
+    candidates, as served (0: recall in the index's own space). ``rows``: the index's size when measured (0 in
+    records written before it was kept); ``add`` keeps the calibration, and ``info`` says how much it has grown."""
+
+    knob: str
+    value: int
+    recall: float
+    target: float
+    queries: int
+    source: str
+    reached: bool
+    curve: list[tuple[int, float]]
+    rescore: int = 0
+    rows: int = 0
+
+    @property
+    def measured_as(self) -> str:
+        return f"as served (re-scoring the top {self.rescore})" if self.rescore else "in the index's own space"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"curve": [list(point) for point in self.curve]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        curve = [(int(value), float(recall)) for value, recall in data["curve"]]
+        return cls(
+            data["knob"], int(data["value"]), float(data["recall"]), float(data["target"]), int(data["queries"]),
+            str(data["source"]), bool(data["reached"]), curve, int(data.get("rescore", 0)),
+            int(data.get("rows", 0)),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class IndexRecord:
     """The FAISS index: the spec it was built from, the factory string, its size, default knobs, a description."""
 
@@ -171,27 +205,6 @@ class StashRecord:
     def of(cls, stash: VectorStash) -> StashRecord:
         size = sum(record["bytes"] for part in stash.parts for record in part.checksums.values())
         return cls(stash.dtype, stash.poolings, len(stash), size)
-
-
-# FAISS factory parts that keep less than the vectors they are given: a PCA, product or 4-8-bit scalar quantisers,
-# binary codes. Measured (QA, random 48-d vectors, raw transform): "PCA8,HNSW16" recall@10 0.31 against exact
-# cosine, 0.95 re-scoring 50 candidates from the stash. 16-bit scalar codes (the `ivf` kind) lose next to nothing.
-# Product, residual and additive quantisers (PQ, OPQ, RQ, PRQ, LSQ, PLSQ) are all lossy.
-LOSSY = re.compile(r"PCA|PQ|RQ|LSQ|SQ[468](?![0-9])|LSH|RaBitQ")
-EXACT_REFINE = re.compile(r"RFlat|Refine\((Flat|SQfp16|SQbf16)\)")  # RFlat: FAISS's short Refine(Flat)
-
-
-def trained_on_rows(factory: str) -> bool:
-    """Whether an index from this factory string has parts trained on its rows (IVF lists, quantiser codes),
-    which ``add`` and ``remove`` keep and ``refit`` trains again."""
-    return "IVF" in factory or bool(LOSSY.search(factory))
-
-
-def lossy_codes(factory: str) -> bool:
-    """Whether an index built from this factory string ranks by approximate scores the stash could correct:
-    lossy codes with no exact (or 16-bit) ``Refine`` after them, or a PCA (a refine works in the reduced
-    space)."""
-    return "PCA" in factory or (bool(LOSSY.search(factory)) and not EXACT_REFINE.search(factory))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import numpy as np
 
 from retrieval import files
 from retrieval.build import WINDOW_ROWS, index_record, input_dim, write_version
-from retrieval.calibrate import Calibration, Served, calibrate, check_target, query_sample
+from retrieval.calibrate import Served, calibrate, check_target, query_sample
 from retrieval.corpus import Corpus, CorpusSpec, id_hashes
 from retrieval.docs import ColumnsWriter
 from retrieval.encode.spec import Encoder
@@ -44,6 +44,7 @@ from retrieval.indexdir import (
     RESCORE,
     STASH,
     TRANSFORM,
+    Calibration,
     CorpusRecord,
     IndexDir,
     Manifest,

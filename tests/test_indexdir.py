@@ -69,6 +69,25 @@ def test_the_package_parses_as_python_3_10() -> None:
     assert "dt.UTC" not in "".join(p.read_text() for p in (ROOT / "retrieval").glob("*.py"))
 
 
+def _imports(module: str) -> set[str]:
+    tree = ast.parse((ROOT / "retrieval" / f"{module}.py").read_text())
+    return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def test_the_index_directory_imports_nothing_above_it() -> None:
+    """indexdir owns the manifest's records (Calibration among them); calibrate, which measures one, sits above
+    it; the FAISS factory-string rules belong to index.py, and one check says what a text column is."""
+    assert "retrieval.calibrate" not in _imports("indexdir")
+    assert "retrieval.indexdir" in _imports("calibrate")
+    assert "re" not in {line.split()[1] for line in (ROOT / "retrieval/indexdir.py").read_text().splitlines()
+                        if line.startswith("import ")}  # fmt: skip
+    from retrieval.index import lossy_codes, trained_on_rows
+
+    assert lossy_codes("IVF64,PQ8") and not lossy_codes("IVF64,PQ8,RFlat") and trained_on_rows("IVF64,Flat")
+    texts = [p.read_text() for p in (ROOT / "retrieval").rglob("*.py")]
+    assert not any("def _is_text" in text for text in texts)
+
+
 # ----- the cheap check of a one-shot search ------------------------------------------------------------------
 def test_quick_verification_samples_large_files_and_catches_truncation(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(files, "QUICK_FULL_BELOW", 1024)  # every file counts as large: hashed by sampling

@@ -25,7 +25,7 @@ from retrieval.cli.shell import (
 )
 from retrieval.encode.spec import POOLINGS, EncoderSpec
 from retrieval.errors import ConfigError
-from retrieval.indexdir import trained_on_rows
+from retrieval.index import trained_on_rows
 from retrieval.plots import write_results
 from retrieval.tune import AUTO_QUERIES, DEFAULT_GAMMAS
 
