@@ -277,7 +277,7 @@ def _build(
     with timer.stage("write"):
         manifest = write_manifest(work, replace(manifest, timings=timer.seconds))
         files.publish(work, out, OWN_NAMES)
-    log.info("built %s: %d rows, %d -> %d dims", out, manifest.n, d, manifest.transform.k)
+    log.info("built %s: %d rows, %d -> %d dims", out, manifest.n, d, manifest.transform.dim)
     return replace(manifest, timings=timer.seconds)
 
 

@@ -91,7 +91,7 @@ class Client:
         query: str,
         k: int | None = ...,
         rescore: int | None = ...,
-        ef: int | None = ...,
+        ef_search: int | None = ...,
         nprobe: int | None = ...,
         **options: Any,
     ) -> SearchResult: ...
@@ -102,7 +102,7 @@ class Client:
         query: Sequence[str],
         k: int | None = ...,
         rescore: int | None = ...,
-        ef: int | None = ...,
+        ef_search: int | None = ...,
         nprobe: int | None = ...,
         **options: Any,
     ) -> list[SearchResult]: ...
@@ -112,15 +112,15 @@ class Client:
         query: str | Sequence[str],
         k: int | None = None,
         rescore: int | None = None,
-        ef: int | None = None,
+        ef_search: int | None = None,
         nprobe: int | None = None,
         **options: Any,
     ) -> SearchResult | list[SearchResult]:
         """Hits for one query (a ``SearchResult``) or a batch (one per query, in order). ``k``, ``rescore``,
-        ``ef`` (HNSW beam width), ``nprobe`` (IVF lists probed): None takes the index's defaults. ``options``:
+        ``ef_search`` (HNSW beam width), ``nprobe`` (IVF lists probed): None takes the index's defaults. ``options``:
         further fields of the request body, passed as given (any option the server's POST /search takes)."""
         body: dict[str, Any] = {"query": query} if isinstance(query, str) else {"queries": list(query)}
-        knobs = {"k": k, "rescore": rescore, "ef": ef, "nprobe": nprobe, **options}
+        knobs = {"k": k, "rescore": rescore, "ef_search": ef_search, "nprobe": nprobe, **options}
         body.update({name: value for name, value in knobs.items() if value is not None})
         answer = self._call("POST", "/search", body)
         results = [

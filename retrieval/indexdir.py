@@ -45,8 +45,10 @@ log = logging.getLogger(__name__)
 # 3: the index spec records `codes` and `rotation`, the index record its metric; a lexical part and fusion
 # settings (an older retrieval's `add` would leave the lexical part behind). A version-2 manifest reads as a
 # dense-only index of the kind's default codes.
-SCHEMA_VERSION = 3
-READ_SCHEMAS = (2, SCHEMA_VERSION)
+# 4: the transform record names the output dimension `dim` (2 and 3 called it `k`, the number of hits everywhere
+# else); an older manifest's `k` reads as `dim`, and its next version is written in schema 4.
+SCHEMA_VERSION = 4
+READ_SCHEMAS = (2, 3, SCHEMA_VERSION)
 MANIFEST = "manifest.json"
 TRANSFORM = "transform.npz"
 MOMENTS = "moments.npz"
@@ -86,11 +88,12 @@ def check_verify(level: str) -> None:
 # ----- the manifest's sections -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TransformRecord:
-    """The fitted transform: its spec (pooling filled in), d -> k, and what the fit saw."""
+    """The fitted transform: its spec (pooling filled in), input dimension ``d`` -> output ``dim``, and what the
+    fit saw."""
 
     spec: TransformSpec
     d: int
-    k: int
+    dim: int
     n_fit: int | None = None
     explained_variance: float | None = None
 
@@ -118,7 +121,7 @@ class TransformRecord:
         return cls(
             TransformSpec.from_dict(data["spec"]),
             data["d"],
-            data["k"],
+            data["dim"] if "dim" in data else data["k"],  # schemas 2 and 3 called it k
             data.get("n_fit"),
             data.get("explained_variance"),
         )
@@ -221,10 +224,10 @@ class RescoreRecord:
         cls, transform: TransformRecord, stash: StashRecord | None, factory: str = "", code: str | None = None
     ) -> RescoreRecord:
         """By raw cosine when the index kept its stash and loses information: ``RESCORE_DEPTH`` when reduced by
-        its transform (k < d) or by its FAISS ``factory`` (``lossy_codes``), deeper for coarse codes
+        its transform (dim < d) or by its FAISS ``factory`` (``lossy_codes``), deeper for coarse codes
         (``code``, ``RESCORE_DEPTHS``); else off."""
         lossy = RESCORE_DEPTHS.get(code or "", RESCORE_DEPTH if lossy_codes(factory) else 0)  # measured per code
-        depth = max(RESCORE_DEPTH if transform.k < transform.d else 0, lossy)
+        depth = max(RESCORE_DEPTH if transform.dim < transform.d else 0, lossy)
         depth = depth if stash is not None else 0
         return cls(depth, TransformSpec.raw(transform.pooling).resolve(transform.d))
 
@@ -447,8 +450,8 @@ class IndexDir:
             )
         if version not in READ_SCHEMAS:
             raise IndexDirError(
-                f"{self.path} has index schema version {version}; this retrieval reads version "
-                f"{' or '.join(map(str, READ_SCHEMAS))}: rebuild the index with this version"
+                f"{self.path} has index schema version {version}; this retrieval reads versions "
+                f"{READ_SCHEMAS[0]} to {SCHEMA_VERSION}: rebuild the index with this version"
             )
         if "checksum" not in data:
             raise IndexDirError(
@@ -662,7 +665,7 @@ def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
     t = manifest.transform
     agree = (
         index.ntotal == manifest.n == len(docs)
-        and index.d == transform.dim_out == t.k
+        and index.d == transform.dim_out == t.dim
         and transform.dim_in == t.d
         and manifest.encoder.dim in (0, t.d)
         and (

@@ -49,7 +49,7 @@ def documents(result: SearchResult) -> list[tuple[Document, float]]:
 
 class RetrievalRetriever(BaseRetriever):
     """The service's top ``k`` hits for a query. ``search_options``: further fields of each search (``rescore``,
-    ``ef``, ``nprobe``, ...), as ``Client.search`` takes them."""
+    ``ef_search``, ``nprobe``, ...), as ``Client.search`` takes them."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     client: Client

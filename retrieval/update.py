@@ -193,7 +193,7 @@ def _refit(
             timings=timer.seconds,
         )
         new = write_manifest(work, new)
-    log.info("refitted %s: %d rows, %d -> %d dims", old.path, new.n, new.transform.d, new.transform.k)
+    log.info("refitted %s: %d rows, %d -> %d dims", old.path, new.n, new.transform.d, new.transform.dim)
     return new
 
 

@@ -175,7 +175,7 @@ def measure(directory: Path, raw_queries: np.ndarray, label: str, target: float)
         "label": label,
         "index": str(directory),
         "n": manifest.n,
-        "dim": manifest.transform.k,
+        "dim": manifest.transform.dim,
         "kind": manifest.index.kind,
         "factory": manifest.index.factory,
         "knob": knob,

@@ -128,7 +128,7 @@ def time_it(model: str, n: int, directory: Path, queries: np.ndarray, n_queries:
         "model": model,
         "n": n,
         "d": manifest.transform.d,
-        "k": manifest.transform.k,
+        "dim": manifest.transform.dim,
         "index": manifest.index.kind,
         "stash_mib": round((manifest.stash.bytes if manifest.stash else 0) / 2**20, 1),
         "queries": n_queries,

@@ -124,7 +124,7 @@ def test_manifest_describes_the_directory(built: tuple[Path, FakeEncoder, Manife
     assert manifest.encoder == encoder.info()
     assert manifest == Manifest.from_dict(on_disk)  # the typed sections round-trip through JSON
     t = manifest.transform
-    assert (t.kind, t.d, t.k, t.pooling) == ("whitening", D, K, "mean")
+    assert (t.kind, t.d, t.dim, t.pooling) == ("whitening", D, K, "mean")
     assert t.spec.gamma == DEFAULT_GAMMA and t.spec.epsilon == TransformSpec().epsilon
     assert t.n_fit == N and t.explained_variance is not None and 0.5 < t.explained_variance <= 1.0
     assert manifest.n == N == manifest.index.ntotal
@@ -203,7 +203,7 @@ def test_no_keep_vectors_drops_the_stash(corpus: Path, tmp_path: Path) -> None:
 def test_no_whiten_indexes_the_raw_normalised_vectors(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "idx"
     manifest = build(corpus, out, transform=TransformSpec(whiten=False))
-    assert (manifest.transform.kind, manifest.transform.d, manifest.transform.k) == ("raw", D, D)
+    assert (manifest.transform.kind, manifest.transform.d, manifest.transform.dim) == ("raw", D, D)
     _, texts = texts_of(corpus)
     stored = flat_vectors(load_index(out / "index.faiss"))
     # no centring, no kernel: only the float32 L2 normalisation
@@ -223,7 +223,7 @@ def test_no_whiten_with_a_smaller_dim_is_refused(corpus: Path, tmp_path: Path) -
 
 def test_full_dim_is_the_default(corpus: Path, tmp_path: Path) -> None:
     manifest = build(corpus, tmp_path / "idx", transform=TransformSpec())
-    assert manifest.transform.k == D
+    assert manifest.transform.dim == D
 
 
 @pytest.mark.parametrize("dim", [0, -1, D + 1])
@@ -536,7 +536,7 @@ def test_one_writer_at_a_time(built: tuple[Path, FakeEncoder, Manifest], corpus:
         holder.communicate(b"")
     assert holder.returncode == 0
     assert siblings(out) == ["idx"]  # the lock file went with its holder
-    assert update.refit(out, TransformSpec(dim=4)).transform.k == 4  # and the next writer gets in
+    assert update.refit(out, TransformSpec(dim=4)).transform.dim == 4  # and the next writer gets in
     assert siblings(out) == ["idx"]
 
 

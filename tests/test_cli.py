@@ -72,7 +72,7 @@ def test_index_then_search_uses_the_last_built_index(tiny_bert: Path, corpus: Pa
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["encoder"]["model_path"] == str(tiny_bert.resolve())
     assert (manifest["encoder"]["pooling"], manifest["encoder"]["precision"]) == ("mean", "fp32")
-    assert (manifest["transform"]["d"], manifest["transform"]["k"], manifest["index"]["ntotal"]) == (32, 8, 300)
+    assert (manifest["transform"]["d"], manifest["transform"]["dim"], manifest["index"]["ntotal"]) == (32, 8, 300)
 
     result = run("search", "document number 42 about topic 0", "-k", 3, "--json")
     assert result.exit_code == 0, result.output
@@ -232,7 +232,7 @@ def test_info_shows_what_the_index_holds(built: Path, tiny_bert: Path) -> None:
     result = run("info", built, "--json", "--verify")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["manifest"]["transform"]["k"] == 8 and report["manifest"]["index"]["ntotal"] == 200
+    assert report["manifest"]["transform"]["dim"] == 8 and report["manifest"]["index"]["ntotal"] == 200
     assert len(report["spectrum"]["top"]) == 10
 
 

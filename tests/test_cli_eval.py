@@ -235,18 +235,18 @@ def test_tune_ir_sweeps_the_stash_without_re_encoding(
 
 def test_tune_apply_refits_the_index(built: dict[str, Path], tmp_path: Path) -> None:
     index = Path(shutil.copytree(built["index"], tmp_path / "idx"))
-    assert (Manifest.load(index).transform.k, Manifest.load(index).transform.spec.whiten) == (32, False)  # no --dim
+    assert (Manifest.load(index).transform.dim, Manifest.load(index).transform.spec.whiten) == (32, False)  # no --dim
     ok(run("refit", index, "--dim", 24, "--gamma", 0.5))  # a transform the sweep below does not try
     old = Manifest.load(index).transform
-    assert (old.k, old.spec.gamma, old.spec.whiten) == (24, 0.5, True)
+    assert (old.dim, old.spec.gamma, old.spec.whiten) == (24, 0.5, True)
     # mean pooling only: the tiny random BERT's raw cls vectors are nearly parallel, so their cosines tie to float32
     # rounding, and the sweep's blocked product and FAISS's scan may order such ties differently
     result = ok(run(*tune_ir_args(built, index, tmp_path / "out"), "--poolings", "mean", "--apply"))
     report = json.loads((tmp_path / "out" / "tune.json").read_text())
     best = report["best"]
     new = Manifest.load(index).transform
-    assert (new.k, new.spec.whiten, new.pooling) == (best["dim"], best["whiten"], best["pooling"])
-    assert (new.k, new.spec.gamma, new.spec.whiten) != (old.k, old.spec.gamma, old.spec.whiten)
+    assert (new.dim, new.spec.whiten, new.pooling) == (best["dim"], best["whiten"], best["pooling"])
+    assert (new.dim, new.spec.gamma, new.spec.whiten) != (old.dim, old.spec.gamma, old.spec.whiten)
     assert Manifest.load(index).encoder.pooling == best["pooling"]  # queries pooled as the documents now are
     assert f"32 -> {best['dim']} dims" in result.stderr
     # re-scoring: by the best full-dimension candidate of the sweep, on by default only when the index is reduced
@@ -284,7 +284,7 @@ def test_tune_apply_refuses_an_index_refitted_during_its_sweep(
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.exit_code == 1 and len(errors) == 1 and "Traceback" not in result.output, result.output
     assert "changed since this refit read it (version 1 -> 2" in errors[0] and "run it again" in errors[0]
-    assert Manifest.load(index).transform.k == 20 and Manifest.load(index).generation == 2  # the refit stands
+    assert Manifest.load(index).transform.dim == 20 and Manifest.load(index).generation == 2  # the refit stands
 
 
 def test_tune_apply_writes_a_raw_index_when_raw_wins(built: dict[str, Path], tmp_path: Path) -> None:
@@ -308,7 +308,7 @@ def test_tune_apply_writes_a_raw_index_when_raw_wins(built: dict[str, Path], tmp
     best = json.loads((tmp_path / "out" / "tune.json").read_text())["best"]
     assert best["whiten"] is False and best["label"] == "mean raw" and best["dev"]["nDCG@10"] == pytest.approx(1.0)
     manifest = Manifest.load(index)
-    assert (manifest.transform.kind, manifest.transform.k) == ("raw", 32)
+    assert (manifest.transform.kind, manifest.transform.dim) == ("raw", 32)
     assert "32 -> 32 dims (raw)" in result.stderr
 
 

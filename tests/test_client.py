@@ -67,7 +67,7 @@ def test_search_one_query_and_a_batch_as_the_library_does(client: Client, live: 
     one = client.search(QUERY, k=3)
     assert isinstance(one, SearchResult) and one.generation == 1 and one.took_ms > 0
     assert [h.rank for h in one.hits] == [1, 2, 3] and one.hits[0] == Hit(1, "doc5", one.hits[0].score, QUERY)
-    batch = client.search([QUERY, "topic 3"], k=4, rescore=20, ef=64)
+    batch = client.search([QUERY, "topic 3"], k=4, rescore=20, ef_search=64)
     assert len(batch) == 2
     for got, query in zip(batch, [QUERY, "topic 3"], strict=True):
         want = searcher.search(query, SearchParams(k=4, rescore=20, ef_search=64))
@@ -79,7 +79,7 @@ def test_search_one_query_and_a_batch_as_the_library_does(client: Client, live: 
 
 def test_every_option_reaches_the_server(client: Client) -> None:
     """Knobs are checked by the server: a refusal naming the field shows each one was sent as it spells it."""
-    for option, value in (("k", 0), ("rescore", -1), ("ef", 0), ("nprobe", 0)):
+    for option, value in (("k", 0), ("rescore", -1), ("ef_search", 0), ("nprobe", 0)):
         with pytest.raises(ServerError) as raised:
             client.search(QUERY, **{option: value})
         assert raised.value.status == 422 and raised.value.param == option, raised.value

@@ -21,7 +21,7 @@ from retrieval.codes import BinaryIndex, fit_rotation
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, CorpusError
 from retrieval.index import CODES, KINDS, IndexSpec, create_index, load_index, save_index
-from retrieval.indexdir import MANIFEST, RESCORE_DEPTHS, IndexDir, checksum
+from retrieval.indexdir import MANIFEST, RESCORE_DEPTHS, SCHEMA_VERSION, IndexDir, checksum
 from retrieval.search import Searcher, SearchParams
 from retrieval.stash import VectorStash, dequantize, quantize
 from retrieval.update import add, calibrate_index, refit, remove, transform_spec
@@ -211,9 +211,10 @@ def test_a_version_2_manifest_reads_as_the_kinds_default_codes(corpus: Path, tmp
     out = tmp_path / "idx"
     build_index(CorpusSpec(corpus), FakeEncoder(), out, TransformSpec(), IndexSpec("ivf"))
     data = json.loads((out / MANIFEST).read_text())
-    assert data["schema_version"] == 3 and data["index"]["spec"]["codes"] is None
+    assert data["schema_version"] == SCHEMA_VERSION and data["index"]["spec"]["codes"] is None
     for key in ("codes", "rotation"):
         del data["index"]["spec"][key]
+    data["transform"]["k"] = data["transform"].pop("dim")  # as version 2 named it
     data |= {"schema_version": 2}
     data["checksum"] = checksum(data)
     (out / MANIFEST).write_text(json.dumps(data))

@@ -41,6 +41,40 @@ def test_the_manifest_round_trips_through_json(index: Path) -> None:
     assert on_disk["checksum"] == checksum(on_disk)
 
 
+def _as_schema(index: Path, version: int) -> None:
+    """Rewrite the index's manifest as schema ``version`` wrote it: the output dimension named ``k``; version 2
+    had no codes, rotation, lexical part, fusion or kept columns either."""
+    data = json.loads((index / MANIFEST).read_text())
+    data.pop("checksum")
+    data["transform"]["k"] = data["transform"].pop("dim")
+    if version == 2:
+        for key in ("codes", "rotation"):
+            data["index"]["spec"].pop(key, None)
+        for key in ("lexical", "fusion", "columns"):
+            data.pop(key, None)
+    data["schema_version"] = version
+    data["checksum"] = checksum(data)
+    files.write_atomic(index / MANIFEST, json.dumps(data).encode())
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_an_older_manifest_s_k_reads_as_dim_and_its_next_version_is_schema_4(
+    index: Path, tmp_path: Path, version: int
+) -> None:
+    """Schemas 2 and 3 named the output dimension ``k`` (the number of hits everywhere else); 4 names it ``dim``.
+    An index written before still loads and searches, and the next writer writes it in schema 4."""
+    expected = Searcher.load(index, encoder=FakeEncoder()).search("alpha", SearchParams(k=5))
+    _as_schema(index, version)
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    assert searcher.manifest.schema_version == version and searcher.manifest.transform.dim == 8
+    assert [hit.id for hit in searcher.search("alpha", SearchParams(k=5))] == [hit.id for hit in expected]
+    more = write_corpus(tmp_path / "more.parquet", n=20, id=[f"new{i}" for i in range(20)])
+    update.add(index, CorpusSpec(more), FakeEncoder())
+    on_disk = json.loads((index / MANIFEST).read_text())
+    assert on_disk["schema_version"] == indexdir.SCHEMA_VERSION == 4
+    assert on_disk["transform"]["dim"] == 8 and "k" not in on_disk["transform"]
+
+
 # ----- what importing the core costs -------------------------------------------------------------------------
 @pytest.mark.process
 def test_the_core_imports_neither_the_service_nor_ray_nor_the_cli() -> None:
@@ -178,7 +212,7 @@ def test_a_publish_between_reading_the_manifest_and_the_index_is_read_again(inde
 
     monkeypatch.setattr(IndexDir, "faiss_index", publish_first)
     searcher = Searcher.load(index, encoder=FakeEncoder(), verify="quick")
-    assert published and searcher.manifest.transform.k == searcher.index.d == dim
+    assert published and searcher.manifest.transform.dim == searcher.index.d == dim
     assert searcher.manifest.generation == 2 and searcher.loaded.identity == IndexDir(index).identity()
 
 

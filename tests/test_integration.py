@@ -47,7 +47,7 @@ def test_the_slice_builds_at_k_128(scifact_index: tuple[Path, Path], minilm) -> 
     _, out = scifact_index
     searcher = Searcher.load(out, encoder=minilm)
     t = searcher.manifest.transform
-    assert (t.d, t.k, searcher.manifest.n) == (384, 128, ROWS)
+    assert (t.d, t.dim, searcher.manifest.n) == (384, 128, ROWS)
     assert searcher.manifest.encoder.model == "all-MiniLM-L6-v2"
     assert len(str(searcher.manifest.encoder.weights_sha256)) == 64
     # 128 of 384 directions of real sentence embeddings hold most of the variance

@@ -196,6 +196,7 @@ def test_a_schema_2_index_without_a_lexical_part_still_loads(tmp_path: Path) -> 
     path = tmp_path / "idx" / "manifest.json"
     data = json.loads(path.read_text())
     data["schema_version"] = 2
+    data["transform"]["k"] = data["transform"].pop("dim")  # as version 2 named it
     for key in ("lexical", "fusion", "columns"):
         data.pop(key, None)
     data.pop("checksum")

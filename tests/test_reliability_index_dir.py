@@ -35,13 +35,13 @@ from retrieval.whitening import TransformSpec
         (lambda m: m["transform"]["spec"].__setitem__("gamma", 1.0), "does not match its own checksum"),
         (lambda m: m["encoder"].__setitem__("model", "some/other-model"), "does not match its own checksum"),
         (lambda m: m["transform"].__setitem__("d", 64), "does not match its own checksum"),
-        (lambda m: m.__setitem__("schema_version", 1), "schema version 1; this retrieval reads version 2 or 3"),
+        (lambda m: m.__setitem__("schema_version", 1), "schema version 1; this retrieval reads versions 2 to 4"),
     ],
     ids=["k", "gamma", "model", "d", "schema"],
 )
 @case(
     "index dir",
-    "manifest edited by hand (k, d, gamma, model, schema version)",
+    "manifest edited by hand (dim, d, gamma, model, schema version)",
     "one line: the manifest does not match its checksum (or its schema); rebuild",
 )
 def test_tampered_manifest(copy: Path, edit: Callable[[dict], None], fragment: str) -> None:

@@ -241,7 +241,7 @@ def test_a_refit_based_on_an_older_version_is_refused(fake_index: Path, tmp_path
     update.refit(fake_index, update.transform_spec(fake_index, dim=6))  # ... when another refit publishes first
     with pytest.raises(IndexDirError, match=r"changed since this refit read it \(version 1 -> 2, .*\): run it again"):
         update.refit(fake_index, spec, generation=generation)
-    assert IndexDir(fake_index).manifest().transform.k == 6  # the other writer's change stands
+    assert IndexDir(fake_index).manifest().transform.dim == 6  # the other writer's change stands
 
 
 @case(

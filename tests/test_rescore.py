@@ -230,7 +230,7 @@ def test_an_index_of_lossy_faiss_codes_rescores_by_default(tmp_path: Path, facto
     manifest = build_index(
         CorpusSpec(tmp_path / "v.npy"), None, tmp_path / "idx", TransformSpec(), index=IndexSpec(factory)
     )
-    assert manifest.transform.k == manifest.transform.d == 16 and manifest.rescoring.depth == depth
+    assert manifest.transform.dim == manifest.transform.d == 16 and manifest.rescoring.depth == depth
     if factory == "PCA8,HNSW16":
         searcher = Searcher.load(tmp_path / "idx")
         exact = l2_normalize(vectors) @ l2_normalize(vectors[:50]).T

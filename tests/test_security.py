@@ -80,7 +80,7 @@ def test_a_fifo_or_folder_at_the_lock_file_is_refused(index: Path, tmp_path: Pat
     lock.mkdir()
     with pytest.raises(PlantedLinkError, match=f"^{lock} is not a file"):
         update.refit(index, TransformSpec(dim=4))
-    assert Manifest.load(index).transform.k == 8
+    assert Manifest.load(index).transform.dim == 8
 
 
 def test_the_cli_refuses_a_planted_lock_in_one_line(index: Path, tmp_path: Path) -> None:

@@ -138,7 +138,7 @@ def test_health_ready_info_and_the_page(client: TestClient) -> None:
     info = client.get("/info").json()
     assert info["ready"] is True
     index = info["index"]
-    assert (index["model"], index["pooling"], index["d"], index["k"], index["n"]) == ("fake", "mean", 16, 8, 300)
+    assert (index["model"], index["pooling"], index["d"], index["dim"], index["n"]) == ("fake", "mean", 16, 8, 300)
     assert index["gamma"] == DEFAULT_GAMMA and index["index_kind"] == "flat" and index["generation"] == 1
     assert "dims" in index["summary"] and index["summary"]["rows (N)"] == "300"
     assert index["stash"] is True and index["rescore_depth"] == 50  # reduced (8 of 16 dims): re-scored by default
@@ -293,7 +293,9 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
     ("get", "/search", {"params": {"q": "a", "k": "0"}}, 422, "invalid_param", "k"),
     ("get", "/search", {"params": {"q": "a", "k": "101"}}, 422, "invalid_param", "k"),
     ("get", "/search", {"params": {"q": "a", "k": "ten"}}, 422, "invalid_request", "k"),
-    ("get", "/search", {"params": {"q": "a", "ef": "0"}}, 422, "invalid_param", "ef"),
+    ("get", "/search", {"params": {"q": "a", "ef_search": "0"}}, 422, "invalid_param", "ef_search"),
+    ("get", "/search", {"params": {"q": "a", "ef": "8"}}, 422, "invalid_request", "ef"),  # its old name: refused
+    ("post", "/search", {"json": {"query": "a", "ef": 8}}, 422, "invalid_request", "ef"),
     ("get", "/search", {"params": {"q": "a", "nprobe": "99999"}}, 422, "invalid_param", "nprobe"),
     ("get", "/search", {"params": {"q": "a", "limit": "3"}}, 422, "invalid_request", "limit"),
     ("get", "/search", {"params": [("q", "a"), ("q", "b")]}, 422, "invalid_request", "q"),
@@ -312,7 +314,7 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
     ("post", "/search", {"json": {"query": "a", "k": 0}}, 422, "invalid_param", "k"),
     ("post", "/search", {"json": {"query": "a", "k": 10_001}}, 422, "invalid_param", "k"),
     ("post", "/search", {"json": {"query": "a", "rescore": -1}}, 422, "invalid_param", "rescore"),
-    ("post", "/search", {"json": {"query": "a", "ef_search": 8}}, 422, "invalid_request", "ef_search"),
+    ("post", "/search", {"json": {"query": "a", "ef_search": 0}}, 422, "invalid_param", "ef_search"),
     ("post", "/search", {"json": {"query": "a", "limit": 3}}, 422, "invalid_request", "limit"),
     ("post", "/search", {"json": {"queries": []}}, 422, "empty_query", "queries"),
     ("post", "/search", {"json": {"queries": ["a", " "]}}, 422, "empty_query", "queries"),
@@ -435,6 +437,8 @@ def test_bad_input_gets_a_clear_json_error(
     assert error["message"] and "\n" not in error["message"] and "Traceback" not in response.text
     if param:
         assert f"`{param}`" in error["message"]
+    if param == "ef":  # the old HTTP name of the HNSW width: refused, saying the new one
+        assert error["message"].endswith("it is `ef_search` now"), error
 
 
 def test_json_bodies_are_taken_by_media_type_and_only_routes_with_a_body_read_one(client: TestClient) -> None:

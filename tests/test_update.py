@@ -80,7 +80,7 @@ def test_refit_equals_a_clean_build_and_never_encodes(tmp_path, corpus, monkeypa
     # Same float64 moments on both sides: the kernels agree to rounding.
     np.testing.assert_allclose(a.kernel, b.kernel, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(a.mean, b.mean, rtol=1e-12)
-    assert manifest.transform.k == 6 and manifest.index.kind == "hnsw" and manifest.n == clean.n
+    assert manifest.transform.dim == 6 and manifest.index.kind == "hnsw" and manifest.n == clean.n
     assert manifest.generation == 2 and clean.generation == 1
     # HNSW stores its vectors flat underneath; float32 transform of identical inputs -> 1e-6.
     got = load_index(directory / INDEX).reconstruct_n(0, manifest.n)
@@ -444,7 +444,7 @@ def test_cli_add_npy_continues_row_ids_and_refit(tmp_path):
     result = runner.invoke(app, ["refit", str(directory), "--gamma", "1", "--index-type", "hnsw", "--m", "8"])
     assert result.exit_code == 0, result.output
     manifest = Searcher.load(directory).manifest
-    assert manifest.transform.k == 4 and manifest.transform.spec.gamma == 1.0  # --dim kept, --gamma changed
+    assert manifest.transform.dim == 4 and manifest.transform.spec.gamma == 1.0  # --dim kept, --gamma changed
     assert manifest.transform.spec.center is False  # ... and the centring kept
     assert manifest.index.factory == "HNSW8" and manifest.n == 230
     assert manifest.corpus.added[0]["rows"] == 30  # history survives a refit

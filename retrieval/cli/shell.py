@@ -165,7 +165,7 @@ def summary_line(directory: Path, manifest: Manifest, verb: str) -> str:
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in manifest.timings.items())
     size = sum(f["bytes"] for f in manifest.files.values()) + (manifest.stash.bytes if manifest.stash else 0)
     return (
-        f"{verb} {safe(str(directory))}: {manifest.n:,} rows, {t.d} -> {t.k} dims ({fit}); {manifest.index.kind} "
+        f"{verb} {safe(str(directory))}: {manifest.n:,} rows, {t.d} -> {t.dim} dims ({fit}); {manifest.index.kind} "
         f"index; {bytes_text(size)} on disk\n  time: {stages}"
     )
 

@@ -1,6 +1,6 @@
 """The HTTP service's app (FastAPI), assembled from its parts, and ``run`` (uvicorn).
 
-    GET  /search?q=...&k=10      POST /search {query | queries[], k, rescore, ef, nprobe, mode, filter}
+    GET  /search?q=...&k=10      POST /search {query | queries[], k, rescore, ef_search, nprobe, mode, filter}
     POST /embed {inputs, transformed}          GET /info    GET /metrics    POST /reload
     GET  /health (liveness, never protected)   GET /ready (loaded and warmed)    GET / (search page)
 

@@ -188,6 +188,16 @@ def _code_of(response: JSONResponse) -> str:
         return "unknown"
 
 
+# Request names that were renamed, refused with the new name in the message: accepting both would make requests the
+# OpenAPI document allows (both given) ones the server refuses, and no release promised the old name.
+RENAMED = {"ef": "ef_search"}
+
+
+def renamed(name: str | None) -> str:
+    """What to append to "unknown parameter `name`" when ``name`` is an old name: the name it has now."""
+    return f": it is `{RENAMED[name]}` now" if name in RENAMED else ""
+
+
 def validation_response(errors: Any) -> JSONResponse:
     """pydantic's list of errors as one message about the first, naming the field as the client spelled it."""
     errors = list(errors)
@@ -200,7 +210,7 @@ def validation_response(errors: Any) -> JSONResponse:
     if kind == "json_invalid":
         return error_response(422, "invalid_json", f"the body is not valid JSON ({first.get('ctx', {}).get('error')})")
     if kind == "extra_forbidden":
-        return error_response(422, "invalid_request", f"unknown field `{param}`", param)
+        return error_response(422, "invalid_request", f"unknown field `{param}`{renamed(param)}", param)
     if kind == "missing" and param is None:  # the body itself
         return error_response(422, "invalid_request", "the body is missing: send a JSON object")
     if kind == "missing":

@@ -19,19 +19,19 @@ from starlette.requests import ClientDisconnect
 from retrieval.errors import ConfigError, render
 from retrieval.filters import Filter, FilterError, from_json, parse
 from retrieval.search import SearchParams
-from retrieval.serve.errors import ApiError, client_closed, field_name, shutting_down
+from retrieval.serve.errors import ApiError, client_closed, field_name, renamed, shutting_down
 from retrieval.serve.schemas import WHOLE_DIGITS, default_k, param_bounds
 from retrieval.serve.service import ServeOptions, Service
 from retrieval.text import blank, valid_unicode
 
-INT_PARAMS = frozenset({"k", "rescore", "ef", "nprobe"})  # GET /search's whole-number parameters
+INT_PARAMS = frozenset({"k", "rescore", "ef_search", "nprobe"})  # GET /search's whole-number parameters
 
 
 def search_params(
     service: Service,
     k: int | None,
     rescore: int | None,
-    ef: int | None,
+    ef_search: int | None,
     nprobe: int | None,
     mode: str | None = None,
     where: Filter | None = None,
@@ -41,14 +41,14 @@ def search_params(
     cannot serve and a filter over columns it did not keep (or of the wrong type) are 422s too, found now."""
     options = service.options
     k = default_k(options) if k is None else k
-    given = {"k": k, "rescore": rescore, "ef": ef, "nprobe": nprobe}
+    given = {"k": k, "rescore": rescore, "ef_search": ef_search, "nprobe": nprobe}
     for name, (low, high) in param_bounds(options).items():
         value = given[name]
         if value is not None and not low <= value <= high:
             raise ApiError(422, "invalid_param", f"`{name}` must be between {low} and {high} (got {value})", name)
     if rescore and service.ready and service.searcher().manifest.stash is None:
         raise ApiError(422, "invalid_param", "this index kept no raw-vector stash: `rescore` must be 0", "rescore")
-    params = SearchParams(k=k, ef_search=ef, nprobe=nprobe, mode=mode, where=where)
+    params = SearchParams(k=k, ef_search=ef_search, nprobe=nprobe, mode=mode, where=where)
     if rescore is not None:  # None: the library's default depth
         params = replace(params, rescore=rescore)
     try:
@@ -119,7 +119,7 @@ def check_query_string(request: Request) -> None:
             raise ApiError(422, "invalid_request", message, name)
     unknown = sorted(set(request.query_params) - {"q", "mode", "where", *INT_PARAMS})
     if unknown:
-        raise ApiError(422, "invalid_request", f"unknown parameter `{unknown[0]}`", unknown[0])
+        raise ApiError(422, "invalid_request", f"unknown parameter `{unknown[0]}`{renamed(unknown[0])}", unknown[0])
     twice = next((name for name in request.query_params if len(request.query_params.getlist(name)) > 1), None)
     if twice is not None:  # which of two values would count is a guess: refused
         several = "; POST /search takes several queries" if twice == "q" else ""

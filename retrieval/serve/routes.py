@@ -107,7 +107,7 @@ def search_routes(api: APIRouter, service: Service) -> None:
             Query(description="Hits per query (default 10, or the server's `max_k` when lower)."),
         ] = None,
         rescore: Annotated[WholeNumberText | None, Query(description="Re-rank this many candidates.")] = None,
-        ef: Annotated[WholeNumberText | None, Query(description="HNSW search beam width.")] = None,
+        ef_search: Annotated[WholeNumberText | None, Query(description="HNSW search beam width.")] = None,
         nprobe: Annotated[WholeNumberText | None, Query(description="IVF lists probed.")] = None,
         mode: Annotated[
             Literal["dense", "lexical", "hybrid"] | None, Query(description="dense, lexical or hybrid.")
@@ -116,7 +116,7 @@ def search_routes(api: APIRouter, service: Service) -> None:
     ) -> JSONResponse:
         check_query_string(request)
         texts = query_texts([q], "q", options)
-        params = search_params(service, k, rescore, ef, nprobe, mode, parse_filter(where, None))
+        params = search_params(service, k, rescore, ef_search, nprobe, mode, parse_filter(where, None))
         return await run_search(request, texts, params)
 
     @api.post(
@@ -134,7 +134,7 @@ def search_routes(api: APIRouter, service: Service) -> None:
         else:
             texts = query_texts(body.queries or [], "queries", options)
         where = parse_filter(None, body.filter)
-        params = search_params(service, body.k, body.rescore, body.ef, body.nprobe, body.mode, where)
+        params = search_params(service, body.k, body.rescore, body.ef_search, body.nprobe, body.mode, where)
         return await run_search(request, texts, params)
 
     openai_routes(api, service, answer, encodes)
@@ -278,7 +278,7 @@ def describe(service: Service) -> dict[str, Any]:
         "precision": m.encoder.precision_used or m.encoder.precision,
         "transform": m.transform.kind,
         "d": m.transform.d,
-        "k": m.transform.k,
+        "dim": m.transform.dim,
         "gamma": spec.gamma if m.transform.kind == "whitening" else None,
         "n": m.n,
         "index_kind": m.index.kind,

@@ -41,7 +41,7 @@ class SearchRequest(BaseModel):
     queries: list[str] | None = Field(None, description="Several query texts, answered in order.")
     k: WholeNumber | None = Field(None, description="Hits per query (default 10, or the server's `max_k` when lower).")
     rescore: WholeNumber | None = Field(None, description="Re-rank this many candidates by the full stashed vectors.")
-    ef: WholeNumber | None = Field(None, description="HNSW search beam width (efSearch) for this request.")
+    ef_search: WholeNumber | None = Field(None, description="HNSW search beam width (efSearch) for this request.")
     nprobe: WholeNumber | None = Field(None, description="IVF lists probed for this request.")
     mode: Literal["dense", "lexical", "hybrid"] | None = Field(
         None, description="dense, lexical or hybrid (default: hybrid where the index has a lexical part)."
@@ -152,7 +152,7 @@ def param_bounds(options: ServeOptions) -> dict[str, tuple[int, int]]:
     return {
         "k": (1, options.max_k),
         "rescore": (0, options.max_rescore),
-        "ef": (1, options.max_knob),
+        "ef_search": (1, options.max_knob),
         "nprobe": (1, options.max_knob),
     }
 
@@ -161,7 +161,7 @@ def document_limits(
     app: FastAPI, options: ServeOptions, dimensions: Callable[[], tuple[int, int] | None] = lambda: None
 ) -> None:
     """Write the limits the handlers enforce into the OpenAPI spec (they are this server's options, not fixed in
-    the models): k, rescore, ef and nprobe bounds, text lengths, batch sizes; and ``widest()``, the most
+    the models): k, rescore, ef_search and nprobe bounds, text lengths, batch sizes; and ``widest()``, the most
     ``dimensions`` /v1/embeddings offers for the index being served (None while none is: the spec is written
     again when it changes)."""
     # Refused as empty too: a text of whitespace or of characters the tokenizer drops alone (a pattern is searched

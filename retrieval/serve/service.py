@@ -67,7 +67,7 @@ class ServeOptions:
     max_query_chars: int = 2000
     max_k: int = 100
     max_rescore: int = 1000
-    max_knob: int = 4096  # ef / nprobe: beyond this one query could occupy the engine for seconds
+    max_knob: int = 4096  # ef_search / nprobe: beyond this one query could occupy the engine for seconds
     max_body_bytes: int = 1 << 20
     # Queries waiting for the engine before new requests get 429.
     max_queue: int = 1024
