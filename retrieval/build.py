@@ -57,6 +57,7 @@ from retrieval.indexdir import (
 from retrieval.ingest import Ingest, poolings_for
 from retrieval.lexical import Analyzer, LexicalSpec
 from retrieval.moments import RunningMoments
+from retrieval.options import option
 from retrieval.progress import Progress, Timer, no_progress
 from retrieval.stash import BLOCK_ROWS, DTYPES, STATE_NAME, VectorStash
 from retrieval.whitening import RawTransform, TransformSpec, Whitening
@@ -71,13 +72,19 @@ RAY_WINDOW_ROWS = (512, 65536)  # rows per window of a distributed build: see ``
 class BuildOptions:
     """How the job runs, as opposed to what it computes."""
 
-    keep_vectors: bool = True
-    stash_dtype: str = "float32"
-    extra_poolings: tuple[str, ...] = ()
-    overwrite: bool = False
-    resume: bool = False
-    window_rows: int = WINDOW_ROWS
-    lexical: LexicalSpec | None = LexicalSpec()  # the BM25 part beside the dense index; None: dense only
+    keep_vectors: bool = option(True, "Keep the raw-vector stash (for refit/tune/rescore).")
+    stash_dtype: str = option("float32", f"Stash precision: {', '.join(DTYPES)}.")
+    extra_poolings: tuple[str, ...] = ()  # the CLI's --extra-pooling, repeatable
+    overwrite: bool = option(False, "Replace an existing index (only once the new one is done).")
+    resume: bool = option(False, "Continue an interrupted build of the same corpus and settings.")
+    window_rows: int = WINDOW_ROWS  # sized for the corpus: ``window_rows``
+    # the BM25 part beside the dense index; None: dense only (the command line's --no-lexical)
+    lexical: LexicalSpec | None = option(
+        LexicalSpec(),
+        "Also build a BM25 index of the texts (English stop words and stemmer), for hybrid search.",
+        cli_type=bool,
+        cli_default=True,
+    )
 
     def check(self) -> None:
         if self.lexical is not None:

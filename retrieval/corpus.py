@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from retrieval import options
 from retrieval.errors import CorpusError
 from retrieval.files import not_utf8, sha256
 from retrieval.text import blank
@@ -54,7 +55,12 @@ class CorpusSpec:
     title_column: str | None = None
     vectors_column: str | None = None
     skip_empty: bool = False
-    columns: tuple[str, ...] = ()
+    columns: tuple[str, ...] = options.option(
+        (),
+        "Comma-separated parquet columns kept with their types, for `search --where` filters.",
+        cli_type=str | None,
+        cli_default=None,
+    )
 
     def settings(self) -> dict[str, object]:
         """What, besides the files' bytes, decides which rows and texts come out (for fingerprints); ``columns``

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from retrieval.errors import ConfigError
+from retrieval.options import option
 
 METHODS = ("convex", "rrf")
 MODES = ("dense", "lexical", "hybrid")
@@ -27,8 +28,8 @@ class FusionSpec:
     Defaults chosen on SciFact's 809 train queries with all-MiniLM-L6-v2 (``scripts/bench_hybrid.py ir``): the convex
     mix at dense weight 0.4 scored nDCG@10 0.7299, 0.5 0.7297, RRF 0.7165 (docs/benchmarks/hybrid.md)."""
 
-    method: str = "convex"
-    weight: float = 0.4
+    method: str = option("convex", f"Hybrid: fuse by {' or '.join(METHODS)}.", flag_decls=("--fusion",))
+    weight: float = option(0.4, "Hybrid: the dense side's weight, 0-1.", flag_decls=("--fusion-weight",))
     rrf_k: int = 60
     depth: int = 100
 

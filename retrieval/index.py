@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 from retrieval.codes import MAGIC, ROTATIONS, BinaryIndex, binary_factory, is_binary_file
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.files import WRITE_ERRNOS
+from retrieval.options import option
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +44,26 @@ class IndexSpec:
     (fp16 for ivf, fp32 otherwise).
     """
 
-    kind: str = "flat"
-    m: int = 32
-    ef_construction: int = 200
-    ef_search: int = 128
-    nlist: int | None = None
-    nprobe: int | None = None
-    train_size: int | None = None
-    codes: str | None = None
-    rotation: str | None = None
+    kind: str = option(
+        "flat",
+        "flat, hnsw, ivf, or a FAISS index_factory string (HNSW32, IVF1024,SQ8, ...).",
+        flag_decls=("--index-type",),
+    )
+    m: int = option(32, "HNSW: neighbours per node.", flag_decls=("--m",))
+    ef_construction: int = option(200, "HNSW: build-time beam width.")
+    ef_search: int = option(128, "HNSW: default search beam width.")
+    nlist: int | None = option(None, "IVF: lists.", default_help="~4 sqrt(N), at most N/39")
+    nprobe: int | None = option(None, "IVF: lists probed per query.", default_help="~sqrt(nlist)")
+    train_size: int | None = option(None, "IVF/PQ: training sample rows.")
+    codes: str | None = option(
+        None,
+        f"What the index keeps of each vector: {', '.join(CODES)} (flat, hnsw, ivf; binary: 1 bit a dimension, "
+        "Hamming distance, re-scored from the stash).",
+        default_help="fp16 for ivf, else fp32",
+    )
+    rotation: str | None = option(
+        None, f"Binary codes: the rotation after the kernel, {', '.join(ROTATIONS)}.", default_help="itq"
+    )
 
     @property
     def code(self) -> str | None:

@@ -23,9 +23,10 @@ from retrieval.errors import ConfigError, IndexDirError
 from retrieval.files import available_memory, touch_pages
 from retrieval.filtered import search_filtered
 from retrieval.filters import Filter, evaluate
-from retrieval.fusion import FusionSpec, check_mode, fuse
+from retrieval.fusion import MODES, FusionSpec, check_mode, fuse
 from retrieval.index import FaissProduct, flat_vectors, list_count, one_query_twin, search_parameters
 from retrieval.indexdir import Loaded, Verify, load
+from retrieval.options import option
 from retrieval.scan import FlatScan
 from retrieval.stash import VectorStash
 from retrieval.text import blank, valid_unicode
@@ -52,9 +53,16 @@ class SearchParams:
     rescore: int | None = None
     ef_search: int | None = None
     nprobe: int | None = None
-    mode: str | None = None
-    fusion: FusionSpec | None = None
-    where: Filter | None = None
+    mode: str | None = option(
+        None, f"{', '.join(MODES)}.", default_help="hybrid where the index has a lexical part, else dense"
+    )
+    fusion: FusionSpec | None = None  # the command line's --fusion and --fusion-weight: FusionSpec's fields
+    where: Filter | None = option(
+        None,
+        "Keep only rows matching this filter over the index's --columns, e.g. \"year >= 2020 and source = "
+        "'pubmed'\" (=, !=, <, <=, >, >=, in (...), not in (...), is null, is not null; and, or, not, parentheses).",
+        cli_type=str | None,
+    )
 
     def check(self) -> None:
         if self.mode is not None:

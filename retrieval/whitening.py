@@ -17,6 +17,7 @@ import numpy as np
 
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.moments import RunningMoments
+from retrieval.options import option
 
 logger = logging.getLogger(__name__)
 
@@ -353,12 +354,23 @@ class TransformSpec:
     the manifest records the resolved spec.
     """
 
-    dim: int | None = None
-    gamma: float | None = None
-    epsilon: float = DEFAULT_EPSILON
-    whiten: bool | None = None
-    pooling: str | None = None
-    center: bool | None = None
+    dim: int | None = option(
+        None, "Output dimension: whitens down to it.", default_help="the encoder's own, raw vectors"
+    )
+    gamma: float | None = option(
+        None,
+        "Eigenvalue power: W = U_dim diag(lambda^(-gamma/2)); 1 whitens, 0 only rotates; given, it whitens.",
+        default_help=f"{DEFAULT_GAMMA:g} with --dim",
+    )
+    epsilon: float = option(DEFAULT_EPSILON, "Added to eigenvalues, relative to the largest.")
+    whiten: bool | None = None  # the CLI's --no-whiten (index) and --whiten/--no-whiten (refit)
+    pooling: str | None = None  # index: the encoder's --pooling; refit: the stashed pooling
+    center: bool | None = option(
+        None,
+        "Fit the kernel on x - mean (the paper) or on x as it is (the second moment).",
+        flag_decls=("--center/--no-center",),
+        default_help="centred at full dimension, uncentred with --dim",
+    )
 
     @classmethod
     def raw(cls, pooling: str | None = None) -> TransformSpec:

@@ -48,7 +48,7 @@ def test_the_cli_reference_takes_defaults_and_help_from_the_help_records(cli_ref
     page = cli_reference.reference()
     # the values --help shows: a default from the parameter, and one written into the help text
     assert re.search(r"\| `--max-queries <int>` \| 64 \| Queries in one request\. \|", page)
-    assert re.search(r"\| `--dim <int>` \| the encoder's own, raw vectors \| Output dimension k", page)
+    assert re.search(r"\| `--dim <int>` \| the encoder's own, raw vectors \| Output dimension: whitens", page)
 
 
 def test_the_readme_is_short_and_its_links_resolve() -> None:

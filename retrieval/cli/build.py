@@ -15,19 +15,16 @@ from retrieval.build import BuildOptions, build_index, check_target, window_rows
 from retrieval.cli import home
 from retrieval.cli.options import (
     AS_BUILT,
-    CODES_HELP,
-    CodesOption,
     CorpusArg,
-    DefaultBuild,
     DefaultEncoder,
     DefaultIndex,
-    DefaultTransform,
     IdOption,
     IndexDirArg,
-    RotationOption,
     SkipEmptyOption,
     TextOption,
     TitleOption,
+    adds_options,
+    fields_of,
 )
 from retrieval.cli.shell import choice, err, progress_bars, safe, sigterm_exits, summary_line, user_errors
 from retrieval.corpus import Corpus, CorpusSpec
@@ -38,7 +35,7 @@ from retrieval.index import IndexSpec
 from retrieval.indexdir import Manifest
 from retrieval.lexical import LexicalSpec
 from retrieval.stash import DTYPES
-from retrieval.whitening import DEFAULT_GAMMA, TransformSpec
+from retrieval.whitening import TransformSpec
 
 ENGINES = ("local", "ray")
 
@@ -47,31 +44,13 @@ if TYPE_CHECKING:
 
 
 @user_errors
+@adds_options(CorpusSpec, only=["columns"])
+@adds_options(BuildOptions)
+@adds_options(IndexSpec)
+@adds_options(TransformSpec)
 def index(
     corpus: CorpusArg,
-    dim: Annotated[
-        int | None,
-        typer.Option(help="Output dimension k: whitens down to k \\[default: the encoder's own, raw vectors]."),
-    ] = None,
-    gamma: Annotated[
-        float | None,
-        typer.Option(
-            help=f"Eigenvalue power: W = U_k diag(lambda^(-gamma/2)); 1 whitens, 0 only rotates; given, it whitens "
-            f"\\[default: {DEFAULT_GAMMA:g} with --dim]."
-        ),
-    ] = DefaultTransform.gamma,
-    epsilon: Annotated[
-        float, typer.Option(help="Added to eigenvalues, relative to the largest.")
-    ] = DefaultTransform.epsilon,
     no_whiten: Annotated[bool, typer.Option("--no-whiten", help="Raw baseline: L2-normalised encoder output.")] = False,
-    center: Annotated[
-        bool | None,
-        typer.Option(
-            "--center/--no-center",
-            help="Fit the kernel on x - mean (the paper) or on x as it is (the second moment) "
-            "\\[default: centred at full dimension, uncentred with --dim].",
-        ),
-    ] = DefaultTransform.center,
     model: Annotated[
         str, typer.Option(help="Local folder, installed offline model, or hub name.")
     ] = DefaultEncoder.model,
@@ -95,26 +74,7 @@ def index(
             "the first batch."
         ),
     ] = DefaultEncoder.precision,
-    index_type: Annotated[
-        str, typer.Option(help="flat, hnsw, ivf, or a FAISS index_factory string (HNSW32, IVF1024,SQ8, ...).")
-    ] = DefaultIndex.kind,
-    m: Annotated[int, typer.Option("--m", help="HNSW: neighbours per node.")] = DefaultIndex.m,
-    ef_construction: Annotated[int, typer.Option(help="HNSW: build-time beam width.")] = DefaultIndex.ef_construction,
-    ef_search: Annotated[int, typer.Option(help="HNSW: default search beam width.")] = DefaultIndex.ef_search,
-    nlist: Annotated[int | None, typer.Option(help="IVF: lists \\[default: ~4 sqrt(N), at most N/39].")] = None,
-    nprobe: Annotated[int | None, typer.Option(help="IVF: lists probed per query \\[default: ~sqrt(nlist)].")] = None,
-    train_size: Annotated[int | None, typer.Option(help="IVF/PQ: training sample rows.")] = None,
-    codes: CodesOption = None,
-    rotation: RotationOption = None,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Index directory \\[default: indexes/<stem>].")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing index (only once the new one is done).")] = False,
-    keep_vectors: Annotated[
-        bool, typer.Option(help="Keep the raw-vector stash (for refit/tune/rescore).")
-    ] = DefaultBuild.keep_vectors,
-    stash_dtype: Annotated[str, typer.Option(help=f"Stash precision: {', '.join(DTYPES)}.")] = DefaultBuild.stash_dtype,
-    resume: Annotated[
-        bool, typer.Option(help="Continue an interrupted build of the same corpus and settings.")
-    ] = False,
     engine: Annotated[
         str, typer.Option(help="Where texts are encoded: local (this process) or ray (Ray Data workers).")
     ] = "local",
@@ -123,45 +83,37 @@ def index(
         typer.Option(help="Ray: a running cluster (auto, host:port, ray://host:port) \\[default: start a local Ray]."),
     ] = None,
     workers: Annotated[int | None, typer.Option(help="Ray: encoding workers \\[default: one per CPU].")] = None,
-    lexical: Annotated[
-        bool,
-        typer.Option(help="Also build a BM25 index of the texts (English stop words and stemmer), for hybrid search."),
-    ] = True,
-    columns: Annotated[
-        str | None,
-        typer.Option(help="Comma-separated parquet columns kept with their types, for `search --where` filters."),
-    ] = None,
+    **specs: Any,
 ) -> None:
     """Build a whitened FAISS index from a parquet corpus (a file, a folder or a glob) or a .npy of vectors."""
     from retrieval.distributed import RayOptions
 
     choice("pooling", pooling, POOLINGS)
     choice("precision", precision, PRECISIONS)
-    choice("stash_dtype", stash_dtype, DTYPES)
+    choice("stash_dtype", specs["stash_dtype"], DTYPES)
     choice("engine", engine, ENGINES)
     if engine == "local" and (address is not None or workers is not None):
         raise ConfigError("`address` and `workers` are for `engine` ray", "engine")
-    transform = TransformSpec(dim=dim, gamma=gamma, epsilon=epsilon, whiten=False if no_whiten else None, center=center)
-    index_spec = IndexSpec(index_type, m, ef_construction, ef_search, nlist, nprobe, train_size, codes, rotation)
+    transform = TransformSpec(whiten=False if no_whiten else None, **fields_of(TransformSpec, specs))
+    index_spec = IndexSpec(**fields_of(IndexSpec, specs))
     transform.check()  # every value checked before a model is loaded; dim against d once it is known
     index_spec.check()
-    given: dict[str, Any] = {"nlist": nlist, "nprobe": nprobe, "train_size": train_size, "codes": codes}
-    given |= {"rotation": rotation}  # None unless given; the rest, unless changed
-    given |= {
-        name: value
-        for name, value in (("m", m), ("ef_construction", ef_construction), ("ef_search", ef_search))
-        if value != getattr(DefaultIndex, name)
+    given = {name: specs[name] for name in ("nlist", "nprobe", "train_size", "codes", "rotation")}  # None unless set
+    given |= {  # the rest, unless changed
+        name: specs[name]
+        for name in ("m", "ef_construction", "ef_search")
+        if specs[name] != getattr(DefaultIndex, name)
     }
     index_spec.check_given(given)
-    kept = tuple(c.strip() for c in (columns or "").split(",") if c.strip())
-    options = BuildOptions(keep_vectors, stash_dtype, tuple(extra_pooling or ()), overwrite, resume)
+    kept = tuple(c.strip() for c in (specs["columns"] or "").split(",") if c.strip())
+    build = fields_of(BuildOptions, specs) | {"lexical": LexicalSpec() if specs["lexical"] else None}
     run_build(
         CorpusSpec(corpus, text_column, id_column, title_column, vectors_column, skip_empty, kept),
         EncoderSpec(model, pooling, max_length, batch_size, precision),
         out_dir or home.default_out(corpus),
         transform,
         index_spec,
-        replace(options, lexical=LexicalSpec() if lexical else None),
+        BuildOptions(extra_poolings=tuple(extra_pooling or ()), **build),
         RayOptions(address, workers) if engine == "ray" else None,
     )
 
@@ -287,35 +239,15 @@ def read_ids(path: Path) -> list[str]:
 
 
 @user_errors
+@adds_options(IndexSpec, keep="keep")
+@adds_options(TransformSpec, keep="keep")
 def refit(
     index_dir: IndexDirArg,
-    dim: Annotated[int | None, typer.Option(help="Output dimension k \\[default: keep].")] = None,
-    gamma: Annotated[
-        float | None, typer.Option(help="Eigenvalue power: 1 whitens, 0 rotates \\[default: keep].")
-    ] = None,
-    epsilon: Annotated[float | None, typer.Option(help="Added to eigenvalues, relative \\[default: keep].")] = None,
     whiten: Annotated[
         bool | None, typer.Option("--whiten/--no-whiten", help="Whiten, or the raw baseline \\[default: keep].")
     ] = None,
-    center: Annotated[
-        bool | None,
-        typer.Option(
-            "--center/--no-center",
-            help="Fit on x - mean, or on x as it is \\[default: keep; with a new --dim, that dim's default].",
-        ),
-    ] = None,
     pooling: Annotated[str | None, typer.Option(help="Stashed pooling to fit on \\[default: keep].")] = None,
-    index_type: Annotated[
-        str | None, typer.Option(help="flat, hnsw, ivf, or a FAISS index_factory string \\[default: keep].")
-    ] = None,
-    m: Annotated[int | None, typer.Option("--m", help="HNSW: neighbours per node.")] = None,
-    ef_construction: Annotated[int | None, typer.Option(help="HNSW: build-time beam width.")] = None,
-    ef_search: Annotated[int | None, typer.Option(help="HNSW: default search beam width.")] = None,
-    nlist: Annotated[int | None, typer.Option(help="IVF: number of lists.")] = None,
-    nprobe: Annotated[int | None, typer.Option(help="IVF: lists probed per query.")] = None,
-    train_size: Annotated[int | None, typer.Option(help="IVF/PQ: training sample rows.")] = None,
-    codes: Annotated[str | None, typer.Option(help=f"{CODES_HELP} \\[default: keep].")] = None,
-    rotation: RotationOption = None,
+    **specs: Any,
 ) -> None:
     """Re-fit the kernel and rebuild the index from the stash, without re-encoding; unset options keep their values."""
     from retrieval.update import current, index_spec, transform_spec
@@ -323,12 +255,8 @@ def refit(
 
     choice("pooling", pooling, POOLINGS)
     generation = current(index_dir).generation  # first: the settings kept are read from this version or later
-    transform = transform_spec(
-        index_dir, dim=dim, gamma=gamma, epsilon=epsilon, whiten=whiten, center=center, pooling=pooling
-    )
-    knobs: dict[str, Any] = {"m": m, "ef_construction": ef_construction, "ef_search": ef_search, "nlist": nlist}
-    knobs |= {"nprobe": nprobe, "codes": codes, "rotation": rotation}
-    spec = index_spec(index_dir, kind=index_type, train_size=train_size, **knobs)
+    transform = transform_spec(index_dir, whiten=whiten, pooling=pooling, **fields_of(TransformSpec, specs))
+    spec = index_spec(index_dir, **fields_of(IndexSpec, specs))
     with sigterm_exits(), progress_bars() as update:
         manifest = refit_index(index_dir, transform, spec, progress=update, generation=generation)
     err.print(summary_line(index_dir, manifest, "refitted"), markup=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -14,21 +14,18 @@ from retrieval import files
 from retrieval.cli.options import (
     DefaultEncoder,
     DefaultSearch,
-    DefaultTransform,
     EfOption,
-    FusionOption,
-    FusionWeightOption,
     IndexArg,
-    ModeOption,
     NprobeOption,
     RescoreOption,
-    WhereOption,
+    adds_options,
+    adds_search_options,
     search_params,
 )
 from retrieval.cli.shell import choice, out, progress_bars, safe, user_errors, writable_file
 from retrieval.encode.spec import POOLINGS, EncoderSpec
 from retrieval.errors import ConfigError
-from retrieval.whitening import DEFAULT_GAMMA, TransformSpec
+from retrieval.whitening import TransformSpec
 
 eval_app = typer.Typer(
     help="Measure quality: IR metrics against qrels, or STS Spearman against gold scores.", no_args_is_help=True
@@ -38,6 +35,7 @@ IR_DEPTH = 100  # eval ir reports Recall@100 and MAP@100: hits retrieved per que
 
 @eval_app.command("ir")
 @user_errors
+@adds_search_options
 def eval_ir(
     index_dir: IndexArg,
     queries: Annotated[Path, typer.Option(help="Queries parquet (query_id, text).", exists=True, dir_okay=False)],
@@ -48,10 +46,7 @@ def eval_ir(
     nprobe: NprobeOption = None,
     per_query: Annotated[Path | None, typer.Option(help="Write per-query metrics here (JSON lines).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as JSON.")] = False,
-    mode: ModeOption = None,
-    where: WhereOption = None,
-    fusion: FusionOption = None,
-    fusion_weight: FusionWeightOption = None,
+    **hybrid: Any,
 ) -> None:
     """nDCG@10, Recall@10/100, MRR@10, MAP@100 of an index on queries with relevance judgements."""
     from retrieval.evaluate import evaluate_ir, read_judged
@@ -62,7 +57,7 @@ def eval_ir(
     if per_query is not None:
         writable_file(per_query, "per_query")  # before the evaluation, not after it
     knobs = {"k": depth, "rescore": rescore, "ef_search": ef_search, "nprobe": nprobe}
-    params = search_params(index_dir, mode, where, fusion, fusion_weight, **knobs)
+    params = search_params(index_dir, hybrid, **knobs)
     judged = read_judged(queries, qrels)  # before the encoder loads: a bad file is refused at once
     result = evaluate_ir(Searcher.load(index_dir), *judged, params)
     if per_query:
@@ -82,6 +77,7 @@ def eval_ir(
 
 @eval_app.command("sts")
 @user_errors
+@adds_options(TransformSpec, only=["dim", "gamma"])
 def eval_sts(
     pairs: Annotated[
         list[Path],
@@ -92,17 +88,11 @@ def eval_sts(
     pooling: Annotated[
         str, typer.Option(help=f"Pooling when no --index: {', '.join(POOLINGS)}.")
     ] = DefaultEncoder.pooling,
-    dim: Annotated[
-        int | None, typer.Option(help="Whiten down to this dimension \\[default: none, the raw vectors].")
-    ] = None,
-    gamma: Annotated[
-        float | None,
-        typer.Option(help=f"Eigenvalue power; given, it whitens \\[default with --dim: {DEFAULT_GAMMA:g}]."),
-    ] = DefaultTransform.gamma,
     fit_file: Annotated[
         list[Path] | None, typer.Option(help="More pair files whose sentences join the fit (e.g. train/dev splits).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    **fit: Any,
 ) -> None:
     """Spearman x100 between cosine and gold score, raw and transformed ("wmean" and "all" aggregations).
 
@@ -114,6 +104,7 @@ def eval_sts(
     from retrieval.search import Searcher
     from retrieval.whitening import RawTransform, Whitening
 
+    dim, gamma = fit["dim"], fit["gamma"]
     choice("pooling", pooling, POOLINGS)
     if index_dir is not None:  # the index's own encoder and transform: these would be ignored in silence
         given = {"model": model != DefaultEncoder.model, "pooling": pooling != DefaultEncoder.pooling}

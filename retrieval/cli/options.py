@@ -2,31 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import typing
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
 from retrieval.build import BuildOptions
-from retrieval.codes import ROTATIONS
 from retrieval.encode.spec import EncoderSpec
-from retrieval.fusion import METHODS, MODES, FusionSpec
-from retrieval.index import CODES, IndexSpec
+from retrieval.fusion import FusionSpec
+from retrieval.index import IndexSpec
 from retrieval.indexdir import RESCORE_DEPTH
+from retrieval.options import described
 from retrieval.search import SearchParams
 from retrieval.whitening import TransformSpec
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 TextOption = Annotated[str, typer.Option(help="Column with the document text.")]
-CODES_HELP = (
-    f"What the index keeps of each vector: {', '.join(CODES)} (flat, hnsw, ivf; binary: 1 bit a dimension, "
-    "Hamming distance, re-scored from the stash)"
-)
-CodesOption = Annotated[str | None, typer.Option(help=f"{CODES_HELP} \\[default: fp16 for ivf, else fp32].")]
-RotationOption = Annotated[
-    str | None,
-    typer.Option(help=f"Binary codes: the rotation after the kernel, {', '.join(ROTATIONS)} \\[default: itq]."),
-]
 IdOption = Annotated[
     str | None,
     typer.Option(
@@ -67,30 +64,21 @@ AS_BUILT = "\\[default: as the index was built]"
 IndexDirArg = Annotated[Path, typer.Argument(help="Index directory to change in place (atomically).", file_okay=False)]
 IndexArg = Annotated[Path, typer.Argument(help="Index directory.", exists=True, file_okay=False)]
 
-ModeOption = Annotated[
-    str | None,
-    typer.Option(help=f"{', '.join(MODES)} \\[default: hybrid where the index has a lexical part, else dense]."),
-]
-WhereOption = Annotated[
-    str | None,
-    typer.Option(
-        help="Keep only rows matching this filter over the index's --columns, e.g. \"year >= 2020 and source = "
-        "'pubmed'\" (=, !=, <, <=, >, >=, in (...), not in (...), is null, is not null; and, or, not, parentheses)."
-    ),
-]
-FusionOption = Annotated[
-    str | None, typer.Option(help=f"Hybrid: fuse by {' or '.join(METHODS)} \\[default: the index's].")
-]
-FusionWeightOption = Annotated[
-    float | None, typer.Option(help="Hybrid: the dense side's weight, 0-1 \\[default: the index's].")
-]
+
+def adds_search_options(command: F) -> F:
+    """``mode`` and ``where`` (SearchParams' fields), ``--fusion`` and ``--fusion-weight`` (FusionSpec's ``method``
+    and ``weight``, defaulting to the index's): the options of a command that searches, taken as ``**options``
+    and turned into SearchParams by ``search_params``."""
+    command = adds_options(FusionSpec, keep="the index's")(command)
+    return adds_options(SearchParams)(command)
 
 
-def search_params(
-    directory: Path | None, mode: str | None, where: str | None, fusion: str | None, weight: float | None, **knobs: Any
-) -> SearchParams:
-    """The search parameters of the CLI's options, every value checked (``fusion`` starts from the index's)."""
+def search_params(directory: Path | None, options: dict[str, Any], **knobs: Any) -> SearchParams:
+    """The search parameters of the CLI's options (``adds_search_options``), every value checked (the fusion
+    starts from the index's)."""
     from retrieval.filters import parse
+
+    mode, where, fusion, weight = (options[name] for name in ("mode", "where", "method", "weight"))
 
     spec = None
     if fusion is not None or weight is not None:
@@ -103,3 +91,49 @@ def search_params(
     params = SearchParams(mode=mode, fusion=spec, where=parse(where) if where is not None else None, **knobs)
     params.check()
     return params
+
+
+def adds_options(
+    spec: type,
+    *,
+    only: Sequence[str] | None = None,
+    keep: str | None = None,
+) -> Callable[[F], F]:
+    """Give a command one option per documented field of ``spec`` (``retrieval.options``): the field's name,
+    type, default and help, declared once there. The command takes them as ``**options``. Fields marked
+    ``cli=False`` are left out; ``only`` picks (and orders) some; a field's ``cli_type`` and ``cli_default``
+    stand for its own where the command line reads it otherwise; ``keep``: every default is None, meaning this
+    (``keep``: a command that changes an index keeps its value)."""
+    hints = typing.get_type_hints(spec)
+    chosen = {item.name: item for item in described(spec) if item.metadata.get("cli", True)}
+    names = list(only) if only is not None else list(chosen)
+
+    def decorate(command: F) -> F:
+        signature = inspect.signature(command, eval_str=True)  # the typer options inside Annotated, as objects
+        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        added = []
+        for name in names:
+            item = chosen[name]
+            kind = item.metadata.get("cli_type", hints[name])
+            default = item.default  # cli_default where it has one
+            text = item.help
+            if keep is not None:
+                kind, default, text = kind | None, None, f"{text} \\[default: {keep}]"
+            elif "default_help" in item.metadata:
+                text = f"{text} \\[default: {item.metadata['default_help']}]"
+            decls = item.metadata.get("flag_decls", ())
+            option = typer.Option(*decls, help=text, show_default=keep is None and "default_help" not in item.metadata)
+            annotation = Annotated[kind, option]  # type: ignore[valid-type]  # the field's type, read at run time
+            added.append(
+                inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+            )
+        command.__signature__ = signature.replace(parameters=[*own, *added])  # type: ignore[attr-defined]
+        return command
+
+    return decorate
+
+
+def fields_of(spec: type, options: dict[str, Any]) -> dict[str, Any]:
+    """The options a command received (``adds_options``) that are fields of ``spec``."""
+    names = {field.name for field in dataclasses.fields(spec)}
+    return {name: value for name, value in options.items() if name in names}

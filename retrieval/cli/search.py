@@ -15,13 +15,10 @@ from retrieval.cli import home
 from retrieval.cli.options import (
     DefaultSearch,
     EfOption,
-    FusionOption,
-    FusionWeightOption,
     IndexOption,
-    ModeOption,
     NprobeOption,
     RescoreOption,
-    WhereOption,
+    adds_search_options,
     search_params,
 )
 from retrieval.cli.shell import out, progress_bars, safe, user_errors
@@ -31,6 +28,7 @@ from retrieval.search import SearchParams
 
 
 @user_errors
+@adds_search_options
 def search(
     query: Annotated[str | None, typer.Argument(help="The query text (or give --queries).")] = None,
     index_dir: IndexOption = None,
@@ -51,10 +49,7 @@ def search(
     text_column: Annotated[
         str | None, typer.Option(help="--queries parquet: the column of query texts \\[default: text].")
     ] = None,
-    mode: ModeOption = None,
-    where: WhereOption = None,
-    fusion: FusionOption = None,
-    fusion_weight: FusionWeightOption = None,
+    **hybrid: Any,
 ) -> None:
     """Search an index with a text query, or with every query of a file (--queries)."""
     from retrieval.search import Searcher
@@ -65,7 +60,7 @@ def search(
         raise ConfigError("give a QUERY to search for, or `queries` (a file of queries)", "queries")
     directory = index_dir or home.default_index()
     knobs = {"k": k, "rescore": rescore, "ef_search": ef_search, "nprobe": nprobe}
-    params = search_params(directory, mode, where, fusion, fusion_weight, **knobs)
+    params = search_params(directory, hybrid, **knobs)
     if query is not None:
         search_one(query, directory, params, as_json)
         return

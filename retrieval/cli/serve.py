@@ -5,16 +5,15 @@ from __future__ import annotations
 import logging
 import signal
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from retrieval.cli import home
+from retrieval.cli.options import adds_options
 from retrieval.cli.shell import err, safe, user_errors
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.serve.service import ServeOptions
-
-DefaultServe = ServeOptions()
 
 
 def _threads_option(value: str, name: str) -> int | str:
@@ -29,6 +28,7 @@ def _threads_option(value: str, name: str) -> int | str:
 
 
 @user_errors
+@adds_options(ServeOptions)
 def serve(
     index_dir: Annotated[Path | None, typer.Argument(help="Index directory \\[default: the last built].")] = None,
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
@@ -42,36 +42,8 @@ def serve(
             "/openapi.json stay open (or set RETRIEVAL_API_KEY).",
         ),
     ] = None,
-    max_batch: Annotated[int, typer.Option(help="Micro-batching: queries per engine batch.")] = DefaultServe.max_batch,
-    max_wait_ms: Annotated[
-        float, typer.Option(help="Micro-batching: wait this long for more queries after the first.")
-    ] = DefaultServe.max_wait_ms,
-    fill_wait_ms: Annotated[
-        float,
-        typer.Option(
-            help="Micro-batching: while a batch holds fewer queries than were in flight when the last one ended "
-            "(those it answered and those waiting), wait this long for the rest."
-        ),
-    ] = DefaultServe.fill_wait_ms,
-    torch_threads: Annotated[
-        str, typer.Option(help="torch intra-op threads, or auto: the engine times its batches and keeps the faster.")
-    ] = str(DefaultServe.torch_threads),
-    blas_threads: Annotated[int, typer.Option(help="numpy BLAS threads (flat scans).")] = DefaultServe.blas_threads,
-    engine_workers: Annotated[
-        int, typer.Option(help="Engine threads, each encoding and searching one batch at a time.")
-    ] = DefaultServe.engine_workers,
-    faiss_threads: Annotated[
-        int, typer.Option(help="FAISS OpenMP threads in the engine.")
-    ] = DefaultServe.faiss_threads,
-    max_queries: Annotated[int, typer.Option(help="Queries in one request.")] = DefaultServe.max_queries,
-    max_query_chars: Annotated[int, typer.Option(help="Characters in one query.")] = DefaultServe.max_query_chars,
-    max_k: Annotated[int, typer.Option(help="Hits per query.")] = DefaultServe.max_k,
-    max_body_bytes: Annotated[int, typer.Option(help="Request body size (413 above).")] = DefaultServe.max_body_bytes,
-    max_queue: Annotated[int, typer.Option(help="Queries waiting before 429.")] = DefaultServe.max_queue,
-    watch_interval: Annotated[
-        float, typer.Option(help="Seconds between looks at the index directory for a new version (0: off).")
-    ] = DefaultServe.watch_interval,
     shutdown_timeout: Annotated[int, typer.Option(help="On SIGTERM, seconds to let requests in flight finish.")] = 30,
+    **served: Any,
 ) -> None:
     """Serve an index over HTTP (FastAPI): /search, /embed, /info, /health, /ready, /metrics, a page at /."""
     from retrieval.indexdir import IndexDir
@@ -87,21 +59,8 @@ def serve(
         raise ConfigError(f"`port` must be between 0 and 65535 (got {port})", "port")
     if shutdown_timeout < 0:
         raise ConfigError(f"`shutdown_timeout` must be 0 or more seconds (got {shutdown_timeout})", "shutdown_timeout")
-    options = ServeOptions(
-        max_batch=max_batch,
-        max_wait_ms=max_wait_ms,
-        fill_wait_ms=fill_wait_ms,
-        torch_threads=_threads_option(torch_threads, "torch_threads"),
-        faiss_threads=faiss_threads,
-        blas_threads=blas_threads,
-        engine_workers=engine_workers,
-        max_queries=max_queries,
-        max_query_chars=max_query_chars,
-        max_k=max_k,
-        max_body_bytes=max_body_bytes,
-        max_queue=max_queue,
-        watch_interval=watch_interval,
-    )
+    served["torch_threads"] = _threads_option(served["torch_threads"], "torch_threads")
+    options = ServeOptions(**served)
     options.check()
     server.check_api_key(api_key)
     directory = index_dir or home.default_index("name it: `retrieval serve DIR`")

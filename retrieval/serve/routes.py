@@ -14,6 +14,7 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 import retrieval
+from retrieval.options import described, values
 from retrieval.search import SearchParams
 from retrieval.serve.errors import ApiError, client_closed, shutting_down
 from retrieval.serve.metrics import Metrics
@@ -240,20 +241,8 @@ def describe(service: Service) -> dict[str, Any]:
         "last_reload_error": service.last_error,
         "last_reload_error_at": service.last_error_at,
         "watch_interval_s": options.watch_interval,
-        "limits": {
-            "max_queries": options.max_queries,
-            "max_query_chars": options.max_query_chars,
-            "max_k": options.max_k,
-            "max_rescore": options.max_rescore,
-            "max_ef_nprobe": options.max_knob,
-            "max_body_bytes": options.max_body_bytes,
-            "max_queue": options.max_queue,
-        },
-        "batching": {
-            "max_batch": options.max_batch,
-            "max_wait_ms": options.max_wait_ms,
-            "fill_wait_ms": options.fill_wait_ms,
-        },
+        **{group: grouped(options, group) for group in ("limits", "batching")},
+        "options": values(options),  # each option with its value, default and help, from ServeOptions' fields
         "threads": {
             "torch": options.torch_threads,
             "torch_auto": service.threads.describe() if service.threads is not None else None,
@@ -294,3 +283,12 @@ def describe(service: Service) -> dict[str, Any]:
         "columns": [{"name": name, "type": kind} for name, kind in m.columns.items()],
     }
     return {"ready": service.ready, "index": index, "server": server}
+
+
+def grouped(options: ServeOptions, group: str) -> dict[str, Any]:
+    """The server's options of one group (``limits``, ``batching``), as their fields declare them."""
+    return {
+        item.name: getattr(options, item.name)
+        for item in described(ServeOptions)
+        if item.metadata.get("group") == group
+    }

@@ -152,8 +152,8 @@ def param_bounds(options: ServeOptions) -> dict[str, tuple[int, int]]:
     return {
         "k": (1, options.max_k),
         "rescore": (0, options.max_rescore),
-        "ef_search": (1, options.max_knob),
-        "nprobe": (1, options.max_knob),
+        "ef_search": (1, options.max_ef_nprobe),
+        "nprobe": (1, options.max_ef_nprobe),
     }
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from retrieval.encode.spec import Encoder
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.indexdir import Identity, IndexDir, Verify, check_verify, now
+from retrieval.options import option
 from retrieval.search import MAX_K, Searcher
 from retrieval.serve.autothreads import ThreadChooser
 from retrieval.serve.batching import Batcher, BatchStats
@@ -31,7 +32,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """The service's limits and engine settings; the CLI's `serve` options take their defaults from here.
+    """The service's limits and engine settings, each declared once (``options.option``): the CLI's `serve` options,
+    /info and the documentation's table are generated from these fields.
 
     Engine defaults were measured with scripts/bench_serve.py on a 100k-document MiniLM index on this project's
     2-core machine (results/serve/): see the comments on each.
@@ -41,38 +43,50 @@ class ServeOptions:
     # T = 0: a wait only adds latency, since requests queue up by themselves while a batch runs (T = 10 ms:
     # 1 client 26 QPS, p50 33 ms, against 50 QPS, p50 20 ms at T = 0; 16 clients 26 against 64 QPS).
     # B: see README "Serving" (B = 1, no batching, to 64; 16 and 64 clients).
-    max_batch: int = 32
-    max_wait_ms: float = 0.0
+    max_batch: int = option(32, "Micro-batching: queries per engine batch.", group="batching")
+    max_wait_ms: float = option(
+        0.0, "Micro-batching: wait this long for more queries after the first.", group="batching"
+    )
     # While a batch holds fewer queries than were in flight when the last one ended (those it answered and those
     # waiting), wait up to this long for the rest (``Batcher``):
     # closed-loop clients otherwise split into alternating batches of a few and many queries. HNSW 100k, bf16
     # machine, 16 clients: see README "Micro-batching" for the measurements behind the value.
-    fill_wait_ms: float = 2.0
+    fill_wait_ms: float = option(
+        2.0,
+        "Micro-batching: while a batch holds fewer queries than were in flight when the last one ended (those it "
+        "answered and those waiting), wait this long for the rest.",
+        group="batching",
+    )
     # Threads of torch's intra-op pool (process-wide): "auto" measures (``autothreads``). Neither fixed
     # count wins everywhere: on the quiet 2-core machine two threads answered more (HNSW 100k: 16 clients 161 vs
     # 130 QPS), with three other busy processes far less (1 client 13 vs 32 QPS; at load average 10-12 on the
     # shared machine: 6 vs 50). "auto" needs one engine worker (the setting is the whole process's).
     # FAISS's OpenMP pool in the engine thread: one; two FAISS threads: 1 client p99 69 against 30 ms, 16 clients
     # 51 against 64 QPS (flat; HNSW 16 clients 108 vs 130 QPS).
-    torch_threads: int | str = "auto"
-    faiss_threads: int = 1
+    torch_threads: int | str = option(
+        "auto", "torch intra-op threads, or auto: the engine times its batches and keeps the faster.", cli_type=str
+    )
+    faiss_threads: int = option(1, "FAISS OpenMP threads in the engine.")
     # Threads of numpy's BLAS (process-wide), which runs the flat scan's matrix product for batches of 4-19
     # queries (retrieval/scan.py). OpenBLAS's threads spin after each product, taking the core the forward pass
     # of the next batch needs: 100k flat index, 16 clients, 34 QPS with its default (2 threads), 50 with one.
-    blas_threads: int = 1
+    blas_threads: int = option(1, "numpy BLAS threads (flat scans).")
     # Engine workers: batches processed at once, each on one torch thread and one FAISS thread.
-    engine_workers: int = 1
+    engine_workers: int = option(1, "Engine threads, each encoding and searching one batch at a time.")
     # Limits of one request: queries in a batch request, characters of one query, hits per query.
-    max_queries: int = 64
-    max_query_chars: int = 2000
-    max_k: int = 100
-    max_rescore: int = 1000
-    max_knob: int = 4096  # ef_search / nprobe: beyond this one query could occupy the engine for seconds
-    max_body_bytes: int = 1 << 20
+    max_queries: int = option(64, "Queries in one request.", group="limits")
+    max_query_chars: int = option(2000, "Characters in one query.", group="limits")
+    max_k: int = option(100, "Hits per query.", group="limits")
+    max_rescore: int = option(1000, "Candidates one query may re-score.", cli=False, group="limits")
+    # ef_search / nprobe: beyond this one query could occupy the engine for seconds
+    max_ef_nprobe: int = option(
+        4096, "The largest ef_search or nprobe one query may ask for.", cli=False, group="limits"
+    )
+    max_body_bytes: int = option(1 << 20, "Request body size (413 above).", group="limits")
     # Queries waiting for the engine before new requests get 429.
-    max_queue: int = 1024
+    max_queue: int = option(1024, "Queries waiting before 429.", group="limits")
     # Seconds between two looks at the index directory (0: never; POST /reload still works).
-    watch_interval: float = 1.0
+    watch_interval: float = option(1.0, "Seconds between looks at the index directory for a new version (0: off).")
     verify: Verify = "full"
 
     def check(self) -> None:
@@ -84,7 +98,7 @@ class ServeOptions:
             "max_queries": self.max_queries,
             "max_query_chars": self.max_query_chars,
             "max_k": self.max_k,
-            "max_knob": self.max_knob,
+            "max_ef_nprobe": self.max_ef_nprobe,
             "max_body_bytes": self.max_body_bytes,
             "max_queue": self.max_queue,
         }
