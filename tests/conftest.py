@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,16 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     return root
+
+
+@pytest.fixture(autouse=True)
+def retrieval_log_level() -> Iterator[None]:
+    """`serve` run in process lowers the library's log level to INFO for the process; the tests after it (on the
+    same xdist worker) would see INFO lines where they count one error line. Each test starts at the level it had."""
+    logger = logging.getLogger("retrieval")
+    level = logger.level
+    yield
+    logger.setLevel(level)
 
 
 VOCAB = (
