@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,7 +34,10 @@ def test_a_json_result_records_cpu_revision_load_and_command(tmp_path: Path) -> 
         assert prov["git"]["revision"] == revision.stdout.strip()
         assert isinstance(prov["git"]["dirty"], bool)
     assert len(prov["loadavg_at_start"]) == 3 and len(prov["loadavg_at_end"]) == 3
-    assert "pytest" in prov["command"] and not prov["command"].startswith("/")
+    # the command that ran (pytest's, or an xdist worker's), its interpreter by name, not by absolute path
+    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    assert prov["command"] == shlex.join([Path(argv[0]).name, *argv[1:]])
+    assert not prov["command"].startswith("/")
 
 
 def test_the_cpu_flags_decide_bf16_vnni_amx(monkeypatch: pytest.MonkeyPatch) -> None:
