@@ -8,10 +8,11 @@ written by one process and registered by another (``write_part`` then ``register
 workers write, its driver registers). Reading is by memory map, opened once per part, so the whole stash is
 never in RAM; ``verify`` checks the parts against their checksums before a writer builds on them.
 
-An int8 stash keeps each part's vectors as 8-bit codes with a range per dimension (``quantize``): a quarter of
-float32's bytes, the codes memory-mapped and decoded to float32 only for the rows read. Its parts carry one more
-file, ``<stem>.<pooling>.scale.npy`` (each dimension's low end and step), and its ``stash.json`` format 3, which
-older versions refuse rather than read codes as vectors.
+An int8 stash keeps each part's vectors as each row's length and 8-bit codes of its direction with a range per
+dimension (``quantize``): a quarter of float32's bytes, the codes memory-mapped and decoded to float32 only for the
+rows read. Its parts carry two more files, ``<stem>.<pooling>.scale.npy`` (each dimension's low end and step) and
+``<stem>.<pooling>.norms.npy`` (each row's length), and its ``stash.json`` format 4, which older versions refuse
+rather than read codes as vectors. Format 3 (codes of the vectors themselves, no lengths) is still read.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from retrieval.files import inside, more_open_files, part_fingerprint, sha256, w
 from retrieval.moments import RunningMoments
 
 STASH_FORMAT = 2
-CODED_FORMAT = 3  # an int8 stash: parts with scale files
-READ_FORMATS = (STASH_FORMAT, CODED_FORMAT)
+CODED_FORMAT = 3  # an int8 stash of codes of the vectors: parts with scale files (read, no longer written)
+NORMED_FORMAT = 4  # an int8 stash of codes of each row's direction: parts with scale and norms files
+READ_FORMATS = (STASH_FORMAT, CODED_FORMAT, NORMED_FORMAT)
 STATE_NAME = "stash.json"
 DTYPES = ("float32", "float16", "int8")
 BLOCK_ROWS = 65536  # rows per block when streaming the stash
@@ -56,24 +58,34 @@ def titles_of(docs: pa.Table) -> list[str | None] | None:
 PRECISION_LOST_INT8 = 1e-2
 
 
-def quantize(vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """int8 codes of ``vectors`` (n, d) and their scale (2, d) float32: each dimension's low end and step, 255
-    steps spanning its range over these rows (a constant dimension: step 1, every code the same)."""
+def quantize(vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int8 codes of ``vectors`` (n, d), their scale (2, d) float32 and each row's length (n,) float32.
+
+    Each row is divided by its length and the directions are coded: 255 steps spanning each dimension's range over
+    these rows (a constant dimension: step 1, every code the same), rounded to the nearest. Cosine re-scoring
+    needs only the direction, and coding the rows as they are gave a short row the steps set by the long ones:
+    its relative error grew with the spread of the lengths (1.5 to 8.5 among CACM's MiniLM vectors). Coding
+    directions cut the rms error of a re-scored cosine by 1.1-1.8x on the four IR sets, for 4 bytes a row."""
     vectors = np.asarray(vectors, dtype=np.float32)
-    if not len(vectors):
-        return np.empty(vectors.shape, dtype=np.int8), np.stack(
-            [np.zeros(vectors.shape[1]), np.ones(vectors.shape[1])]
-        ).astype(np.float32)
-    low, high = vectors.min(axis=0), vectors.max(axis=0)
-    step = ((high - low) / 255).astype(np.float32)
+    n, d = vectors.shape
+    if not n:
+        return np.empty((0, d), dtype=np.int8), np.stack([np.zeros(d), np.ones(d)]).astype(np.float32), np.empty(0)
+    norms = np.sqrt(np.einsum("ij,ij->i", vectors, vectors, dtype=np.float64))
+    unit = vectors / np.where(norms > 0, norms, 1.0)[:, None]  # a zero row stays zero
+    low, high = unit.min(axis=0), unit.max(axis=0)
+    step = (high - low) / 255
     step[step <= 0] = 1.0
-    codes = np.clip(np.rint((vectors - low) / step), 0, 255) - 128
-    return codes.astype(np.int8), np.stack([low, step]).astype(np.float32)
+    codes = np.clip(np.rint((unit - low) / step), 0, 255) - 128
+    return codes.astype(np.int8), np.stack([low, step]).astype(np.float32), norms.astype(np.float32)
 
 
-def dequantize(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """float32 vectors of int8 ``codes`` and their ``scale`` (``quantize``)."""
-    return (scale[0] + (np.asarray(codes, dtype=np.float32) + 128) * scale[1]).astype(np.float32, copy=False)
+def dequantize(codes: np.ndarray, scale: np.ndarray, norms: np.ndarray | None = None) -> np.ndarray:
+    """float32 vectors of int8 ``codes``, their ``scale`` and row lengths (``quantize``; None: a format-3 part,
+    whose codes are of the vectors themselves)."""
+    decoded = scale[0] + (np.asarray(codes, dtype=np.float32) + 128) * scale[1]
+    if norms is not None:
+        decoded *= np.asarray(norms, dtype=np.float32)[:, None]
+    return decoded.astype(np.float32, copy=False)
 
 
 @dataclass(frozen=True)
@@ -86,10 +98,11 @@ class Part:
     source_batches: int = 1
     checksums: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {bytes, sha256, sampled_sha256}
     scales: dict[str, str] = field(default_factory=dict)  # pooling -> .scale.npy name (int8 stashes only)
+    norms: dict[str, str] = field(default_factory=dict)  # pooling -> .norms.npy name (int8, format 4 on)
 
     @property
     def names(self) -> list[str]:
-        return [self.docs, *self.vectors.values(), *self.scales.values()]
+        return [self.docs, *self.vectors.values(), *self.scales.values(), *self.norms.values()]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,6 +116,7 @@ class Part:
             source_batches=int(data.get("source_batches", 1)),
             checksums=dict(data.get("checksums", {})),
             scales=dict(data.get("scales", {})),
+            norms=dict(data.get("norms", {})),
         )
 
 
@@ -114,7 +128,7 @@ class VectorStash:
         self.state = state
         self._parts = [Part.from_dict(p) for p in state["parts"]]
         self._maps: dict[tuple[str, int], np.ndarray] = {}
-        self._scales: dict[tuple[str, int], np.ndarray] = {}
+        self._scales: dict[tuple[str, int], tuple[np.ndarray, np.ndarray | None]] = {}
         self._maps_lock = threading.Lock()
 
     # ----- creation and opening -----------------------------------------------------------------------
@@ -125,7 +139,7 @@ class VectorStash:
         if dtype not in DTYPES:
             raise ConfigError(f"unknown `stash_dtype` {dtype!r}; choose one of {', '.join(DTYPES)}", "stash_dtype")
         root.mkdir(parents=True, exist_ok=True)
-        version = CODED_FORMAT if dtype == "int8" else STASH_FORMAT
+        version = NORMED_FORMAT if dtype == "int8" else STASH_FORMAT
         state = {"format": version, "dim": dim, "dtype": dtype, "poolings": list(poolings), "meta": meta or {}}
         stash = cls(root, state | {"parts": []})
         stash._save_state()
@@ -155,6 +169,8 @@ class VectorStash:
 
     def _save_state(self) -> None:
         self.state["parts"] = [p.to_dict() for p in self._parts]
+        if any(p.norms for p in self._parts):  # a format-3 stash that gained parts of directions
+            self.state["format"] = NORMED_FORMAT
         write_atomic(self.root / STATE_NAME, json.dumps(self.state, indent=1).encode())
 
     # ----- properties ---------------------------------------------------------------------------------
@@ -205,37 +221,38 @@ class VectorStash:
 
         Writing the same stem again replaces the files with identical bytes, so a retried writer is harmless."""
         checksums: dict[str, dict[str, Any]] = {}
-        names, scales = {}, {}
+        names, scales, norms = {}, {}, {}
         for pooling in self.poolings:
             self._check_range(vectors[pooling], ids)
-            array, scale = self._encode(vectors[pooling])
-            self._check_precision(vectors[pooling], array if scale is None else dequantize(array, scale))
+            array, coded = self._encode(vectors[pooling])
+            self._check_precision(vectors[pooling], array if coded is None else dequantize(array, *coded))
             if array.shape != (len(ids), self.dim):
                 raise ValueError(f"part {stem}: vectors {array.shape} for {len(ids)} rows of dimension {self.dim}")
             names[pooling] = f"{stem}.{pooling}.npy"
             checksums[names[pooling]] = self._write(names[pooling], _npy(array))
-            if scale is not None:
-                scales[pooling] = f"{stem}.{pooling}.scale.npy"
-                checksums[scales[pooling]] = self._write(scales[pooling], _npy(scale))
+            if coded is not None:
+                scales[pooling], norms[pooling] = f"{stem}.{pooling}.scale.npy", f"{stem}.{pooling}.norms.npy"
+                checksums[scales[pooling]] = self._write(scales[pooling], _npy(coded[0]))
+                checksums[norms[pooling]] = self._write(norms[pooling], _npy(coded[1]))
         table = pa.table({"id": pa.array(list(ids), pa.string()), "text": pa.array(list(texts), pa.string())})
         if titles is not None:
             table = table.append_column("title", pa.array(list(titles), pa.string()))
         buffer = io.BytesIO()
         pq.write_table(table, buffer)
         checksums[f"{stem}.parquet"] = self._write(f"{stem}.parquet", buffer.getvalue())
-        return Part(len(ids), names, f"{stem}.parquet", source_batches, checksums, scales)
+        return Part(len(ids), names, f"{stem}.parquet", source_batches, checksums, scales, norms)
 
-    def _encode(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """The array a part file holds, and its scale (int8 only)."""
+    def _encode(self, vectors: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+        """The array a part file holds, and its scale and row lengths (int8 only)."""
         if self.dtype == "int8":
-            codes, scale = quantize(vectors)
-            return codes, scale
+            codes, scale, norms = quantize(vectors)
+            return codes, (scale, norms)
         return np.ascontiguousarray(vectors, dtype=self.dtype), None
 
     def stored(self, vectors: np.ndarray) -> np.ndarray:
         """``vectors`` (one part's) as this stash gives them back: float32 after its rounding."""
-        array, scale = self._encode(vectors)
-        return array.astype(np.float32, copy=False) if scale is None else dequantize(array, scale)
+        array, coded = self._encode(vectors)
+        return array.astype(np.float32, copy=False) if coded is None else dequantize(array, *coded)
 
     def _check_range(self, vectors: np.ndarray, ids: Sequence[str]) -> None:
         """Refuse values a 16-bit stash cannot hold: cast, they became inf, and the build failed later on "NaN or
@@ -416,29 +433,36 @@ class VectorStash:
         with self._maps_lock:
             return self._maps.setdefault(key, array)
 
-    def _scale(self, pooling: str, number: int) -> np.ndarray | None:
-        """Part ``number``'s int8 scale (2, d), read once and kept; None for a float stash."""
+    def _scale(self, pooling: str, number: int) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """Part ``number``'s int8 scale (2, d) and row lengths (None in a format-3 part), read once and kept;
+        None for a float stash."""
         if self.dtype != "int8":
             return None
         key = (pooling, number)
         with self._maps_lock:
             if key in self._scales:
                 return self._scales[key]
-        name = self._parts[number].scales.get(pooling)
+        part = self._parts[number]
+        name, norms_name = part.scales.get(pooling), part.norms.get(pooling)
         try:
             scale = np.load(self.root / name, allow_pickle=False) if name else None
+            norms = np.load(self.root / norms_name, allow_pickle=False) if norms_name else None
         except (OSError, ValueError, EOFError) as err:
             raise IndexDirError(f"cannot read stash part {name}: {err}; rebuild the index") from err
-        if scale is None or scale.shape != (2, self.dim):
-            raise IndexDirError(f"stash part {self._parts[number].docs} has no valid int8 scale; rebuild the index")
+        if scale is None or scale.shape != (2, self.dim) or (norms is not None and norms.shape != (part.rows,)):
+            raise IndexDirError(f"stash part {part.docs} has no valid int8 scale; rebuild the index")
+        coded = (scale.astype(np.float32), None if norms is None else norms.astype(np.float32))
         with self._maps_lock:
-            return self._scales.setdefault(key, scale.astype(np.float32))
+            return self._scales.setdefault(key, coded)
 
     def _decoded(self, pooling: str, number: int, rows: Any = slice(None), keep: bool = False) -> np.ndarray:
         """float32 rows of part ``number`` (all, a slice or an index array), decoded where the stash is int8."""
         array = np.asarray(self._map(pooling, number, keep))[rows]
-        scale = self._scale(pooling, number)
-        return np.asarray(array, dtype=np.float32) if scale is None else dequantize(array, scale)
+        coded = self._scale(pooling, number)
+        if coded is None:
+            return np.asarray(array, dtype=np.float32)
+        scale, norms = coded
+        return dequantize(array, scale, None if norms is None else norms[rows])
 
     def iter_parts(self, pooling: str | None = None) -> Iterator[np.ndarray]:
         """Each part's vectors as a read-only memory map (float32, float16 or int8 codes as stored), kept open."""

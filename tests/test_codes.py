@@ -105,19 +105,70 @@ def test_binary_codes_keep_their_rotation_through_save_and_load(tmp_path: Path) 
     assert magnitude["itq"] > magnitude["random"], magnitude
 
 
+def _unit_steps(vectors: np.ndarray) -> np.ndarray:
+    """float64: the step of 255 levels over each dimension's range of the rows' directions."""
+    unit = vectors.astype(np.float64) / np.linalg.norm(vectors.astype(np.float64), axis=1, keepdims=True)
+    return (unit.max(axis=0) - unit.min(axis=0)) / 255
+
+
 def test_int8_codes_against_a_float64_reference() -> None:
     rng = np.random.default_rng(3)
     vectors = (rng.normal(size=(700, 24)) * np.linspace(0.01, 3, 24) + np.linspace(-5, 5, 24)).astype(np.float32)
-    codes, scale = quantize(vectors)
-    assert codes.dtype == np.int8 and scale.shape == (2, 24)
-    back = dequantize(codes, scale).astype(np.float64)
-    step = (vectors.max(axis=0).astype(np.float64) - vectors.min(axis=0)) / 255
-    # rounding to the nearest of 256 levels: at most half a step per coordinate, plus float32's rounding of the
-    # level (1e-6 relative to the values, up to 5 here)
-    assert (np.abs(back - vectors) <= step / 2 + 1e-5).all()
-    assert np.allclose(back.min(axis=0), vectors.min(axis=0), atol=1e-5)  # the ends of each range are levels
+    vectors *= np.geomspace(0.1, 10, 700, dtype=np.float32)[rng.permutation(700), None]  # lengths over 100x
+    codes, scale, norms = quantize(vectors)
+    assert codes.dtype == np.int8 and scale.shape == (2, 24) and norms.shape == (700,)
+    reference = vectors.astype(np.float64)
+    length = np.linalg.norm(reference, axis=1)
+    np.testing.assert_allclose(norms, length, rtol=1e-6)
+    back = dequantize(codes, scale, norms).astype(np.float64)
+    # each row's direction rounded to the nearest of 256 levels: at most half a step of the directions' range per
+    # coordinate, times the row's length (float32 arithmetic: 1e-6 of the length on top). Codes of the vectors
+    # themselves (the format-3 stash) put a short row's coordinates half a step of the longest rows' range off.
+    step = _unit_steps(vectors)
+    assert (np.abs(back / length[:, None] - reference / length[:, None]) <= step / 2 + 1e-6).all()
+    # so a cosine against any query moves by at most 2 |error| / |x| = 2 |step / 2|
+    queries = l2_normalize(rng.normal(size=(50, 24)))
+    exact = queries @ (reference / length[:, None]).T
+    coded = queries @ l2_normalize(back).T
+    assert np.abs(coded - exact).max() <= 2 * np.linalg.norm(step / 2) + 1e-6
     constant = np.ones((10, 3), dtype=np.float32)
-    np.testing.assert_array_equal(dequantize(*quantize(constant)), constant)
+    np.testing.assert_allclose(dequantize(*quantize(constant)), constant, rtol=1e-6)
+    zero = np.zeros((4, 3), dtype=np.float32)
+    np.testing.assert_array_equal(dequantize(*quantize(zero)), zero)
+
+
+def test_an_int8_stash_codes_short_rows_as_finely_as_long_ones(tmp_path: Path) -> None:
+    """Cosine re-scoring reads directions: a row ten times shorter than the others keeps its direction as well."""
+    rng = np.random.default_rng(5)
+    rows = rng.normal(size=(400, 16)).astype(np.float32) + 1
+    rows[::2] *= 10  # half the rows ten times longer (as title-only against full abstracts)
+    stash = VectorStash.create(tmp_path / "s", 16, ["mean"], dtype="int8")
+    stash.append({"mean": rows}, [str(i) for i in range(400)], ["t"] * 400)
+    back = np.concatenate(list(VectorStash.open(tmp_path / "s").iter_blocks())).astype(np.float64)
+    reference = rows.astype(np.float64)
+    cosine = np.einsum("ij,ij->i", l2_normalize(back), l2_normalize(reference))
+    bound = np.linalg.norm(_unit_steps(rows) / 2)  # |error| of a unit vector; 1 - cos <= |error|^2 / 2
+    assert (1 - cosine[1::2] <= bound**2 / 2 + 1e-6).all(), (1 - cosine[1::2]).max()
+    assert json.loads((tmp_path / "s" / "stash.json").read_text())["format"] == 4
+
+
+def test_a_format_3_int8_stash_still_reads(tmp_path: Path) -> None:
+    """Stashes written before the rows' lengths were kept: codes of the vectors themselves, no norms file."""
+    rows = np.random.default_rng(6).normal(size=(100, 8)).astype(np.float32)
+    stash = VectorStash.create(tmp_path / "s", 8, ["mean"], dtype="int8")
+    stash.append({"mean": rows}, [str(i) for i in range(100)], ["t"] * 100)
+    state = json.loads((tmp_path / "s" / "stash.json").read_text())
+    part = state["parts"][0]
+    low, high = rows.min(axis=0), rows.max(axis=0)
+    step = (high - low) / 255
+    codes = (np.rint((rows - low) / step) - 128).astype(np.int8)
+    np.save(tmp_path / "s" / part["vectors"]["mean"], codes)
+    np.save(tmp_path / "s" / part["scales"]["mean"], np.stack([low, step]))
+    (tmp_path / "s" / part.pop("norms")["mean"]).unlink()
+    state["format"] = 3
+    (tmp_path / "s" / "stash.json").write_text(json.dumps(state))
+    back = np.concatenate(list(VectorStash.open(tmp_path / "s").iter_blocks()))
+    assert (np.abs(back - rows) <= step / 2 + 1e-5).all()
 
 
 def test_an_int8_stash_is_a_quarter_of_float32_and_rescores_alike(corpus: Path, tmp_path: Path) -> None:
@@ -136,24 +187,25 @@ def test_an_int8_stash_is_a_quarter_of_float32_and_rescores_alike(corpus: Path, 
         IndexDir(out).verify(manifest, "full")  # the scale files are checked with the parts
     reference = np.concatenate(list(VectorStash.open(tmp_path / "float32" / "vectors").iter_blocks()))
     coded = np.concatenate(list(VectorStash.open(tmp_path / "int8" / "vectors").iter_blocks()))
-    step = (reference.max(axis=0) - reference.min(axis=0)) / 255
-    assert (np.abs(coded - reference) <= step / 2 + 1e-4).all()  # one part here: one range per dimension
-    # each re-scored pair's cosine against the float64 cosine of the float32 vectors: a coordinate moved by at
-    # most half a step moves the cosine by at most 2 |error| / |x| (float32 arithmetic: 1e-6 on top)
+    step, length = _unit_steps(reference), np.linalg.norm(reference.astype(np.float64), axis=1, keepdims=True)
+    assert (np.abs(coded - reference) <= length * step / 2 + 1e-5).all()  # one part here: one range per dimension
+    # each re-scored pair's cosine against the float64 cosine of the float32 vectors: a direction's coordinate
+    # moved by at most half a step moves the cosine by at most 2 |error| (float32 arithmetic: 1e-6 on top)
     queries = l2_normalize(FakeEncoder().encode(QUERIES).astype(np.float64))
     scores, rows = found["int8"]
     docs = reference[rows].astype(np.float64)
     exact = np.einsum("qkd,qd->qk", docs / np.linalg.norm(docs, axis=2, keepdims=True), queries)
-    bound = 2 * np.linalg.norm(step / 2) / np.linalg.norm(docs, axis=2) + 1e-6
-    assert (np.abs(scores - exact) <= bound).all()
+    assert (np.abs(scores - exact) <= 2 * np.linalg.norm(step / 2) + 1e-6).all()
     same = [len(set(a) & set(b)) / 10 for a, b in zip(found["int8"][1], found["float32"][1], strict=True)]
     assert np.mean(same) > 0.8  # mostly the same top 10 (cosines of these rows differ in the third digit)
 
 
 def test_an_int8_stash_refuses_what_it_would_blur(tmp_path: Path) -> None:
     stash = VectorStash.create(tmp_path / "s", 4, ["mean"], dtype="int8")
-    rows = np.random.default_rng(0).normal(size=(100, 4)).astype(np.float32)
-    rows[0, 0] = 1e6  # one far outlier: 255 steps over its range leave the other rows' differences in one step
+    # rows pointing almost the same way but one: 255 steps over the directions' range leave the others' differences
+    # in one step
+    rows = (np.ones(4) + 1e-4 * np.random.default_rng(0).normal(size=(100, 4))).astype(np.float32)
+    rows[0] = -rows[0]
     with pytest.raises(CorpusError, match="int8 stash would round"):
         stash.append({"mean": rows}, [str(i) for i in range(100)], ["t"] * 100)
     assert len(stash) == 0
