@@ -53,8 +53,9 @@ def titles_of(docs: pa.Table) -> list[str | None] | None:
     return docs["title"].to_pylist() if "title" in docs.column_names else None
 
 
-# int8 rounding error refused above this share of a part's spread: 255 steps over each dimension's range leave
-# ~1e-4 for sentence embeddings; a few far outliers in one dimension widen its steps past it
+# int8 rounding error refused above this share of a part's spread: 255 steps over each dimension's range of the
+# rows' directions leave ~1e-4 for sentence embeddings; rows that all point almost the same way, but for a few
+# pointing elsewhere, leave the others' differences within one step
 PRECISION_LOST_INT8 = 1e-2
 
 
@@ -276,9 +277,10 @@ class VectorStash:
         smallest step (~6e-8), came back identical or zero, and the index built from them was all zeros. Judged
         on the first rows of a part of many (a few near-duplicate rows, such as a small add, say nothing of the
         corpus): the rounding error's energy against their spread about their mean, ~1e-7 for sentence
-        embeddings; refused above 1e-3. An int8 stash spans each dimension's range in 255 steps, so one far
-        outlier makes the steps of its dimension too coarse for every other row: judged row by row (error
-        against the row's spread about the median row), the typical row's loss refused above 1e-2."""
+        embeddings; refused above 1e-3. An int8 stash spans each dimension's range of the rows'
+        directions in 255 steps, so a few rows pointing far from the rest make the steps too coarse for every
+        other row: judged row by row (error against the row's spread about the median row), the typical row's
+        loss refused above 1e-2."""
         if self.dtype == "float32" or len(vectors) < PRECISION_ROWS[0]:
             return
         sample = np.asarray(vectors[: PRECISION_ROWS[1]], dtype=np.float32)
