@@ -24,7 +24,12 @@ from retrieval.index import list_count, search_parameters
 # recall@10 against exact filtered search fell under 0.95 or its p50 rose over the exact scan's.
 EXACT_ROWS = 20_000
 EXACT_SHARE = 0.05
-WIDEN_CAP = 16  # an approximate filtered search widens its knob by 1 / share, at most this many times
+# An approximate filtered search widens its knob by 1 / share kept, at most this many times. HNSW: FAISS's beam
+# already walks through the rows a selector leaves out and keeps efSearch rows that pass, so widening it more only
+# costs; IVF: a probed list's rows that the selector leaves out cost a bitmap test, not a distance, so probing
+# 1 / share as many lists scores about as many rows as the unfiltered search does.
+EF_WIDEN_CAP = 1.0
+NPROBE_WIDEN_CAP = 1024.0
 FEW_QUERIES = 8  # fewer queries than this are multiplied on one BLAS thread
 FLAT_SELECTOR_SHARE = 0.02  # a flat index searches with the selector below this share kept, else blocked products
 
@@ -109,10 +114,12 @@ def search_filtered(
         return scores, found
     chosen, bits = selector(mask)  # ``bits``, which the selector reads, lives until the search has returned
     share = len(rows) / max(n, 1)
-    widen = min(WIDEN_CAP, 1 / share) if vectors_of is not None else math.inf
+    spans = vectors_of is None  # no exact scoring to fall back on: the knobs span every row instead
     if ef_search is not None:
+        widen = math.inf if spans else min(EF_WIDEN_CAP, 1 / share)
         ef_search = int(min(max(ef_search * widen, take), n))
     if nprobe is not None:
+        widen = math.inf if spans else min(NPROBE_WIDEN_CAP, 1 / share)
         nprobe = int(min(math.ceil(nprobe * widen), list_count(index) or nprobe))
     params = search_parameters(index, ef_search=ef_search, nprobe=nprobe, selector=chosen)
     got_scores, got_rows = index.search(np.ascontiguousarray(queries, dtype=np.float32), take, params=params)

@@ -201,3 +201,40 @@ def test_tune_fusion_chooses_on_dev_and_apply_records_it(built: dict[str, Path],
     assert [[h.row for h in hits] for hits in mine] == [[h.row for h in hits] for hits in theirs]
     with pytest.raises(ConfigError, match="dense weight|fusion_weight"):
         update.set_fusion(tmp_path / "idx", FusionSpec("convex", weight=2.0))
+
+
+def test_ivf_selector_search_probes_lists_in_proportion_to_the_rows_kept(tmp_path: Path, monkeypatch) -> None:
+    """A filter keeping 1% of an IVF index's rows, searched through the selector: nprobe widened by 1 / share
+    (up to every list), so recall@10 against exact search over the kept rows is that of the unfiltered search,
+    not the 16x cap's (1 of 64 lists probed, widened to 16: most kept rows never looked at)."""
+    rng = np.random.default_rng(0)
+    n, d = 6400, 16
+    vectors = rng.normal(size=(n, d))  # no clumps: the kept rows nearest a query lie in lists far apart
+    table = pa.table(
+        {
+            "id": [str(i) for i in range(n)],
+            "vector": pa.FixedSizeListArray.from_arrays(pa.array(vectors.astype(np.float32).ravel()), d),
+            "bucket": pa.array(np.arange(n) % 100, pa.int32()),
+        }
+    )
+    pq.write_table(table, tmp_path / "v.parquet")
+    corpus = CorpusSpec(tmp_path / "v.parquet", vectors_column="vector", columns=("bucket",))
+    spec = IndexSpec(kind="ivf", nlist=64, nprobe=1, codes="fp32")
+    build_index(corpus, None, tmp_path / "ivf", TransformSpec.raw(), spec, options=BuildOptions(lexical=None))
+    monkeypatch.setattr(filtered, "EXACT_ROWS", 0)  # the selector path, whatever the share
+    monkeypatch.setattr(filtered, "EXACT_SHARE", 0.0)
+    searcher = Searcher.load(tmp_path / "ivf")
+    where = parse("bucket < 1")
+    mask = searcher.mask(where)
+    assert mask.sum() == n // 100
+    queries = rng.normal(size=(40, d))
+    q = searcher.transform.transform(queries.astype(np.float32)).astype(np.float64)
+    kept = np.flatnonzero(mask)
+    kept_vectors = searcher.transform.transform(vectors[kept].astype(np.float32)).astype(np.float64)
+    found = 0
+    results = searcher.search_vectors(queries.astype(np.float32), SearchParams(k=10, where=where))
+    for query, hits in zip(q, results, strict=True):
+        want = set(kept[np.argsort(-(kept_vectors @ query), kind="stable")[:10]].tolist())
+        found += len(want & {h.row for h in hits})
+        assert all(mask[h.row] for h in hits)
+    assert found / (10 * len(q)) >= 0.95
