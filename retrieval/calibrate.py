@@ -20,6 +20,11 @@ Why queries and not the corpus's own rows: measured, rows of the corpus make a k
 An HNSW search for a vector that is itself a node of the graph finds it and, through its links, its neighbours:
 efSearch 16 gave recall 0.98-0.99 on corpus rows at 100k and 0.81-0.87 on held-out queries.
 
+A hybrid search (``mode`` hybrid, the default where the index has a lexical part and the queries are texts) is
+measured as served too: the knob decides which of the dense side's candidates (the fusion's depth, 100 by default)
+reach the fusion with BM25's, so recall@10 is of the fused top 10, against the fusion of the exact dense candidates
+with the same BM25 side. A lexical search reads no knob: there is nothing to calibrate.
+
 Rows whose exact score ties the k-th neighbour's count as found (as ann-benchmarks counts), so duplicated
 documents do not make the measure depend on which of equal rows a search returns.
 """
@@ -34,6 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from retrieval.errors import ConfigError
+from retrieval.fusion import FusionSpec, fuse
 from retrieval.index import _hnsw, _ivf, search_parameters
 from retrieval.indexdir import Calibration
 from retrieval.stash import BLOCK_ROWS
@@ -61,6 +67,18 @@ class Served:
 
     depth: int
     rerank: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+
+
+def fused(
+    dense: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]],
+    lexical: tuple[np.ndarray, np.ndarray],
+    fusion: FusionSpec,
+    depth: int,
+) -> Served:
+    """Hybrid searches as served: each query's ``depth`` dense candidates, their best ``fusion.depth`` by ``dense``
+    ((candidate rows, k) -> (scores, rows): the index's scores, or the re-scoring), fused with the query's lexical
+    (scores, rows) as ``Searcher`` fuses them."""
+    return Served(depth, lambda rows, k: fuse(dense(rows, fusion.depth), lexical, fusion, k))
 
 
 def knob_of(index: faiss.Index) -> str | None:

@@ -145,9 +145,13 @@ class Calibration:
     curve: list[tuple[int, float]]
     rescore: int = 0
     rows: int = 0
+    mode: str = "dense"  # the search mode measured: dense, or hybrid (the fused top 10)
 
     @property
     def measured_as(self) -> str:
+        if self.mode == "hybrid":
+            rescored = f", re-scoring the top {self.rescore}" if self.rescore else ""
+            return f"as served in hybrid mode (dense candidates fused with BM25's{rescored})"
         return f"as served (re-scoring the top {self.rescore})" if self.rescore else "in the index's own space"
 
     def to_dict(self) -> dict[str, Any]:
@@ -159,7 +163,7 @@ class Calibration:
         return cls(
             data["knob"], int(data["value"]), float(data["recall"]), float(data["target"]), int(data["queries"]),
             str(data["source"]), bool(data["reached"]), curve, int(data.get("rescore", 0)),
-            int(data.get("rows", 0)),
+            int(data.get("rows", 0)), str(data.get("mode", "dense")),
         )  # fmt: skip
 
 

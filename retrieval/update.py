@@ -27,13 +27,13 @@ import numpy as np
 
 from retrieval import files
 from retrieval.build import WINDOW_ROWS, index_record, input_dim, write_version
-from retrieval.calibrate import Served, calibrate, check_target, query_sample
+from retrieval.calibrate import Served, calibrate, check_target, fused, query_sample
 from retrieval.corpus import Corpus, CorpusSpec, id_hashes
 from retrieval.docs import ColumnsWriter
 from retrieval.encode.spec import Encoder
 from retrieval.encode.transformer import from_info
 from retrieval.errors import BusyError, ConfigError, CorpusError
-from retrieval.fusion import FusionSpec
+from retrieval.fusion import FusionSpec, check_mode
 from retrieval.index import KINDS, IndexSpec, check_buildable, set_search_params
 from retrieval.indexdir import (
     COLUMNS,
@@ -439,40 +439,61 @@ def calibrate_index(
     source: str = "",
     apply: bool = False,
     rescore: int | None = None,
+    mode: str | None = None,
+    texts: Sequence[str] | None = None,
 ) -> tuple[Calibration, Manifest]:
     """Measure the smallest efSearch / nprobe of the index at ``directory`` whose recall@10 on ``raw_queries``
     (encoder vectors, up to ``MAX_QUERIES`` of them, a seeded sample beyond) reaches ``target``
     (``retrieval.calibrate``), for searches that re-score their top ``rescore`` candidates (None: the index's
-    default depth, as searches do; 0: the index alone). ``apply``: publish a new version whose default is that
-    value (the FAISS file stores it too); the previous version stays intact on any failure. Returns the
-    measurement and the manifest now in place."""
+    default depth, as searches do; 0: the index alone), in ``mode`` (dense or hybrid; None: the mode a search
+    of these queries takes, hybrid where the index has a lexical part and ``texts``, the queries' texts, are
+    given). ``apply``: publish a new version whose default is that value (the FAISS file stores it too); the
+    previous version stays intact on any failure. Returns the measurement and the manifest now in place."""
     check_target(target)
-    check_calibration(directory, rescore)
+    mode = check_calibration(directory, rescore, mode, texts is not None)[1]
+    if texts is not None and len(texts) != len(raw_queries):
+        raise ConfigError(f"{len(texts)} query texts for {len(raw_queries)} query vectors", "queries")
     directory = files.resolved(directory)
+    args = (raw_queries, target, source, rescore, mode, texts)
     if not apply:
         old = IndexDir(directory)
         manifest = _verified(old)
         index = old.faiss_index(mmap=True)
-        return _measure(old, manifest, index, raw_queries, target, source, rescore), manifest
+        return _measure(old, manifest, index, *args), manifest
     with files.write_errors(directory), files.writing(directory):
         old = IndexDir(directory)
         manifest = _verified(old)
         index = old.faiss_index()  # read once: measured, then saved with the new default
-        calibration = _measure(old, manifest, index, raw_queries, target, source, rescore)
+        calibration = _measure(old, manifest, index, *args)
         return calibration, _publish_calibration(old, manifest, index, calibration)
 
 
-def check_calibration(directory: Path, rescore: int | None = None) -> Manifest:
+def check_calibration(
+    directory: Path, rescore: int | None = None, mode: str | None = None, texts: bool = False
+) -> tuple[Manifest, str]:
     """What ``calibrate_index`` refuses that its arguments and the manifest alone tell, so a caller can ask
     before it loads an encoder and encodes the queries (20-30 s for a real model): a negative ``rescore``, an
-    index with no knob (flat: exact). Returns the manifest read."""
+    index with no knob (flat: exact), a mode with no knob (lexical) or that the index or the queries cannot
+    serve (hybrid without a lexical part, or without the queries' ``texts``). Returns the manifest read and the
+    mode measured (``mode``, else hybrid where the index has a lexical part and the queries are texts)."""
     if rescore is not None and rescore < 0:
         raise ConfigError(f"`rescore` must be 0 or more (got {rescore})", "rescore")
     manifest = IndexDir(files.resolved(directory)).manifest()
     factory = manifest.index.factory.upper()
     if "HNSW" not in factory and "IVF" not in factory:  # what ``calibrate.knob_of`` finds in the FAISS index
         raise ConfigError("a flat index searches exactly: it has no knob to calibrate (use --index-type hnsw or ivf)")
-    return manifest
+    if mode is None:
+        return manifest, "hybrid" if manifest.lexical is not None and texts else "dense"
+    check_mode(mode)
+    if mode == "lexical":
+        raise ConfigError("a lexical search reads no ef-search or nprobe: calibrate `mode` dense or hybrid", "mode")
+    if mode == "hybrid" and manifest.lexical is None:
+        raise ConfigError(
+            f"{directory} has no lexical index: calibrate `mode` dense, or rebuild it with `lexical`", "mode"
+        )
+    if mode == "hybrid" and not texts:
+        raise ConfigError("a hybrid calibration needs the queries' texts: give them as parquet, not .npy", "mode")
+    return manifest, mode
 
 
 def _verified(old: IndexDir) -> Manifest:
@@ -489,6 +510,8 @@ def _measure(
     target: float,
     source: str,
     rescore: int | None = None,
+    mode: str = "dense",
+    texts: Sequence[str] | None = None,
 ) -> Calibration:
     stash = old.stash("calibrate")
     stash.verify(full=False, sampled=manifest.transform.pooling)  # sizes and sampled hashes: it reads every row
@@ -498,12 +521,35 @@ def _measure(
     broken = int((~np.isfinite(raw).all(axis=1)).sum())  # NaN queries found nothing and "reached" recall 1.0
     if broken:
         raise ConfigError(f"{broken:,} of {len(raw):,} query vectors contain NaN or inf: drop or fix them", "queries")
-    raw = raw[query_sample(len(raw))]
+    sample = query_sample(len(raw))
+    raw = raw[sample]
     transform = old.transform()
     depth = manifest.rescoring.depth if rescore is None else rescore
     served = served_as(old, manifest, stash, raw, depth)
+    if mode == "hybrid":
+        assert texts is not None
+        served = hybrid_served(old, manifest, stash, raw, [texts[i] for i in sample], served)
     pooling = manifest.transform.pooling
-    return calibrate(index, stash, transform, transform.transform(raw), target, source, pooling, served)
+    calibration = calibrate(index, stash, transform, transform.transform(raw), target, source, pooling, served)
+    return dataclasses.replace(calibration, mode=mode, rescore=depth)
+
+
+def hybrid_served(
+    old: IndexDir, manifest: Manifest, stash: VectorStash, raw: np.ndarray, texts: list[str], dense: Served | None
+) -> Served:
+    """Hybrid searches for ``raw`` (and their ``texts``) as ``Searcher`` serves them: the dense side's candidates
+    (re-scored by ``dense`` where the index re-scores, else scored in the index's space), fused with BM25's."""
+    from retrieval.search import rescore  # FAISS: imported where an index is searched
+
+    lexical, fusion = old.lexical(manifest), manifest.fusing
+    assert lexical is not None
+    transform, pooling = old.transform(), manifest.transform.pooling
+
+    def own_scores(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return rescore(stash, transform, raw, rows, k, pooling)
+
+    depth = max(fusion.depth, dense.depth if dense else 0)
+    return fused(dense.rerank if dense else own_scores, lexical.search(texts, fusion.depth), fusion, depth)
 
 
 def served_as(old: IndexDir, manifest: Manifest, stash: VectorStash, raw: np.ndarray, depth: int) -> Served | None:

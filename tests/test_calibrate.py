@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_corpus
+from conftest import FakeEncoder, write_corpus
 from typer.testing import CliRunner
 
 import retrieval.scan
@@ -436,3 +436,67 @@ def test_the_cli_refuses_before_it_loads_the_encoder(
     assert result.exit_code == 1 and not isinstance(result.exception, AssertionError), result.exception
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], result.output
+
+
+@pytest.fixture(scope="module")
+def texts_built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A text corpus with a lexical part, as IVF (the knob) and flat (the truth) indexes of the same rows."""
+    root = tmp_path_factory.mktemp("calibrate-hybrid")
+    rng = np.random.default_rng(3)
+    words = [f"w{i}" for i in range(60)]
+    n = 2000
+    table = {"id": [f"d{i}" for i in range(n)], "text": [" ".join(rng.choice(words, size=8)) for _ in range(n)]}
+    pq.write_table(pa.table(table), root / "c.parquet")
+    out = {}
+    for kind, spec in (("ivf", IndexSpec("ivf", nlist=8, codes="fp32")), ("flat", IndexSpec("flat"))):
+        build_index(CorpusSpec(root / "c.parquet"), FakeEncoder(), root / kind, TransformSpec(), spec)
+        out[kind] = root / kind
+    options = BuildOptions(lexical=None)
+    build_index(
+        CorpusSpec(root / "c.parquet"), FakeEncoder(), root / "dense", TransformSpec(), IndexSpec("ivf"), options
+    )
+    return out | {"dense": root / "dense"}
+
+
+def hybrid_queries(n: int = 80) -> list[str]:
+    rng = np.random.default_rng(11)
+    return [" ".join(rng.choice([f"w{i}" for i in range(60)], size=3)) for _ in range(n)]
+
+
+def test_a_hybrid_calibration_measures_the_fused_top_10(texts_built: dict[str, Path]) -> None:
+    """In hybrid mode the knob decides which of the dense side's top 100 reach the fusion: recall@10 of the fused
+    top 10 at each nprobe, checked against hybrid searches of the IVF index and of a flat index of the same rows."""
+    texts = hybrid_queries()
+    raw = FakeEncoder().encode(texts)
+    hybrid, _ = calibrate_index(texts_built["ivf"], raw, 0.99, mode="hybrid", texts=texts)
+    dense, _ = calibrate_index(texts_built["ivf"], raw, 0.99, mode="dense")
+    assert hybrid.mode == "hybrid" and dense.mode == "dense" and "hybrid mode" in hybrid.measured_as
+    assert hybrid.curve != dense.curve
+    ivf = Searcher.load(texts_built["ivf"], encoder=FakeEncoder())
+    flat = Searcher.load(texts_built["flat"], encoder=FakeEncoder())
+    truth = [{h.row for h in hits} for hits in flat.search_batch(texts, SearchParams(k=10, mode="hybrid"))]
+    for value, recall in hybrid.curve[:4]:
+        served = ivf.search_batch(texts, SearchParams(k=10, mode="hybrid", nprobe=value))
+        found = np.mean([len(t & {h.row for h in hits}) / 10 for t, hits in zip(truth, served, strict=True)])
+        assert abs(found - recall) <= 0.02, (value, found, recall)  # ties of fused scores aside
+    assert calibrate_index(texts_built["ivf"], raw, 0.99, texts=texts)[0].mode == "hybrid"  # the default with texts
+    assert calibrate_index(texts_built["ivf"], raw, 0.99)[0].mode == "dense"  # vectors alone search dense
+
+
+def test_calibrate_refuses_modes_it_cannot_measure(texts_built: dict[str, Path]) -> None:
+    texts = hybrid_queries(5)
+    raw = FakeEncoder().encode(texts)
+    with pytest.raises(ConfigError, match="a lexical search reads no ef-search or nprobe"):
+        calibrate_index(texts_built["ivf"], raw, 0.95, mode="lexical", texts=texts)
+    with pytest.raises(ConfigError, match="needs the queries' texts"):
+        calibrate_index(texts_built["ivf"], raw, 0.95, mode="hybrid")
+    with pytest.raises(ConfigError, match="has no lexical index"):
+        calibrate_index(texts_built["dense"], raw, 0.95, mode="hybrid", texts=texts)
+    with pytest.raises(ConfigError, match="unknown `mode` 'sparse'"):
+        calibrate_index(texts_built["ivf"], raw, 0.95, mode="sparse")
+    np.save(texts_built["flat"].parent / "q.npy", raw)
+    args = ["calibrate", str(texts_built["ivf"]), "--queries", str(texts_built["flat"].parent / "q.npy")]
+    said = runner.invoke(app, [*args, "--mode", "hybrid"])
+    assert said.exit_code == 1 and "needs the queries' texts" in said.stderr and len(said.stderr.splitlines()) == 1
+    said = runner.invoke(app, [*args, "--mode", "dense", "--json"])
+    assert said.exit_code == 0 and json.loads(said.stdout)["mode"] == "dense"

@@ -53,6 +53,13 @@ def calibrate(
             "the index alone \\[default: the index's own depth].",
         ),
     ] = None,
+    mode: Annotated[
+        str | None,
+        typer.Option(
+            help="Measure searches in this mode: dense or hybrid (a lexical search has no knob) \\[default: hybrid "
+            "where the index has a lexical part and the queries are texts, else dense].",
+        ),
+    ] = None,
     apply: Annotated[bool, typer.Option(help="Make the chosen value the index's default (atomic).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the measurement as JSON.")] = False,
 ) -> None:
@@ -62,7 +69,9 @@ def calibrate(
     from retrieval.update import calibrate_index, check_calibration
 
     check_target(target_recall)
-    manifest = check_calibration(index_dir, rescore)  # before the encoder loads and the queries are encoded
+    # before the encoder loads and the queries are encoded
+    manifest, mode = check_calibration(index_dir, rescore, mode, queries.suffix != ".npy")
+    texts = None
     if queries.suffix == ".npy":
         raw = _read_vectors(queries)
     else:
@@ -76,7 +85,16 @@ def calibrate(
         texts = [texts[i] for i in query_sample(len(texts))]  # the sample calibrate_index takes, before encoding
         raw = Searcher.load(index_dir).encode(texts)
     with sigterm_exits():
-        result, manifest = calibrate_index(index_dir, raw, target_recall, str(queries.resolve()), apply, rescore)
+        result, manifest = calibrate_index(
+            index_dir,
+            raw,
+            target_recall,
+            str(queries.resolve()),
+            apply,
+            rescore,
+            mode,
+            texts if mode == "hybrid" else None,
+        )
     if as_json:
         print(json.dumps(result.to_dict() | {"applied": apply}))
         return
