@@ -187,12 +187,20 @@ def synthetic(path: Path, n: int, d: int = 384, seed: int = 0) -> Path:
 
 
 def exact(searcher: Searcher, queries: np.ndarray, mask: np.ndarray, k: int = 10) -> list[set[int]]:
+    """Each query's exact top ``k`` over the rows ``mask`` keeps, in the index's space (blocks of rows)."""
     rows = np.flatnonzero(mask)
     stash = searcher.stash()
-    vectors = searcher.transform.transform(stash.read_rows(rows, searcher.manifest.transform.pooling))
     q = searcher.transform.transform(queries)
-    scores = q @ vectors.T
-    return [set(rows[np.argsort(-s, kind="stable")[:k]].tolist()) for s in scores]
+    best = np.full((len(q), k), -np.inf, dtype=np.float32)
+    found = np.full((len(q), k), -1, dtype=np.int64)
+    for first in range(0, len(rows), 100_000):
+        block = rows[first : first + 100_000]
+        scores = q @ searcher.transform.transform(stash.read_rows(block, searcher.manifest.transform.pooling)).T
+        scores = np.concatenate([best, scores], axis=1)
+        ids = np.concatenate([found, np.broadcast_to(block, (len(q), len(block)))], axis=1)
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        best, found = np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
+    return [set(row[row >= 0].tolist()) for row in found]
 
 
 def timed(searcher: Searcher, queries: np.ndarray, params: SearchParams) -> tuple[list[set[int]], float]:
@@ -206,62 +214,101 @@ def timed(searcher: Searcher, queries: np.ndarray, params: SearchParams) -> tupl
     return found, float(np.median(times)) * 1e3
 
 
+# The paths measured at each share: the exact scoring of the kept rows, and FAISS's selector with the index's
+# knob widened by at most (HNSW efSearch, IVF nprobe) this much over 1 / share; the shipped caps are marked.
+PATHS = {
+    "hnsw": [("exact", None), ("selector", 1.0), ("selector", 16.0)],
+    "ivf": [("exact", None), ("selector", 16.0), ("selector", 1024.0)],
+    "flat": [("selector", None)],
+}
+
+
+def corpus_of(args: argparse.Namespace) -> CorpusSpec:
+    """The rows to filter: ``--corpus`` (a parquet file with ``vector`` and ``bucket`` columns, such as
+    ``make_spectrum.py sample`` writes), else ``--rows`` synthetic clumps."""
+    path = args.corpus or synthetic(args.work / f"synthetic-{args.rows}.parquet", args.rows)
+    return replace(CorpusSpec(path, vectors_column="vector"), columns=("bucket",))
+
+
+def build_filters(args: argparse.Namespace, kind: str) -> Path:
+    directory = args.work / f"{Path(str(corpus_of(args).path)).stem}-{kind}"
+    if args.rebuild or not (directory / "manifest.json").is_file():
+        options = BuildOptions(overwrite=True, lexical=None)
+        index = IndexSpec(kind=kind, ef_construction=args.ef_construction)
+        build_index(corpus_of(args), None, directory, TransformSpec.raw(), index, options=options)
+    return directory
+
+
+def query_vectors(args: argparse.Namespace, searcher: Searcher, rng: np.random.Generator) -> tuple[np.ndarray, str]:
+    if args.query_vectors is not None:
+        queries = np.load(args.query_vectors).astype(np.float32)
+        chosen = queries[np.sort(rng.choice(len(queries), min(args.queries, len(queries)), replace=False))]
+        return chosen, f"{len(chosen)} real encoded queries ({args.query_vectors.name})"
+    stash = searcher.stash()
+    queries = stash.read_rows(rng.choice(len(stash), args.queries, replace=False), None)
+    return queries + 0.3 * rng.normal(size=queries.shape).astype(np.float32), f"{args.queries} rows plus noise"
+
+
+def measure_share(searcher: Searcher, kind: str, queries: np.ndarray, share: float, base: dict[str, Any]) -> list:
+    """Every path's recall@10 and p50 at one share kept."""
+    where = parse(f"bucket < {round(1000 * share)}")
+    mask = searcher.mask(where)
+    kept, n = int(mask.sum()), len(mask)
+    want = exact(searcher, queries, mask)
+    rows = []
+    saved = filtered.EXACT_ROWS, filtered.EXACT_SHARE, filtered.EF_WIDEN_CAP, filtered.NPROBE_WIDEN_CAP
+    default = "exact" if kind != "flat" and filtered.exact_below(kept, n) else "selector"
+    for path, cap in PATHS[kind]:
+        filtered.EXACT_ROWS, filtered.EXACT_SHARE = (0, 0.0) if path == "selector" else (n, 1.0)
+        if cap is not None:
+            filtered.EF_WIDEN_CAP = filtered.NPROBE_WIDEN_CAP = cap
+        try:
+            found, p50 = timed(searcher, queries, SearchParams(k=10, mode="dense", where=where))
+        finally:
+            filtered.EXACT_ROWS, filtered.EXACT_SHARE, filtered.EF_WIDEN_CAP, filtered.NPROBE_WIDEN_CAP = saved
+        shipped = cap is None or cap == (saved[2] if kind == "hnsw" else saved[3])
+        recall = float(np.mean([len(f & w) / max(len(w), 1) for f, w in zip(found, want, strict=True)]))
+        label = path if cap is None else f"selector, widen <= {cap:g}x"
+        rows.append(
+            base
+            | {"kept": share, "rows kept": kept, "path": label, "default path": path == default and shipped}
+            | {"recall@10": recall, "p50 ms": p50, "p50 / unfiltered": p50 / base["unfiltered p50 ms"]}
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
 def run_filters(args: argparse.Namespace) -> None:
-    out = benchlib.out_dir("hybrid")
+    if args.build_only:
+        for kind in args.kinds:
+            build_filters(args, kind)
+        return
+    benchlib.hold_bench_lock()
+    out = benchlib.out_dir(args.name)
     info = benchlib.machine()
     benchlib.print_machine(info)
-    corpus = CorpusSpec(synthetic(WORK / f"synthetic-{args.rows}.parquet", args.rows), vectors_column="vector")
-    corpus = replace(corpus, columns=("bucket",))
-    rng = np.random.default_rng(1)
-    rows = []
+    rows, described = [], ""
     for kind in args.kinds:
-        directory = WORK / f"synthetic-{args.rows}-{kind}"
-        if args.rebuild or not (directory / "manifest.json").is_file():
-            options = BuildOptions(overwrite=True, lexical=None)
-            build_index(corpus, None, directory, TransformSpec.raw(), IndexSpec(kind=kind), options=options)
-        searcher = Searcher.load(directory)
-        stash = searcher.stash()
-        queries = stash.read_rows(rng.choice(len(stash), args.queries, replace=False), None)
-        queries = queries + 0.3 * rng.normal(size=queries.shape).astype(np.float32)
+        searcher = Searcher.load(build_filters(args, kind))
+        queries, described = query_vectors(args, searcher, np.random.default_rng(1))
         found, unfiltered_ms = timed(searcher, queries, SearchParams(k=10, mode="dense"))
-        want = exact(searcher, queries, np.ones(len(stash), dtype=bool))
+        want = exact(searcher, queries, np.ones(searcher.index.ntotal, dtype=bool))
         recall = float(np.mean([len(f & w) / max(len(w), 1) for f, w in zip(found, want, strict=True)]))
-        rows.append({"kind": kind, "kept": 1.0, "rows kept": len(stash), "path": "no filter", "default path": True})
-        rows[-1] |= {"recall@10": recall, "p50 ms": unfiltered_ms, "unfiltered p50 ms": unfiltered_ms}
+        base = {"kind": kind, "unfiltered p50 ms": unfiltered_ms}
+        rows.append(base | {"kept": 1.0, "rows kept": searcher.index.ntotal, "path": "no filter"})
+        rows[-1] |= {"default path": True, "recall@10": recall, "p50 ms": unfiltered_ms, "p50 / unfiltered": 1.0}
         for share in SHARES:
-            where = parse(f"bucket < {round(1000 * share)}")
-            mask = searcher.mask(where)
-            want = exact(searcher, queries, mask)
-            paths = ("selector",) if kind == "flat" else ("selector", "exact")
-            for path in paths:
-                saved = filtered.EXACT_ROWS, filtered.EXACT_SHARE
-                filtered.EXACT_ROWS, filtered.EXACT_SHARE = (0, 0.0) if path == "selector" else (len(stash), 1.0)
-                try:
-                    found, p50 = timed(searcher, queries, SearchParams(k=10, mode="dense", where=where))
-                finally:
-                    filtered.EXACT_ROWS, filtered.EXACT_SHARE = saved
-                recall = float(np.mean([len(f & w) / max(len(w), 1) for f, w in zip(found, want, strict=True)]))
-                chosen = "exact" if filtered.exact_below(int(mask.sum()), len(stash)) and kind != "flat" else "selector"
-                rows.append(
-                    {
-                        "kind": kind,
-                        "kept": share,
-                        "rows kept": int(mask.sum()),
-                        "path": path,
-                        "default path": path == chosen,
-                        "recall@10": recall,
-                        "p50 ms": p50,
-                        "unfiltered p50 ms": unfiltered_ms,
-                        "p50 / unfiltered": p50 / unfiltered_ms,
-                    }
-                )
-                print(rows[-1], flush=True)
+            rows += measure_share(searcher, kind, queries, share, base)
     name = "filters" if list(args.kinds) == list(KINDS) else f"filters-{'-'.join(args.kinds)}"
-    benchlib.write_json(out / f"{name}.json", {"machine": info, "rows": args.rows, "results": rows})
+    n = rows[0]["rows kept"]
+    what = f"rows of {args.corpus.name}" if args.corpus else "synthetic 384-d rows"
+    record = {"machine": info, "rows": n, "corpus": what, "queries": described, "results": rows}
+    record |= {"exact_rows": filtered.EXACT_ROWS, "exact_share": filtered.EXACT_SHARE}
+    benchlib.write_json(out / f"{name}.json", record)
     columns = [(k, k) for k in ("kind", "kept", "rows kept", "path", "default path", "recall@10", "p50 ms")]
     columns += [("unfiltered p50 ms", "unfiltered p50 ms"), ("p50 / unfiltered", "p50 / unfiltered")]
     text = [
-        f"# Filtered search: {args.rows:,} synthetic 384-d rows, {args.queries} single queries\n",
+        f"# Filtered search: {n:,} {what}, {described}, single queries\n",
         f"Switch to exact scoring at <= {filtered.EXACT_ROWS:,} rows or <= {filtered.EXACT_SHARE:.0%} kept.\n",
         benchlib.md_table(rows, columns),
         "\n" + benchlib.machine_md(info),
@@ -280,6 +327,12 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="index kinds (filters)")
     parser.add_argument("--rebuild", action="store_true", help="build the indexes again")
+    parser.add_argument("--corpus", type=Path, help="filters: a parquet file of vector + bucket rows")
+    parser.add_argument("--query-vectors", type=Path, help="filters: a .npy of raw query vectors")
+    parser.add_argument("--work", type=Path, default=WORK, help="filters: where the indexes are built")
+    parser.add_argument("--ef-construction", type=int, default=IndexSpec().ef_construction, help="filters: HNSW")
+    parser.add_argument("--build-only", action="store_true", help="filters: build the indexes, time nothing")
+    parser.add_argument("--name", default="hybrid", help="filters: the results/ folder")
     parser.add_argument(
         "--vectors-from",
         help="reuse the raw vectors of existing indexes of the same sets and model (a pattern with {set} and "
