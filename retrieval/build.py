@@ -215,10 +215,6 @@ def _build(
                 f"cannot fit on pooling {fit_pooling!r}: this build stashes {', '.join(poolings)}", "pooling"
             )
         check_buildable(index, transform.dim or d, report.usable)
-        if corpus.columns and engine is not None:
-            raise ConfigError(
-                "`columns` are kept by local builds only: drop `engine` ray, or drop `columns`", "columns"
-            )
     work = files.work_dir(out)
     stash, skip = _open_stash(work, source, encoder, d, poolings, options)  # a refused resume keeps its work
     window_rows = int(stash.meta.get("window_rows") or options.window_rows)  # a resume keeps the windows it began
@@ -232,8 +228,9 @@ def _build(
             if analyzer is not None:
                 for table in stash.iter_docs():
                     ingest.count_terms(table["text"].to_pylist())
-            if columns is not None:  # read again (no encoding) for the windows a resumed build already has
-                for batch in source.batches(window_rows, stop_batches=skip):
+            if columns is not None:  # read here, never encoded: the windows a resumed build already has, and
+                # with an engine every window (its workers return stash parts and moments, not metadata)
+                for batch in source.batches(window_rows, stop_batches=skip if engine is None else None):
                     assert batch.columns is not None
                     columns.write(batch.columns)
             progress("encode", len(stash), report.usable)

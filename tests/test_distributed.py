@@ -51,6 +51,7 @@ from retrieval.distributed import (  # noqa: E402
 )
 from retrieval.encode.spec import EncoderSpec  # noqa: E402
 from retrieval.errors import ConfigError, CorpusError, ModelError  # noqa: E402
+from retrieval.filters import parse  # noqa: E402
 from retrieval.index import IndexSpec  # noqa: E402
 from retrieval.indexdir import STASH, IndexDir  # noqa: E402
 from retrieval.search import Searcher, SearchParams  # noqa: E402
@@ -232,6 +233,29 @@ def test_ray_build_of_a_folder_equals_the_local_build(cluster: str, folder: Path
     assert IndexDir(tmp_path / "ray").docs().titles([0, sum(SIZES) - 1]) == ["Title 0", f"Title {sum(SIZES) - 1}"]
     assert not files.work_dir(tmp_path / "ray").exists()
     assert ray.is_initialized()  # the engine left the caller's Ray running
+
+
+@pytest.mark.ray
+def test_a_ray_build_keeps_the_columns_a_local_build_keeps(cluster: str, folder: Path, tmp_path: Path) -> None:
+    """``--columns`` with the Ray engine: the driver reads the kept columns of every window (the workers return
+    stash parts, not metadata), so filters see the same typed rows as in a local build."""
+    for path in sorted(folder.glob("*.parquet")):  # a typed column beside the texts, with nulls and empty rows
+        table = pq.read_table(path)
+        years = pa.array([None if i % 11 == 0 else 1990 + i % 30 for i in range(table.num_rows)], pa.int16())
+        pq.write_table(table.append_column("year", years), path, row_group_size=20)
+    spec = CorpusSpec(folder, columns=("year",))
+    options = BuildOptions(window_rows=WINDOW)
+    build_index(spec, FakeEncoder(), tmp_path / "local", SPEC, options=options)
+    with RayEngine(FakeEncoder, RayOptions(workers=2)) as engine:
+        build_index(spec, FakeEncoder(), tmp_path / "ray", SPEC, options=options, engine=engine)
+    local, distributed = (Searcher.load(tmp_path / name, encoder=FakeEncoder()) for name in ("local", "ray"))
+    assert distributed.manifest.columns == local.manifest.columns == {"year": "int16"}
+    assert distributed.loaded.columns.equals(local.loaded.columns)
+    assert distributed.loaded.columns.num_rows == sum(SIZES)
+    where = parse("year >= 2010 or year is null")
+    for query in QUERIES:
+        ha, hb = (s.search(query, SearchParams(k=5, mode="dense", where=where)) for s in (local, distributed))
+        assert [h.id for h in ha] == [h.id for h in hb] and len(ha) == 5
 
 
 @pytest.mark.ray
