@@ -1,0 +1,188 @@
+"""Compressed codes at a million rows: single-query p50 (query encoding excluded), recall@10, and what a loaded
+index keeps resident, for the 48-byte configuration ``docs/benchmarks/codes.md`` recommends.
+
+The configuration: whitened at full width (``--dim 384``), binary codes (sign bits after ITQ: 48 bytes a row),
+an int8 stash re-scoring the top 400 candidates (``--stash-dtype int8``), in a binary IVF or HNSW index.
+
+    python scripts/bench_codes_scale.py build --corpus ROWS.parquet --work DIR [--kinds ivf hnsw]
+    python scripts/bench_codes_scale.py run --work DIR --query-vectors Q.npy --truth DIR/raw-index [--kinds ...]
+
+``build`` makes ``DIR/binary-KIND`` from a parquet file of ``vector`` rows (``make_spectrum.py sample``); nothing
+is timed. ``run`` takes the benchmark lock and measures each index in a fresh process (``measure``), so that its
+resident memory is its own: the process's resident set after importing numpy, FAISS and retrieval, after loading
+the index (quick verification, as a one-shot search does), and after the queries; split into anonymous memory
+(what the process allocated: the codes, FAISS's lists) and the index directory's memory-mapped files (the int8
+stash and the docs, counted from ``/proc/self/smaps``: shared page cache, but resident in this process). Recall@10
+is against exact raw cosine search over the same rows (``--truth``: an index of them with the raw transform and
+a float32 stash). Writes ``results/codes-scale/codes-scale.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+KINDS = ("ivf", "hnsw")
+QUERIES = 1000
+
+
+def build(args: argparse.Namespace) -> None:
+    from retrieval.build import BuildOptions, build_index
+    from retrieval.corpus import CorpusSpec
+    from retrieval.index import IndexSpec
+    from retrieval.whitening import TransformSpec
+
+    for kind in args.kinds:
+        out = args.work / f"binary-{kind}"
+        if (out / "manifest.json").is_file() and not args.rebuild:
+            continue
+        index = IndexSpec(kind=kind, codes="binary", ef_construction=args.ef_construction)
+        options = BuildOptions(stash_dtype="int8", lexical=None, overwrite=True)
+        corpus = CorpusSpec(args.corpus, vectors_column="vector")
+        started = time.perf_counter()
+        build_index(corpus, None, out, TransformSpec(dim=384), index, options=options)
+        print(f"{out}: built in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def memory(directory: Path) -> dict[str, float]:
+    """MiB resident now: the whole process, its anonymous memory, and the index directory's mapped files."""
+    status = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            status[key] = int(value.split()[0]) / 1024
+    mapped, current = 0.0, False
+    inside = str(directory.resolve())
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and not head[0].endswith(":"):  # a mapping's first line: address range, ..., path
+            current = len(head) >= 6 and head[5].startswith(inside)
+        elif current and head[0] == "Rss:":
+            mapped += int(head[1]) / 1024
+    return {"process": status["VmRSS"], "anonymous": status["RssAnon"], "index files mapped": mapped}
+
+
+def measure(args: argparse.Namespace) -> None:
+    """One index in this fresh process: memory at each step, p50 of single queries, the rows found."""
+    from retrieval.search import Searcher, SearchParams
+
+    queries = np.load(args.query_vectors).astype(np.float32)
+    before = memory(args.index)
+    searcher = Searcher.load(args.index, verify="quick")
+    loaded = memory(args.index)
+    params = SearchParams(k=10, mode="dense")
+    searcher.search_vectors(queries[:1], params)  # warm-up: the stash's maps opened
+    times, found = [], []
+    for query in queries:
+        started = time.perf_counter()
+        hits = searcher.search_vectors(query[None], params)[0]
+        times.append(time.perf_counter() - started)
+        found.append([h.row for h in hits] + [-1] * (10 - len(hits)))
+    after = memory(args.index)
+    manifest = searcher.manifest
+    result = {
+        "index": manifest.index.factory,
+        "rows": int(searcher.index.ntotal),
+        "bytes per row": int(searcher.index.code_size),
+        "rescore": manifest.rescoring.depth,
+        "search": manifest.index.search,
+        "p50 ms": float(np.median(times)) * 1e3,
+        "p99 ms": float(np.percentile(times, 99)) * 1e3,
+        "memory MiB": {"imports": before, "loaded": loaded, "after queries": after},
+        "found": found,
+    }
+    args.out.write_text(json.dumps(result))
+
+
+def truth(directory: Path, queries: np.ndarray, k: int = 10) -> np.ndarray:
+    """Exact raw cosine top ``k`` over every row of ``directory``'s float32 stash, a block at a time."""
+    from retrieval.indexdir import IndexDir
+
+    stash = IndexDir(directory).stash()
+    q = queries / np.linalg.norm(queries, axis=1, keepdims=True)
+    best = np.full((len(q), k), -np.inf, dtype=np.float32)
+    rows = np.full((len(q), k), -1, dtype=np.int64)
+    first = 0
+    for block in stash.iter_blocks(100_000):
+        scores = q @ (block / np.linalg.norm(block, axis=1, keepdims=True)).T
+        scores = np.concatenate([best, scores], axis=1)
+        ids = np.concatenate([rows, np.broadcast_to(np.arange(first, first + len(block)), (len(q), len(block)))], 1)
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        best, rows = np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
+        first += len(block)
+    return rows
+
+
+def run(args: argparse.Namespace) -> None:
+    benchlib.hold_bench_lock()
+    out = benchlib.out_dir("codes-scale")
+    info = benchlib.machine()
+    benchlib.print_machine(info)
+    queries = np.load(args.query_vectors).astype(np.float32)
+    queries = queries[np.sort(np.random.default_rng(0).choice(len(queries), min(QUERIES, len(queries)), False))]
+    chosen = args.work / "queries.npy"
+    np.save(chosen, queries)
+    want = truth(args.truth, queries)
+    rows = []
+    for kind in args.kinds:
+        directory = args.work / f"binary-{kind}"
+        result_path = args.work / f"measure-{kind}.json"
+        command = [sys.executable, __file__, "measure", "--index", str(directory), "--query-vectors", str(chosen)]
+        subprocess.run([*command, "--out", str(result_path)], check=True, env=benchlib.retrieval_env())
+        result: dict[str, Any] = json.loads(result_path.read_text())
+        found = np.array(result.pop("found"))
+        recall = float(np.mean([len(set(f) & set(w)) / 10 for f, w in zip(found, want, strict=True)]))
+        mem = result.pop("memory MiB")
+        row = {"kind": kind, **result, "recall@10": recall}
+        row |= {"RSS after imports": mem["imports"]["process"], "RSS loaded": mem["loaded"]["process"]}
+        row |= {"RSS after queries": mem["after queries"]["process"]}
+        row |= {"index RSS loaded": mem["loaded"]["process"] - mem["imports"]["process"]}
+        row |= {"index anon after queries": mem["after queries"]["anonymous"] - mem["imports"]["anonymous"]}
+        row |= {"index files mapped after queries": mem["after queries"]["index files mapped"]}
+        row["memory"] = mem
+        rows.append(row)
+        print({k: v for k, v in row.items() if k != "memory"}, flush=True)
+    record = {"machine": info, "corpus": str(args.corpus_label), "queries": len(queries), "results": rows}
+    benchlib.write_json(out / "codes-scale.json", record)
+    columns = [(k, k) for k in ("kind", "index", "rows", "bytes per row", "rescore", "recall@10", "p50 ms", "p99 ms")]
+    columns += [(k, k) for k in ("RSS after imports", "RSS loaded", "index RSS loaded", "RSS after queries")]
+    columns += [(k, k) for k in ("index anon after queries", "index files mapped after queries")]
+    text = [
+        f"# Binary codes at {rows[0]['rows']:,} rows: {args.corpus_label}; {len(queries)} single queries\n",
+        "Memory in MiB; p50 / p99 of `Searcher.search_vectors` (query encoding excluded).\n",
+        benchlib.md_table(rows, columns),
+        "\n" + benchlib.machine_md(info),
+    ]
+    benchlib.write_md(out / "codes-scale.md", "\n".join(text) + "\n")
+    print("\n".join(text))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=("build", "run", "measure"))
+    parser.add_argument("--corpus", type=Path, help="build: a parquet file of vector rows")
+    parser.add_argument("--corpus-label", default="", help="run: what the rows are, for the table")
+    parser.add_argument("--work", type=Path, help="scratch folder of the indexes")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--ef-construction", type=int, default=200, help="build: HNSW")
+    parser.add_argument("--rebuild", action="store_true")
+    parser.add_argument("--query-vectors", type=Path, help="a .npy of raw query vectors")
+    parser.add_argument("--truth", type=Path, help="run: an index of the same rows, raw transform, float32 stash")
+    parser.add_argument("--index", type=Path, help="measure: the index directory")
+    parser.add_argument("--out", type=Path, help="measure: where its JSON goes")
+    args = parser.parse_args()
+    {"build": build, "run": run, "measure": measure}[args.part](args)
+
+
+if __name__ == "__main__":
+    main()
