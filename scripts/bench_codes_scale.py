@@ -24,6 +24,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,9 @@ def build(args: argparse.Namespace) -> None:
         if (out / "manifest.json").is_file() and not args.rebuild:
             continue
         index = IndexSpec(kind=kind, codes="binary", ef_construction=args.ef_construction)
-        options = BuildOptions(stash_dtype="int8", lexical=None, overwrite=True)
+        if kind == "ivf":
+            index = replace(index, nlist=args.nlist, train_size=args.train_size)
+        options = BuildOptions(stash_dtype="int8", lexical=None, overwrite=True, resume=args.resume)
         corpus = CorpusSpec(args.corpus, vectors_column="vector")
         started = time.perf_counter()
         build_index(corpus, None, out, TransformSpec(dim=384), index, options=options)
@@ -74,6 +77,8 @@ def memory(directory: Path) -> dict[str, float]:
 
 def measure(args: argparse.Namespace) -> None:
     """One index in this fresh process: memory at each step, p50 of single queries, the rows found."""
+    import faiss  # noqa: F401  (imported before the first reading: its library is not the index)
+
     from retrieval.search import Searcher, SearchParams
 
     queries = np.load(args.query_vectors).astype(np.float32)
@@ -176,6 +181,9 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--ef-construction", type=int, default=200, help="build: HNSW")
     parser.add_argument("--rebuild", action="store_true")
+    parser.add_argument("--resume", action="store_true", help="build: finish builds from their stashed parts")
+    parser.add_argument("--nlist", type=int, help="build: IVF lists (default: the library's)")
+    parser.add_argument("--train-size", type=int, help="build: IVF training rows (default: the library's)")
     parser.add_argument("--query-vectors", type=Path, help="a .npy of raw query vectors")
     parser.add_argument("--truth", type=Path, help="run: an index of the same rows, raw transform, float32 stash")
     parser.add_argument("--index", type=Path, help="measure: the index directory")

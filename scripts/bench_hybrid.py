@@ -233,8 +233,10 @@ def corpus_of(args: argparse.Namespace) -> CorpusSpec:
 def build_filters(args: argparse.Namespace, kind: str) -> Path:
     directory = args.work / f"{Path(str(corpus_of(args).path)).stem}-{kind}"
     if args.rebuild or not (directory / "manifest.json").is_file():
-        options = BuildOptions(overwrite=True, lexical=None)
+        options = BuildOptions(overwrite=True, lexical=None, resume=args.resume)
         index = IndexSpec(kind=kind, ef_construction=args.ef_construction)
+        if kind == "ivf":
+            index = replace(index, nlist=args.nlist, train_size=args.train_size)
         build_index(corpus_of(args), None, directory, TransformSpec.raw(), index, options=options)
     return directory
 
@@ -332,6 +334,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=WORK, help="filters: where the indexes are built")
     parser.add_argument("--ef-construction", type=int, default=IndexSpec().ef_construction, help="filters: HNSW")
     parser.add_argument("--build-only", action="store_true", help="filters: build the indexes, time nothing")
+    parser.add_argument("--resume", action="store_true", help="filters: finish builds from their stashed parts")
+    parser.add_argument("--nlist", type=int, help="filters: IVF lists (default: the library's)")
+    parser.add_argument("--train-size", type=int, help="filters: IVF training rows (default: the library's)")
     parser.add_argument("--name", default="hybrid", help="filters: the results/ folder")
     parser.add_argument(
         "--vectors-from",

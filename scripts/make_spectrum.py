@@ -12,7 +12,7 @@ Every figure made from these rows says so: they are NOT real-text rows.
     python scripts/make_spectrum.py encode --out DIR      # DIR/docs.npy, DIR/queries.npy (takes the bench lock)
     python scripts/make_spectrum.py encode --out DIR --vectors-from 'indexes/bench/codes/{set}-all-minilm-l6-v2'
         # the documents' vectors read from raw MiniLM indexes of the sets (``bench_codes.py`` builds them):
-        # only the queries are encoded
+        # only the queries are encoded (or, with --queries-from indexes/bench, read from basket.py's cache)
     python scripts/make_spectrum.py sample --out DIR --rows 1000000
         # DIR/rows-1000000.parquet: id, vector (384 float32), bucket (int32, uniform 0-999: filters of known share)
 
@@ -64,6 +64,22 @@ def stashed(pattern: str) -> np.ndarray:
     return np.concatenate(blocks).astype(np.float32)
 
 
+def cached_queries(folder: Path, queries: list[str], model: str) -> np.ndarray:
+    """Every set's queries' mean-pooled vectors from ``basket.encode_cached``'s files in ``folder``, checked
+    against the texts."""
+    blocks, texts = [], []
+    for name in SETS:
+        for split in ("test", "train"):
+            path = folder / f"{name}-queries-{split}-{model.lower()}.npz"
+            if path.is_file():
+                with np.load(path, allow_pickle=False) as data:
+                    blocks.append(data["mean"].astype(np.float32))
+                    texts += list(data["texts"])
+    if texts != queries:
+        raise SystemExit(f"the cached queries in {folder} are not the sets' queries, in order")
+    return np.concatenate(blocks)
+
+
 def encode(args: argparse.Namespace) -> None:
     from retrieval.encode.transformer import TransformerEncoder
 
@@ -76,6 +92,11 @@ def encode(args: argparse.Namespace) -> None:
         np.save(args.out / "docs.npy", vectors)
     else:
         work.append(("docs", docs))
+    if args.queries_from:  # the queries' vectors cached by scripts/basket.py (mean pooling): nothing to encode
+        np.save(args.out / "queries.npy", cached_queries(args.queries_from, queries, args.model))
+        work = [item for item in work if item[0] != "queries"]
+    if not work:
+        return
     benchlib.hold_bench_lock()
     encoder = TransformerEncoder(args.model)
     for name, batch in work:
@@ -118,6 +139,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data", help="the shared IR sets")
     parser.add_argument("--model", default="all-MiniLM-L6-v2")
     parser.add_argument("--vectors-from", help="raw MiniLM indexes of the sets, a pattern with {set}")
+    parser.add_argument("--queries-from", type=Path, help="a folder of scripts/basket.py's cached query vectors")
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--noise", type=float, default=0.5, help="noise scale, in units of the real covariance")
     parser.add_argument("--seed", type=int, default=0)
