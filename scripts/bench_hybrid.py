@@ -285,7 +285,8 @@ def run_filters(args: argparse.Namespace) -> None:
         for kind in args.kinds:
             build_filters(args, kind)
         return
-    benchlib.hold_bench_lock()
+    if not args.untimed:
+        benchlib.hold_bench_lock()
     out = benchlib.out_dir(args.name)
     info = benchlib.machine()
     benchlib.print_machine(info)
@@ -302,13 +303,19 @@ def run_filters(args: argparse.Namespace) -> None:
         for share in SHARES:
             rows += measure_share(searcher, kind, queries, share, base)
     name = "filters" if list(args.kinds) == list(KINDS) else f"filters-{'-'.join(args.kinds)}"
+    if args.untimed:  # recall alone: times taken without the benchmark lock are not kept
+        name += "-recall"
+        for row in rows:
+            for key in ("p50 ms", "unfiltered p50 ms", "p50 / unfiltered"):
+                row.pop(key, None)
     n = rows[0]["rows kept"]
     what = f"rows of {args.corpus.name}" if args.corpus else "synthetic 384-d rows"
     record = {"machine": info, "rows": n, "corpus": what, "queries": described, "results": rows}
     record |= {"exact_rows": filtered.EXACT_ROWS, "exact_share": filtered.EXACT_SHARE}
     benchlib.write_json(out / f"{name}.json", record)
     columns = [(k, k) for k in ("kind", "kept", "rows kept", "path", "default path", "recall@10", "p50 ms")]
-    columns += [("unfiltered p50 ms", "unfiltered p50 ms"), ("p50 / unfiltered", "p50 / unfiltered")]
+    if not args.untimed:
+        columns += [("unfiltered p50 ms", "unfiltered p50 ms"), ("p50 / unfiltered", "p50 / unfiltered")]
     text = [
         f"# Filtered search: {n:,} {what}, {described}, single queries\n",
         f"Switch to exact scoring at <= {filtered.EXACT_ROWS:,} rows or <= {filtered.EXACT_SHARE:.0%} kept.\n",
@@ -334,6 +341,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=WORK, help="filters: where the indexes are built")
     parser.add_argument("--ef-construction", type=int, default=IndexSpec().ef_construction, help="filters: HNSW")
     parser.add_argument("--build-only", action="store_true", help="filters: build the indexes, time nothing")
+    parser.add_argument("--untimed", action="store_true", help="filters: recall only, without the lock")
     parser.add_argument("--resume", action="store_true", help="filters: finish builds from their stashed parts")
     parser.add_argument("--nlist", type=int, help="filters: IVF lists (default: the library's)")
     parser.add_argument("--train-size", type=int, help="filters: IVF training rows (default: the library's)")
