@@ -25,10 +25,11 @@ from retrieval.index import list_count, search_parameters
 EXACT_ROWS = 20_000
 EXACT_SHARE = 0.05
 # An approximate filtered search widens its knob by 1 / share kept, at most this many times. HNSW: FAISS's beam
-# already walks through the rows a selector leaves out and keeps efSearch rows that pass, so widening it more only
-# costs; IVF: a probed list's rows that the selector leaves out cost a bitmap test, not a distance, so probing
-# 1 / share as many lists scores about as many rows as the unfiltered search does.
-EF_WIDEN_CAP = 1.0
+# holds efSearch visited nodes, kept or not, so it is widened for the share the filter drops, within a cap (each
+# step costs a walk of that many more nodes); IVF: a probed list's rows that the selector leaves out cost a bitmap
+# test, not a distance, so probing 1 / share as many lists scores about as many rows as the unfiltered search
+# does, and the cap is every list.
+EF_WIDEN_CAP = 16.0
 NPROBE_WIDEN_CAP = 1024.0
 FEW_QUERIES = 8  # fewer queries than this are multiplied on one BLAS thread
 FLAT_SELECTOR_SHARE = 0.02  # a flat index searches with the selector below this share kept, else blocked products
