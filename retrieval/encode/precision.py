@@ -1,9 +1,9 @@
-"""Precision choice: whether this CPU computes bf16 natively, which CPU a choice was made on, and precision
-"auto"'s decision: bf16 only where it is faster here and agrees with fp32.
+"""Precision choice: whether this CPU computes bf16 and int8 natively, which CPU a choice was made on, and precision
+"auto"'s decision: bf16 or int8 only where it is faster here and agrees with fp32.
 
 Native bf16 is ~2x fp32 on some CPUs and ~0.6x on others with the same ``avx512_bf16`` flag, so the flag alone
-cannot decide: both ways are timed on a few rows of a real batch, through ``timing.policy`` (site ``precision``;
-fp32 when the policy is deterministic).
+cannot decide: the candidates are timed on a few rows of a real batch, through ``timing.policy`` (site
+``precision``; fp32 when the policy is deterministic).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 # bf16 must agree with fp32 at least this well (cosine of pooled vectors) to be chosen by precision "auto".
 BF16_MIN_COSINE = 0.999
+# int8 likewise (``retrieval.encode.int8``: it rounds activations to 8 bits, bf16 keeps 8 bits of mantissa).
+INT8_MIN_COSINE = 0.99
 
 
 def cpu_model() -> str:
@@ -43,29 +45,46 @@ def cpu_supports_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def bf16_is_faster(fp32: Callable[[], Any], bf16: Callable[[], Any], torch: Any) -> bool:
-    """Settle precision "auto": ``fp32`` and ``bf16`` each return the pooled vectors of the same few rows; each
-    is warmed up, then timed twice, interleaved. bf16 wins only where it is faster and its vectors agree with
-    fp32's (min cosine >= BF16_MIN_COSINE). A policy that fixes the choice is followed, untimed."""
-    vectors: dict[str, Any] = {}
+def cpu_supports_int8() -> bool:
+    """Whether this CPU has int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX int8)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
 
-    def keeping(name: str, way: Callable[[], Any]) -> Callable[[], None]:
-        def run() -> None:
-            got = way()
-            vectors.setdefault(name, got)
 
-        return run
+def min_cosine(expected: Any, got: Any, torch: Any) -> float:
+    """The smallest cosine between matching rows of two (n, d) tensors."""
+    return float(torch.nn.functional.cosine_similarity(expected.float(), got.float(), dim=1).min().item())
 
+
+def fastest_agreeing(ways: dict[str, Callable[[], Any]], torch: Any) -> str:
+    """Settle precision "auto": each way ("fp32" and any of "bf16", "int8") returns the pooled vectors of the same
+    few rows. A way whose vectors stray from fp32's (min cosine below BF16_MIN_COSINE or INT8_MIN_COSINE) is
+    dropped; the others are warmed up, then timed twice, interleaved, and the fastest wins. A policy that fixes
+    the choice is followed, untimed (fp32 when it names a way that was dropped)."""
+    bounds = {"fp32": 1.0, "bf16": BF16_MIN_COSINE, "int8": INT8_MIN_COSINE}
     with torch.inference_mode():  # as the encoding it stands for: no autograd graph to time or to keep
-        ways = {"fp32": keeping("fp32", fp32), "bf16": keeping("bf16", bf16)}
-        chosen = timing.policy().fastest("precision", ways, default="fp32", rounds=2, warm_up=1)
-    if chosen == "bf16" and vectors:  # timed: it must agree too
-        cos = torch.nn.functional.cosine_similarity(vectors["fp32"], vectors["bf16"], dim=1).min().item()
-        if cos < BF16_MIN_COSINE:
-            log.info("precision auto: fp32 (bf16 is faster, but its min cosine to fp32 is %.5f)", cos)
-            return False
+        fixed = timing.policy().fixed("precision", "fp32")
+        if fixed == "fp32":
+            return "fp32"
+        vectors = {name: way() for name, way in ways.items() if fixed is None or name in ("fp32", fixed)}
+        agreeing = {"fp32": ways["fp32"]}
+        for name in vectors.keys() - {"fp32"}:
+            cos = min_cosine(vectors["fp32"], vectors[name], torch)
+            if cos >= bounds[name]:
+                agreeing[name] = ways[name]
+            else:
+                log.info("precision auto: not %s (its min cosine to fp32 is %.5f)", name, cos)
+        if fixed is not None:
+            chosen = fixed if fixed in agreeing else "fp32"
+        elif len(agreeing) == 1:
+            chosen = "fp32"
+        else:  # every way has just run once: that was the warm-up
+            chosen = timing.policy().fastest("precision", agreeing, default="fp32", rounds=2)
     log.info("precision auto: %s", chosen)
-    return chosen == "bf16"
+    return chosen
 
 
 def agree(expected: tuple[Any, Any], got: tuple[Any, Any], bf16: bool, torch: Any) -> bool:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from retrieval.encode.transformer import TransformerEncoder
 
 POOLINGS = ("mean", "cls", "first-last-avg")
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "int8")
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 
 

@@ -16,10 +16,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from retrieval.encode import attention, tracing
+from retrieval.encode import attention, int8, tracing
 from retrieval.encode.models import default_max_length, load_pretrained, weights_sha256
 from retrieval.encode.pooling import masked_mean, pool, pool_one
-from retrieval.encode.precision import bf16_is_faster, cpu_model, cpu_supports_bf16
+from retrieval.encode.precision import (
+    INT8_MIN_COSINE,
+    cpu_model,
+    cpu_supports_bf16,
+    cpu_supports_int8,
+    fastest_agreeing,
+    min_cosine,
+)
 from retrieval.encode.shapes import (
     PACK_MAX_TOKENS,
     PACK_TOKENS,
@@ -30,7 +37,7 @@ from retrieval.encode.shapes import (
     shape_batches,
 )
 from retrieval.encode.spec import DEFAULT_MODEL, POOLINGS, EncoderInfo, EncoderSpec
-from retrieval.errors import ConfigError
+from retrieval.errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +69,10 @@ class TransformerEncoder:
     Texts are tokenised once, sorted by length so each batch carries little padding, run under
     ``torch.inference_mode``, pooled, and returned in their original order as float32.
 
-    Precision "auto" times the first batch both ways and keeps bf16 autocast only where it is faster and agrees
-    with fp32 (cosine >= BF16_MIN_COSINE): native bf16 is ~2x fp32 on some CPUs and ~0.6x on others with the
-    same ``avx512_bf16`` flag, so the flag alone cannot decide. A single text (a query) has no padding: from the
+    Precision "auto" times the first batch in fp32 and, where the CPU computes them natively, in bf16 and int8
+    (``retrieval.encode.int8``), and keeps the fastest that agrees with fp32 (cosine >= BF16_MIN_COSINE,
+    INT8_MIN_COSINE): native bf16 is ~2x fp32 on some CPUs and ~0.6x on others with the same ``avx512_bf16``
+    flag, so the flag alone cannot decide. A single text (a query) has no padding: from the
     TRACE_AFTER-th one on it runs through a TorchScript trace of the model optimised for inference, fp32 or bf16
     autocast, whichever is faster here among those that agree with the eager fp32 model (see ``_trace``).
     """
@@ -97,8 +105,11 @@ class TransformerEncoder:
             )
         self.batch_size = batch_size
         self.precision = precision
-        # None: "auto" on a CPU with native bf16, settled by timing the first batch of more than one text.
-        self.bf16: bool | None = precision == "bf16" or (None if precision == "auto" and cpu_supports_bf16() else False)
+        # The precision batches run in: "fp32", "bf16" or "int8"; None: "auto" on a CPU with native bf16 or int8
+        # products, settled by timing the first batch of more than one text.
+        self.used: str | None = precision
+        if precision == "auto":
+            self.used = None if cpu_supports_bf16() or cpu_supports_int8() else "fp32"
         self._torch = torch
         # The fast tokenizer is not re-entrant ("Already borrowed"): it runs under this lock. The lazy decisions
         # (precision, trace, packing) are taken once, under it too: until they are, a whole call holds it. After
@@ -107,6 +118,7 @@ class TransformerEncoder:
         self._single_calls = 0
         self._traced: Any = None  # (traced module, bf16) for single texts; False once no trace passed its check
         self._model_bf16: Any = None  # the bf16 copy of the model, made when bf16 is first needed
+        self._model_int8: Any = None  # the int8 copy (``retrieval.encode.int8``), made when int8 is first needed
         # The bf16 copy's attention: chunked products (``retrieval.encode.attention``) where the model takes them
         # and they are faster on this CPU than its own SDPA kernel; False keeps the model's own.
         self.chunked_attention = True
@@ -114,10 +126,21 @@ class TransformerEncoder:
         self.packing: bool | None = None  # short texts packed (``pack_rows``); None: checked on first use
         self._sha = weights_sha256(self.folder) if self.folder else None
         self._dim = int(self.model.config.hidden_size)
+        if precision == "int8":  # made and checked now: a model int8 does not suit is refused before any work
+            self._int8_model()
 
     @property
     def dim(self) -> int:
         return self._dim
+
+    @property
+    def bf16(self) -> bool | None:
+        """Whether batches run in bf16 (None: precision "auto", not settled yet)."""
+        return None if self.used is None else self.used == "bf16"
+
+    @bf16.setter
+    def bf16(self, value: bool) -> None:
+        self.used = "bf16" if value else "fp32"
 
     def info(self) -> EncoderInfo:
         return EncoderInfo(
@@ -131,34 +154,34 @@ class TransformerEncoder:
             pooling=self.pooling,
             max_length=self.max_length,
             precision=self.precision,
-            precision_used={True: "bf16", False: "fp32", None: None}[self.bf16],
-            precision_cpu=cpu_model() if self.bf16 is not None else None,
+            precision_used=self.used,
+            precision_cpu=cpu_model() if self.used is not None else None,
         )
 
     def warm_up(self) -> None:
         """Settle the lazy state now, not on a user's first request: precision "auto" (timed on a padded batch)
         and the single-text trace."""
         with self._lock:
-            if self.bf16 is None or self.packing is None:
+            if self.used is None or self.packing is None:
                 self.encode(WARM_UP_TEXTS)
             if self._traced is None:
                 self._traced = self._shared_trace()
 
     def settle_precision(self, used: str | None = None) -> None:
         """Decide precision "auto" now: as ``used`` says (the choice a build being resumed recorded: one stash
-        never mixes fp32 and bf16 vectors), else by timing a small padded batch. Other precisions are fixed."""
+        never mixes precisions), else by timing a small padded batch. Other precisions are fixed."""
         with self._lock:
             if self.precision != "auto":
                 return
             if used is not None:
-                self.bf16 = used == "bf16"
-            elif self.bf16 is None:
+                self.used = used
+            elif self.used is None:
                 self.encode(WARM_UP_TEXTS)
 
     @property
     def settled(self) -> bool:
         """Whether every lazy decision is taken, so concurrent calls may run their forward passes side by side."""
-        return self.bf16 is not None and self.packing is not None and self._traced is not None
+        return self.used is not None and self.packing is not None and self._traced is not None
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         return self.encode_poolings(texts, (self.pooling,))[self.pooling]
@@ -221,8 +244,8 @@ class TransformerEncoder:
             self.packing = self._packing_agrees()
         if len(short) < 2 or not self.packing:
             return []
-        if self.bf16 is None:
-            self.bf16 = self._bf16_is_faster(self._padded(tokens, short[: self.batch_size]))
+        if self.used is None:
+            self.used = self._fastest_agreeing(self._padded(tokens, short[: self.batch_size]))
         return short
 
     def _encode_packs(self, work: _Work, short: list[int]) -> None:
@@ -251,8 +274,8 @@ class TransformerEncoder:
             for local, width in self.batches([lengths[i] for i in texts]):
                 rows = np.asarray(texts, dtype=np.int64)[local]
                 batch = self._padded(tokens, rows, width)
-                if self.bf16 is None and len(rows) > 1:
-                    self.bf16 = self._bf16_is_faster(batch)
+                if self.used is None and len(rows) > 1:
+                    self.used = self._fastest_agreeing(batch)
                 result = self._forward(batch, want_hidden)
                 mask = batch["attention_mask"]
                 for p in poolings:
@@ -339,8 +362,13 @@ class TransformerEncoder:
         return shape_batches(lengths, self.batch_size, self.max_length if self.bucketed else None)
 
     def _forward(self, batch: Any, want_hidden: bool) -> Any:
-        """One padded batch through the model in the precision chosen: the bf16 copy of the model, or fp32."""
-        model = self._bf16_model() if self.bf16 else self.model
+        """One padded batch through the model in the precision chosen: the bf16 or int8 copy of the model, or fp32."""
+        if self.used == "bf16":
+            model = self._bf16_model()
+        elif self.used == "int8":
+            model = self._int8_model()
+        else:
+            model = self.model
         return model(**batch, output_hidden_states=want_hidden)
 
     def _bf16_model(self) -> Any:
@@ -354,17 +382,63 @@ class TransformerEncoder:
             self._model_bf16 = model
         return self._model_bf16
 
-    def _bf16_is_faster(self, batch: Any) -> bool:
-        """Settle precision "auto" on four rows of a real batch (``precision.bf16_is_faster``): a fraction of a
-        percent of any build worth timing. The bf16 copy made for it is dropped when fp32 wins."""
+    def _int8_model(self) -> Any:
+        """The model with int8 transformer linear layers (``retrieval.encode.int8``: smoothing factors measured on
+        its probe texts), made once and checked against the fp32 model on them: min cosine of mean-pooled vectors
+        at least INT8_MIN_COSINE, else precision int8 is refused (``auto`` does not take it)."""
+        if self._model_int8 is None:
+            torch = self._torch
+            probes = [
+                self.tokenizer([text], truncation=True, max_length=self.max_length, return_tensors="pt")
+                for text in int8.PROBE_TEXTS
+            ]
+
+            def fp32() -> None:
+                for probe in probes:
+                    self.model(**probe)
+
+            model = int8.quantise(self.model, int8.input_ranges(self.model, fp32, torch), torch)
+            batch = self._padded(
+                self.tokenizer(list(int8.PROBE_TEXTS), truncation=True, max_length=self.max_length),
+                range(len(int8.PROBE_TEXTS)),
+            )
+            with torch.inference_mode():
+                expected, got = (
+                    masked_mean(m(**batch).last_hidden_state, batch["attention_mask"]) for m in (self.model, model)
+                )
+            cos = min_cosine(expected, got, torch)
+            if cos < INT8_MIN_COSINE:
+                raise ModelError(
+                    f"model {self.name!r} in int8 agrees with fp32 only to cosine {cos:.4f} on its probe texts (at "
+                    f"least {INT8_MIN_COSINE} is needed): use precision fp32, bf16 or auto"
+                )
+            log.info("int8 model made: min cosine to fp32 on the probe texts %.5f", cos)
+            self._model_int8 = model
+        return self._model_int8
+
+    def _fastest_agreeing(self, batch: Any) -> str:
+        """Settle precision "auto" on four rows of a real batch (``precision.fastest_agreeing``): fp32, and bf16
+        and int8 where this CPU computes them natively; a fraction of a percent of any build worth timing. The
+        copies made for it are dropped unless chosen."""
         batch = {key: value[:4] for key, value in batch.items()}
 
         def run(model: Callable[[], Any]) -> Callable[[], Any]:
             return lambda: masked_mean(model()(**batch).last_hidden_state, batch["attention_mask"])
 
-        chosen = bf16_is_faster(run(lambda: self.model), run(self._bf16_model), self._torch)
-        if not chosen:
+        ways = {"fp32": run(lambda: self.model)}
+        if cpu_supports_bf16():
+            ways["bf16"] = run(self._bf16_model)
+        if cpu_supports_int8():
+            try:
+                self._int8_model()
+                ways["int8"] = run(self._int8_model)
+            except ModelError as err:
+                log.info("precision auto: not int8 (%s)", err)
+        chosen = fastest_agreeing(ways, self._torch)
+        if chosen != "bf16":
             self._model_bf16 = None
+        if chosen != "int8":
+            self._model_int8 = None
         return chosen
 
     def _shared_trace(self) -> Any:
@@ -413,6 +487,6 @@ def from_info(info: EncoderInfo, batch_size: int = 32) -> TransformerEncoder:
     encoder = EncoderSpec(source, info.pooling or "mean", info.max_length, batch_size, info.precision).load()
     encoder.name = str(info.model)
     if info.precision == "auto" and info.precision_used and info.precision_cpu == cpu_model():
-        encoder.bf16 = info.precision_used == "bf16"  # measured on this CPU already: the same choice again
+        encoder.used = info.precision_used  # measured on this CPU already: the same choice again
     info.check_query(encoder.info())
     return encoder
