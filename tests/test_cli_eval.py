@@ -31,9 +31,10 @@ def run(*args: str | Path | int) -> Result:
 
 @pytest.fixture(autouse=True)
 def fp32_for_auto(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Precision "auto" times bf16 against fp32, and on the tiny model the two are close enough to flip from run to
-    run: the tests here compare runs (an index's encoder with `--model`), so auto settles on fp32 throughout."""
+    """Precision "auto" times bf16 and int8 against fp32, and on the tiny model they are close enough to flip from
+    run to run: the tests here compare runs (an index's encoder with `--model`), so auto settles on fp32 throughout."""
     monkeypatch.setattr("retrieval.encode.transformer.cpu_supports_bf16", lambda: False)
+    monkeypatch.setattr("retrieval.encode.transformer.cpu_supports_int8", lambda: False)
 
 
 def ok(result: Result) -> Result:
@@ -98,6 +99,7 @@ def built(tiny_bert: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RETRIEVAL_INDEX_ROOT", str(root / "indexes"))
         mp.setattr("retrieval.encode.transformer.cpu_supports_bf16", lambda: False)  # see fp32_for_auto
+        mp.setattr("retrieval.encode.transformer.cpu_supports_int8", lambda: False)
         corpus = write_corpus(root / "corpus.parquet", n=200)
         ok(run("index", corpus, "--model", tiny_bert, "--extra-pooling", "cls", "--out", root / "idx"))
     dev_q, dev_r = write_split(root, "dev", list(range(0, 60, 5)))

@@ -269,8 +269,9 @@ def test_precision_fp32_traces_fp32_only(tiny_bert: Path, monkeypatch: pytest.Mo
 
 
 # ----- precision "auto" -----------------------------------------------------------------------------------
-def test_auto_precision_is_fp32_without_native_bf16(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_precision_is_fp32_without_native_bf16_or_int8(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: False)
+    monkeypatch.setattr(encoder_module, "cpu_supports_int8", lambda: False)
     enc = TransformerEncoder(str(tiny_bert), max_length=48)
     assert (enc.info().precision, enc.info().precision_used) == ("auto", "fp32")
 
@@ -279,6 +280,7 @@ def test_auto_precision_is_settled_by_the_first_batch(
     tiny_bert: Path, models: dict[str, TransformerEncoder], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(encoder_module, "cpu_supports_int8", lambda: False)  # bf16 against fp32 (int8: test_int8)
     enc = TransformerEncoder(str(tiny_bert), max_length=48)
     assert enc.info().precision_used is None  # nothing timed yet
     enc.encode(["one text alone does not settle it"])
@@ -295,6 +297,7 @@ def test_auto_precision_never_takes_bf16_that_disagrees_with_fp32(
     tiny_bert: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(encoder_module, "cpu_supports_int8", lambda: False)  # bf16 against fp32 (int8: test_int8)
     monkeypatch.setattr(precision_module, "BF16_MIN_COSINE", 1.01)  # no cosine reaches it, however fast bf16 is
     enc = TransformerEncoder(str(tiny_bert), max_length=48)
     enc.encode(TEXTS)
@@ -304,6 +307,7 @@ def test_auto_precision_never_takes_bf16_that_disagrees_with_fp32(
 
 def test_warm_up_settles_precision_and_the_trace(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(encoder_module, "cpu_supports_int8", lambda: False)  # bf16 against fp32 (int8: test_int8)
     enc = TransformerEncoder(str(tiny_bert), max_length=48)
     assert enc.info().precision_used is None and enc._traced is None
     enc.warm_up()

@@ -70,8 +70,8 @@ def index(
     precision: Annotated[
         str,
         typer.Option(
-            help=f"{', '.join(PRECISIONS)}: auto is fp32, or on a CPU with native bf16 the faster of the two on "
-            "the first batch."
+            help=f"{', '.join(PRECISIONS)}: auto is fp32, or on a CPU with native bf16 or int8 products the fastest "
+            "on the first batch of those that agree with fp32; int8: int8 linear layers (min cosine to fp32 >= 0.99)."
         ),
     ] = DefaultEncoder.precision,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Index directory \\[default: indexes/<stem>].")] = None,
@@ -90,6 +90,11 @@ def index(
 
     choice("pooling", pooling, POOLINGS)
     choice("precision", precision, PRECISIONS)
+    if precision == "int8" and (vectors_column is not None or str(corpus).endswith(".npy")):
+        raise ConfigError(
+            "`precision` int8 is how text is encoded, and this corpus is precomputed vectors: leave `precision` unset",
+            "precision",
+        )
     choice("stash_dtype", specs["stash_dtype"], DTYPES)
     choice("engine", engine, ENGINES)
     if engine == "local" and (address is not None or workers is not None):
