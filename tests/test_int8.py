@@ -76,9 +76,14 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, axis=-1)
 
 
-def test_the_int8_layer_is_exact_where_rounding_loses_nothing() -> None:
+@pytest.mark.parametrize("onednn", [True, False])
+def test_the_int8_layer_is_exact_where_rounding_loses_nothing(onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Integer weights with 127 in every row and integer activations with 127 in every token quantise with scale
-    1: the int8 product is then the float64 one exactly (int32 sums, scales of 1, float32 output of integers)."""
+    1: the int8 product is then the float64 one exactly (int32 sums, scales of 1, float32 output of integers), by
+    oneDNN's int8 matmul and by the ``torch._int_mm`` fallback."""
+    if onednn and not int8.onednn_available(torch):
+        pytest.skip("this torch has no oneDNN int8 linear op")
+    monkeypatch.setattr(int8, "onednn_available", lambda torch: onednn)
     rng = np.random.default_rng(0)
     linear = torch.nn.Linear(32, 24)
     weight = rng.integers(-127, 128, (24, 32)).astype(np.float64)

@@ -75,12 +75,13 @@ def int8_linear_class(torch: Any) -> type:
             shape = x.shape
             rows = (x.float() * self.inv_smooth).reshape(-1, shape[-1])
             scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-            quantised = torch.round(rows / scale).to(torch.int8)
-            if onednn:
+            quantised = torch.round(rows / scale)
+            if onednn:  # unsigned with zero point 128: oneDNN has VNNI kernels for u8 x s8 only (s8 x s8 ran its
+                # reference kernel, ~100x slower, with the ISA capped at AVX512_CORE_VNNI; AMX takes either)
                 sums = torch.ops.onednn.qlinear_pointwise(
-                    quantised,
+                    (quantised + 128).to(torch.uint8),
                     1.0,
-                    0,
+                    128,
                     self.packed,
                     self.weight_scale,
                     self.zero_points,
@@ -94,7 +95,8 @@ def int8_linear_class(torch: Any) -> type:
                 )
                 out = sums * scale + self.bias
             else:
-                out = torch._int_mm(quantised, self.packed).float() * (scale * self.weight_scale) + self.bias
+                sums = torch._int_mm(quantised.to(torch.int8), self.packed).float()
+                out = sums * (scale * self.weight_scale) + self.bias
             return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     return Int8Linear
