@@ -6,7 +6,7 @@ makes deterministic.
 The choices, by site name (each with the way a deterministic policy takes, untimed):
 
     precision   "fp32", "bf16" or "int8": precision "auto" of the transformers encoder, on a CPU with native bf16
-                or int8 products (fp32)
+                (int8 only where precision.INT8_IN_AUTO lets auto weigh it) (fp32)
     trace       "fp32" or "bf16": the traced single-text model, among the traces that agree with fp32 (fp32)
     attention   "sdpa" or "chunked": the bf16 model's attention kernel (sdpa, the model's own)
     scan        "faiss" or "numpy": the flat scan's path for batches of queries (faiss)

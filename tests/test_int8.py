@@ -138,6 +138,7 @@ def test_auto_takes_int8_where_it_is_faster_and_agrees(
 ) -> None:
     monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: False)
     monkeypatch.setattr(encoder_module, "cpu_supports_int8", lambda: True)
+    monkeypatch.setattr(precision_module, "INT8_IN_AUTO", True)  # as on a CPU where int8 measured faster
     monkeypatch.setattr(timing, "_chosen", timing.Policy(answers={"precision": answer}))
     enc = TransformerEncoder(str(tiny_bert), max_length=48)
     assert enc.info().precision_used is None
@@ -149,6 +150,7 @@ def test_auto_takes_int8_where_it_is_faster_and_agrees(
 def test_auto_never_takes_int8_that_disagrees_with_fp32(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: False)
     monkeypatch.setattr(encoder_module, "cpu_supports_int8", lambda: True)
+    monkeypatch.setattr(precision_module, "INT8_IN_AUTO", True)
     monkeypatch.setattr(timing, "_chosen", timing.Policy(answers={"precision": "int8"}))  # int8 "faster"
     monkeypatch.setattr(precision_module, "INT8_MIN_COSINE", 1.01)  # but no cosine reaches the bar
     enc = TransformerEncoder(str(tiny_bert), max_length=48)
@@ -161,6 +163,17 @@ def test_auto_leaves_int8_out_without_int8_instructions(tiny_bert: Path, monkeyp
     monkeypatch.setattr(encoder_module, "cpu_supports_int8", lambda: False)
     enc = TransformerEncoder(str(tiny_bert), max_length=48)
     assert enc.info().precision_used == "fp32"  # decided without timing anything
+
+
+def test_auto_leaves_int8_out_until_it_is_measured_faster(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 measured slower than fp32 and bf16 (docs/benchmarks/encode.md): "auto" neither makes nor times it."""
+    monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: False)
+    monkeypatch.setattr(encoder_module, "cpu_supports_int8", lambda: True)
+    monkeypatch.setattr(timing, "_chosen", timing.Policy(answers={"precision": "int8"}))  # even were it "faster"
+    enc = TransformerEncoder(str(tiny_bert), max_length=48)
+    assert enc.info().precision_used == "fp32"  # decided without timing anything
+    enc.encode(TEXTS)
+    assert enc.info().precision_used == "fp32" and enc._model_int8 is None
 
 
 def run(*args: str | Path) -> object:

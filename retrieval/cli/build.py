@@ -70,8 +70,8 @@ def index(
     precision: Annotated[
         str,
         typer.Option(
-            help=f"{', '.join(PRECISIONS)}: auto is fp32, or on a CPU with native bf16 or int8 products the fastest "
-            "on the first batch of those that agree with fp32; int8: int8 linear layers (min cosine to fp32 >= 0.99)."
+            help=f"{', '.join(PRECISIONS)}: auto is fp32, or on a CPU with native bf16 the faster of the two on the "
+            "first batch where bf16 agrees with fp32; int8: int8 linear layers (min cosine to fp32 >= 0.99), opt-in."
         ),
     ] = DefaultEncoder.precision,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Index directory \\[default: indexes/<stem>].")] = None,

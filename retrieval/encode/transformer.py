@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from retrieval.encode import attention, int8, tracing
+from retrieval.encode import attention, int8, precision, tracing
 from retrieval.encode.models import default_max_length, load_pretrained, weights_sha256
 from retrieval.encode.pooling import masked_mean, pool, pool_one
 from retrieval.encode.precision import (
@@ -69,12 +69,13 @@ class TransformerEncoder:
     Texts are tokenised once, sorted by length so each batch carries little padding, run under
     ``torch.inference_mode``, pooled, and returned in their original order as float32.
 
-    Precision "auto" times the first batch in fp32 and, where the CPU computes them natively, in bf16 and int8
-    (``retrieval.encode.int8``), and keeps the fastest that agrees with fp32 (cosine >= BF16_MIN_COSINE,
-    INT8_MIN_COSINE): native bf16 is ~2x fp32 on some CPUs and ~0.6x on others with the same ``avx512_bf16``
-    flag, so the flag alone cannot decide. A single text (a query) has no padding: from the
-    TRACE_AFTER-th one on it runs through a TorchScript trace of the model optimised for inference, fp32 or bf16
-    autocast, whichever is faster here among those that agree with the eager fp32 model (see ``_trace``).
+    Precision "auto" times the first batch in fp32 and, where the CPU computes them natively, in bf16 (and int8,
+    ``retrieval.encode.int8``, where ``precision.INT8_IN_AUTO`` allows: not yet, it measured slower), and keeps the
+    fastest that agrees with fp32 (cosine >= BF16_MIN_COSINE, INT8_MIN_COSINE): native bf16 is ~2x fp32 on some CPUs
+    and ~0.6x on others with the same ``avx512_bf16`` flag, so the flag alone cannot decide. A single text (a query)
+    has no padding: from the TRACE_AFTER-th one on it runs through a TorchScript trace of the model optimised for
+    inference, fp32 or bf16 autocast, whichever is faster here among those that agree with the eager fp32 model (see
+    ``_trace``).
     """
 
     def __init__(
@@ -109,7 +110,7 @@ class TransformerEncoder:
         # products, settled by timing the first batch of more than one text.
         self.used: str | None = precision
         if precision == "auto":
-            self.used = None if cpu_supports_bf16() or cpu_supports_int8() else "fp32"
+            self.used = None if cpu_supports_bf16() or self._auto_weighs_int8() else "fp32"
         self._torch = torch
         # The fast tokenizer is not re-entrant ("Already borrowed"): it runs under this lock. The lazy decisions
         # (precision, trace, packing) are taken once, under it too: until they are, a whole call holds it. After
@@ -371,6 +372,12 @@ class TransformerEncoder:
             model = self.model
         return model(**batch, output_hidden_states=want_hidden)
 
+    @staticmethod
+    def _auto_weighs_int8() -> bool:
+        """Whether precision "auto" times int8 too: only where ``precision.INT8_IN_AUTO`` says int8 has been
+        measured faster, and on a CPU with int8 instructions."""
+        return precision.INT8_IN_AUTO and cpu_supports_int8()
+
     def _bf16_model(self) -> Any:
         """The whole model cast to bf16 (made once, kept beside the fp32 model, which the traces are checked
         against). Measured on SciFact passages (scripts/bench_encode.py): weights cast once beat autocast, which
@@ -418,8 +425,8 @@ class TransformerEncoder:
 
     def _fastest_agreeing(self, batch: Any) -> str:
         """Settle precision "auto" on four rows of a real batch (``precision.fastest_agreeing``): fp32, and bf16
-        and int8 where this CPU computes them natively; a fraction of a percent of any build worth timing. The
-        copies made for it are dropped unless chosen."""
+        (and int8, where ``_auto_weighs_int8``) where this CPU computes them natively; a fraction of a percent of
+        any build worth timing. The copies made for it are dropped unless chosen."""
         batch = {key: value[:4] for key, value in batch.items()}
 
         def run(model: Callable[[], Any]) -> Callable[[], Any]:
@@ -428,7 +435,7 @@ class TransformerEncoder:
         ways = {"fp32": run(lambda: self.model)}
         if cpu_supports_bf16():
             ways["bf16"] = run(self._bf16_model)
-        if cpu_supports_int8():
+        if self._auto_weighs_int8():
             try:
                 self._int8_model()
                 ways["int8"] = run(self._int8_model)
