@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from retrieval.encode.spec import Encoder
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.indexdir import Identity, IndexDir, Verify, check_verify, now
@@ -216,6 +218,15 @@ class Service:
         if searcher is None:
             raise NotReady(self.last_error or "the index is still loading")
         return searcher
+
+    def kept_columns(self) -> pa.Schema | None:
+        """The metadata columns the serving version kept, what a filter may name (an empty schema: none); None
+        while no version is loaded."""
+        searcher = self._searcher
+        if searcher is None:
+            return None
+        table = searcher.loaded.columns
+        return pa.schema([]) if table is None else table.schema
 
     def _batch_done(self, stats: BatchStats) -> None:
         if self.on_batch is not None:
