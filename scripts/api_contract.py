@@ -31,14 +31,17 @@ ANNOUNCED = re.compile(r"http://127\.0\.0\.1:(\d+)")
 
 
 def build_demo_index(folder: Path, rows: int) -> Path:
-    """A small index of the demo corpus (the standard library's docstrings), built by the CLI as a user would."""
+    """A small index of the demo corpus (the standard library's docstrings), built by the CLI as a user would,
+    keeping the title as a metadata column for filters."""
     from retrieval.cli.demo_corpus import write_demo_corpus
 
     corpus = folder / "corpus.parquet"
     write_demo_corpus(corpus, limit=rows)
     index = folder / "index"
     subprocess.run(
-        [sys.executable, "-m", "retrieval", "index", str(corpus), "--out", str(index), "--dim", "64"],
+        # the title kept as a metadata column: the document then states the filter grammar over it
+        [sys.executable, "-m", "retrieval", "index", str(corpus), "--out", str(index), "--dim", "64"]
+        + ["--columns", "title"],
         check=True,
         env=benchlib.retrieval_env(),
     )
@@ -139,7 +142,7 @@ def main() -> None:
     failures = junit.count("<failure")
     summary = output.strip().splitlines()[-40:]
     record = {
-        "index": str(index) if args.index else f"demo corpus, {args.rows} rows, --dim 64",
+        "index": str(index) if args.index else f"demo corpus, {args.rows} rows, --dim 64 --columns title",
         "max_examples": args.max_examples,
         "seed": args.seed,
         "exit_code": code,
