@@ -61,16 +61,22 @@ def served_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     corpus = write_corpus(root / "corpus.parquet", n=n, **metadata(n))
     build_index(CorpusSpec(corpus, columns=tuple(COLUMNS)), FakeEncoder(), root / "idx", TransformSpec(dim=8))
     service = Service(root / "idx", ServeOptions(watch_interval=0), encoder=FakeEncoder())
-    app = create_app(service, api_key=API_KEY)
+    # The service is started here, not by the app's lifespan: schemathesis' state machine runs the lifespan of the
+    # app once per scenario, and its end would stop the service for every test after
+    app = create_app(service, api_key=API_KEY, manage=False)
     from fastapi.testclient import TestClient
 
-    with TestClient(app) as client:  # runs the lifespan: the index is loaded before any generated request
-        auth = {"Authorization": f"Bearer {API_KEY}"}
-        deadline = time.monotonic() + 30
-        while client.get("/ready", headers=auth).status_code != 200:
-            assert time.monotonic() < deadline, "the index did not load"
-            time.sleep(0.02)
-        yield app
+    service.start()
+    try:
+        with TestClient(app) as client:
+            auth = {"Authorization": f"Bearer {API_KEY}"}
+            deadline = time.monotonic() + 30
+            while client.get("/ready", headers=auth).status_code != 200:
+                assert time.monotonic() < deadline, "the index did not load"
+                time.sleep(0.02)
+            yield app
+    finally:
+        service.stop()
 
 
 @pytest.fixture(scope="module")
