@@ -1327,6 +1327,21 @@ def test_the_queue_is_bounded_by_the_time_its_work_takes_too(index: Path) -> Non
         batcher.stop(timeout=10)
 
 
+def test_the_pace_is_learnt_from_batches_at_least_half_full(index: Path) -> None:
+    """A batch of 1 of at most 8 costs the whole batch's fixed part: taken as the pace, a few clients on a busy
+    machine were refused. Only a batch at least half full sets the pace."""
+    searcher = Searcher.load(index, encoder=SlowEncoder())
+    batcher = Batcher(lambda: searcher, max_batch=8, max_queue_wait=0.001)
+    batcher.start()
+    try:
+        batcher.submit_search(["alone"], SearchParams(k=1)).result(10)
+        assert batcher.expected_wait(100) == 0.0
+        batcher.submit_search([f"q{i}" for i in range(4)], SearchParams(k=1)).result(10)
+        assert batcher.expected_wait(1) >= 0.02  # 20 ms a query
+    finally:
+        batcher.stop(timeout=10)
+
+
 def test_a_full_queue_is_a_429_that_says_when_to_retry(index: Path) -> None:
     service = Service(index, ServeOptions(watch_interval=0, max_queue_ms=30, max_batch=1), encoder=SlowEncoder())
     with TestClient(create_app(service)) as client:

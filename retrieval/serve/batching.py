@@ -173,8 +173,10 @@ class Batcher:
 
     def _paced(self, queries: int, seconds: float) -> None:
         """Fold a finished batch into the pace (seconds per query): a moving average over about ten batches, so
-        the estimate follows the load (a busier machine, longer texts) within a second or so."""
-        if queries:
+        the estimate follows the load (a busier machine, longer texts) within a second or so. Only batches at
+        least half full count: a batch's fixed cost spread over a few queries made the pace several times what
+        the queued queries cost once they are batched, and 4 clients of a busy machine were refused."""
+        if queries and 2 * queries >= self.max_batch:
             pace = seconds / queries
             self._per_query = pace if not self._per_query else 0.9 * self._per_query + 0.1 * pace
 
