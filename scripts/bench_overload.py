@@ -195,7 +195,8 @@ def main() -> None:
     embed = embeddings(index, queries, args.embed_seconds, log)
     load = overload(index, queries, args.seconds, log)
     rows = targets(embed, load)
-    record = {"machine": machine, "index": str(index), "embeddings": embed, "overload": load, "targets": rows}
+    shown = index.resolve().relative_to(benchlib.REPO) if index.resolve().is_relative_to(benchlib.REPO) else index
+    record = {"machine": machine, "index": str(shown), "embeddings": embed, "overload": load, "targets": rows}
     benchlib.write_json(out / "overload.json", record)
     cpu = benchlib.cpu()
     text = [
