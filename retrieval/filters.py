@@ -11,6 +11,7 @@ and literals, never a function, a file or an expression, so it cannot reach beyo
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from retrieval.errors import ConfigError
+from retrieval.text import valid_unicode
 
 COMPARISONS = {"=": "equal", "!=": "not_equal", "<": "less", "<=": "less_equal", ">": "greater", ">=": "greater_equal"}
 OPS = (*COMPARISONS, "in", "not in", "is null", "is not null")
@@ -235,10 +237,11 @@ def _from_json(data: Any, where: str, depth: int) -> Filter:
         return Not(_from_json(data["not"], f"{where}.not", depth + 1))
     if "column" in keys and "op" in keys and keys <= {"column", "op", "value"}:
         column, op = data["column"], data["op"]
-        if not isinstance(column, str) or not column:
-            raise FilterError(f"`where`: {where}.column must be a column name")
+        if not isinstance(column, str) or not column or not valid_unicode(column):
+            raise FilterError(f"`where`: {where}.column must be a column name (valid UTF-8 text)")
         if op not in OPS:
-            raise FilterError(f"`where`: {where}.op {op!r} is not one of {', '.join(OPS)}")
+            shown = repr(op) if not isinstance(op, str) or valid_unicode(op) else "(not UTF-8)"  # never echo it
+            raise FilterError(f"`where`: {where}.op {shown} is not one of {', '.join(OPS)}")
         value = data.get("value")
         if op in ("is null", "is not null"):
             if value is not None:
@@ -256,6 +259,8 @@ def _from_json(data: Any, where: str, depth: int) -> Filter:
 
 
 def _literal(value: Any, where: str) -> Literal:
+    if isinstance(value, str) and not valid_unicode(value):
+        raise FilterError(f"`where`: {where} holds a lone surrogate: send valid UTF-8 text")
     if isinstance(value, (str, bool, int, float)):
         return value
     raise FilterError(f"`where`: {where} must be a string, number or boolean, not {type(value).__name__}")
@@ -273,6 +278,75 @@ def to_json(node: Filter) -> dict[str, Any]:
     if node.value is not None:
         out["value"] = list(node.value) if isinstance(node.value, tuple) else node.value
     return out
+
+
+def json_schema(columns: pa.Schema | None, ref: str = "#/components/schemas/") -> dict[str, dict[str, Any]]:
+    """The JSON form as JSON Schema, a set of named definitions (``Filter`` refers to itself through ``ref``): what
+    ``from_json`` takes, and, for ``columns`` (the kept columns of an index), what ``evaluate`` takes over them: a
+    condition names one of them, with values of a type it compares with (numbers, text, true / false, ISO dates);
+    a column of another type (binary, lists) takes only ``is null`` / ``is not null``. ``columns`` None: any column
+    name, any value. Not stated: the depth (at most ``MAX_DEPTH``) and size (``MAX_NODES``) limits."""
+    conditions = [_conditions({"type": "string", "minLength": 1}, LITERAL_SCHEMA)] if columns is None else []
+    for field in columns or []:
+        conditions.append(_conditions({"type": "string", "enum": [field.name]}, _value_schema(field.type)))
+
+    def connective(key: str) -> dict[str, Any]:
+        items = {"type": "array", "minItems": 1, "items": {"$ref": f"{ref}Filter"}}
+        return {"type": "object", "properties": {key: items}, "required": [key], "additionalProperties": False}
+
+    return {
+        "Filter": {
+            "description": "A metadata filter over the columns the index kept: all of, any of, not, or a condition.",
+            "anyOf": [{"$ref": f"{ref}{name}"} for name in ("FilterAll", "FilterAny", "FilterNot", "FilterCondition")],
+        },
+        "FilterAll": connective("and"),
+        "FilterAny": connective("or"),
+        "FilterNot": {
+            "type": "object",
+            "properties": {"not": {"$ref": f"{ref}Filter"}},
+            "required": ["not"],
+            "additionalProperties": False,
+        },
+        "FilterCondition": {"anyOf": [branch for group in conditions for branch in group]},
+    }
+
+
+LITERAL_SCHEMA: dict[str, Any] = {"type": ["string", "number", "boolean"]}
+
+
+def _conditions(column: dict[str, Any], value: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The three shapes of a condition on one column: a comparison, a membership, a null test (``value`` None:
+    a column nothing compares with, which takes only the null tests)."""
+
+    def shape(ops: tuple[str, ...], value_schema: dict[str, Any] | None) -> dict[str, Any]:
+        properties = {"column": column, "op": {"type": "string", "enum": list(ops)}}
+        properties["value"] = value_schema if value_schema is not None else {"type": "null"}
+        required = ["column", "op"] + (["value"] if value_schema is not None else [])
+        return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+    nulls = shape(("is null", "is not null"), None)
+    if value is None:
+        return [nulls]
+    return [
+        shape(tuple(COMPARISONS), value),
+        shape(("in", "not in"), {"type": "array", "minItems": 1, "items": value}),
+        nulls,
+    ]
+
+
+def _value_schema(kind: pa.DataType) -> dict[str, Any] | None:
+    """The JSON values ``_scalar`` compares with a column of type ``kind`` (None: none)."""
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind):
+        return {"type": "number"}
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return {"type": "string"}
+    if pa.types.is_boolean(kind):
+        return {"type": "boolean"}
+    if pa.types.is_date(kind):
+        return {"type": "string", "format": "date"}
+    if pa.types.is_temporal(kind):
+        return {"type": "string", "description": "An ISO 8601 date, or date and time without a zone."}
+    return None
 
 
 def _check_size(node: Filter) -> None:
@@ -331,7 +405,10 @@ def _evaluate(node: Filter, table: pa.Table) -> Any:
         return pc.is_valid(column)
     if node.op in ("in", "not in"):
         assert isinstance(node.value, tuple)
-        values = pa.array([_scalar(v, column.type, node.column).as_py() for v in node.value], type=column.type)
+        scalars = [_scalar(v, column.type, node.column) for v in node.value]
+        # a value the column's type cannot hold (2.5 or 10**30 for an int16 column) equals no row: left out, where
+        # a cast would have truncated 2.5 to 2
+        values = pa.array([s.as_py() for s in scalars if _holds(column.type, s)], type=column.type)
         found = pc.is_in(column, value_set=values)
         return pc.and_kleene(pc.invert(found), pc.is_valid(column)) if node.op == "not in" else found
     return getattr(pc, COMPARISONS[node.op])(column, _scalar(node.value, column.type, node.column))
@@ -353,9 +430,33 @@ def _scalar(value: Any, kind: pa.DataType, column: str) -> pa.Scalar:
         try:
             if temporal:
                 return pa.scalar(value).cast(pa.timestamp("us")).cast(kind, safe=False)
-            if pa.types.is_integer(kind) and isinstance(value, float):
-                return pa.scalar(value, pa.float64())
+            if numeric and not pa.types.is_decimal(kind):
+                return _number(value, kind)
             return pa.scalar(value).cast(kind)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError) as err:
             raise FilterError(f"`where`: {value!r} cannot be compared with column {column!r} ({kind}): {err}") from err
     raise FilterError(f"`where`: column {column!r} holds {kind}; {value!r} ({type(value).__name__}) cannot match it")
+
+
+def _number(value: int | float, kind: pa.DataType) -> pa.Scalar:
+    """A JSON number against a numeric column: of the column's type where it holds the value exactly, else as a
+    double, the value compared as it is (2.5 or 1e300 with an int16 column), a whole number beyond even a double's
+    range as an infinity: ``year < 10**30`` holds for every year, ``year = 10**30`` for none."""
+    if isinstance(value, int) and pa.types.is_integer(kind):
+        info = np.iinfo(kind.to_pandas_dtype())
+        if info.min <= value <= info.max:
+            return pa.scalar(value, kind)
+    try:
+        return pa.scalar(float(value), pa.float64())
+    except OverflowError:
+        return pa.scalar(math.inf if value > 0 else -math.inf, pa.float64())
+
+
+def _holds(kind: pa.DataType, scalar: pa.Scalar) -> bool:
+    """Whether a column of type ``kind`` can hold ``scalar``'s value exactly (2020.0 in an int16 column: yes)."""
+    if scalar.type == kind:
+        return True
+    try:
+        return bool(scalar.cast(kind).cast(scalar.type).equals(scalar))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError):
+        return False

@@ -466,3 +466,27 @@ def test_serve_without_the_server_extra_says_how_to_install_it(monkeypatch: pyte
         "the server needs its extra (fastapi is missing): pip install 'retrieval[server]'",
         "(from a checkout: pip install -e '.[server]')",
     )
+
+
+def test_an_index_too_big_to_train_is_refused_before_the_model_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A product quantizer of 8 bits needs 256 training rows and IVF lists one row each: a corpus of 100 rows is
+    refused in one line before any model is loaded (seconds) or any row encoded, and nothing is written."""
+    from retrieval.encode.spec import EncoderSpec
+
+    def no_model(self: object) -> None:
+        raise AssertionError("the model was loaded before the index type was checked")
+
+    monkeypatch.setattr(EncoderSpec, "load", no_model)
+    corpus = write_corpus(tmp_path / "c.parquet", n=100)
+    for kind, message in (
+        ("IVF16,PQ8", "a product quantizer of 8 bits needs at least 256 training rows (got 100)"),
+        ("ivf", "IVF with"),
+    ):
+        out = tmp_path / "idx"
+        extra = ["--nlist", "200"] if kind == "ivf" else []
+        result = run("index", corpus, "--out", out, "--index-type", kind, "--dim", "64", *extra)
+        assert result.exit_code == 1, result.output
+        assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+        assert not out.exists()

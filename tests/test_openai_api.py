@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FakeEncoder, write_corpus
+from conftest import SHARED_DATA, FakeEncoder, needs_minilm, needs_shared, write_corpus
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -189,6 +189,48 @@ def test_the_official_openai_client_against_a_live_server(tiny_bert: Path, tmp_p
             openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0).embeddings.create(
                 model=model, input="x"
             )
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.process
+@needs_shared
+@needs_minilm
+def test_the_official_openai_client_with_the_real_minilm(tmp_path: Path) -> None:
+    """The default model served as a user builds it (precision as chosen for the machine): `dimensions=64` works
+    and the full vectors are the library's own for the same texts, cosine >= 0.9999 (the issue's target; the
+    served engine batches and packs texts differently from a one-off encode)."""
+    openai = pytest.importorskip("openai")
+    import pyarrow.parquet as pq
+    from test_server_process import start
+
+    table = pq.read_table(SHARED_DATA / "scifact" / "corpus.parquet").slice(0, 300)
+    corpus = tmp_path / "c.parquet"
+    pq.write_table(table.rename_columns(["id", "title", "text"]), corpus)
+    from retrieval.encode.spec import EncoderSpec
+
+    encoder = EncoderSpec("all-MiniLM-L6-v2").load()
+    build_index(CorpusSpec(corpus), encoder, tmp_path / "idx", TransformSpec(dim=128))
+    queries = pq.read_table(SHARED_DATA / "scifact" / "queries-test.parquet").column("text").to_pylist()[:32]
+    server = start(tmp_path / "idx", tmp_path, "--api-key", "secret-key")
+    try:
+        wait_ready(server.url("/ready"), "secret-key", server)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="secret-key", max_retries=0)
+        model = client.models.list().data[0].id
+        assert model == "all-MiniLM-L6-v2"
+        searcher = Searcher.load(tmp_path / "idx")  # the library as a user loads the index: its own encoder
+        assert searcher.encoder is not None
+        raw = searcher.encoder.encode(queries)
+        full = client.embeddings.create(model=model, input=queries)
+        short = client.embeddings.create(model=model, input=queries, dimensions=64)
+        got = np.array([d.embedding for d in full.data], dtype=np.float64)
+        got64 = np.array([d.embedding for d in short.data], dtype=np.float64)
+        assert got.shape == (32, 384) and got64.shape == (32, 64)
+        cosines = np.sum(l2_normalize(got) * l2_normalize(raw.astype(np.float64)), axis=1)
+        cosines64 = np.sum(l2_normalize(got64) * searcher.project(raw, 64).astype(np.float64), axis=1)
+        print(f"MiniLM served vs library: min cosine full {cosines.min():.7f}, dimensions=64 {cosines64.min():.7f}")
+        assert cosines.min() >= 0.9999 and cosines64.min() >= 0.9999, (cosines.min(), cosines64.min())
     finally:
         server.stop()
 

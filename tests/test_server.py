@@ -651,6 +651,7 @@ def test_searches_wait_for_the_index_with_503_not_500(index: Path) -> None:
         assert response.status_code == 503 and response.json()["error"]["code"] == "not_ready"
         not_ready = client.get("/ready")
         assert not_ready.status_code == 503 and not_ready.json()["ready"] is False
+        assert response.headers["retry-after"] == not_ready.headers["retry-after"] == "1"  # when to come back
         assert metric(client, 'retrieval_errors_total{code="not_ready"}') == 2  # the search's and /ready's
         assert client.get("/info").json() == {
             "ready": False,
@@ -1289,6 +1290,76 @@ def test_the_queue_holds_exactly_max_queue_queries_and_an_idle_one_takes_a_large
         assert all(f.result(10).hits[0] for f in more)
     finally:
         batcher.stop(timeout=10)
+
+
+class SlowEncoder(FakeEncoder):
+    """20 ms per text: an engine of known pace."""
+
+    def encode(self, texts: Any) -> np.ndarray:
+        time.sleep(0.02 * len(texts))
+        return super().encode(texts)
+
+
+def test_the_queue_is_bounded_by_the_time_its_work_takes_too(index: Path) -> None:
+    """``max_queue_wait``: a request is refused at once (``Overloaded``, HTTP 429) when the queries ahead of it
+    and its own would take the engine longer than that at its measured pace, here 20 ms a query and 100 ms:
+    about five wait, however many ``max_queue`` allows; a job alone in the queue is always taken."""
+    searcher = Searcher.load(index, encoder=SlowEncoder())
+    batcher = Batcher(lambda: searcher, max_batch=1, max_queue=1000, max_queue_wait=0.1)
+    batcher.start()
+    running, release = threading.Event(), threading.Event()
+    try:
+        batcher.submit_search(["a"], SearchParams(k=1)).result(10)  # the pace: one batch measured
+        assert batcher.expected_wait(1) >= 0.02
+        batcher.call(lambda: (running.set(), release.wait(10)))  # the engine busy: what follows waits
+        assert running.wait(10)
+        accepted = []
+        with pytest.raises(Overloaded, match="the limit is 100 ms"):
+            for i in range(100):
+                accepted.append(batcher.submit_search([f"q{i}"], SearchParams(k=1)))
+        assert 1 <= len(accepted) <= 5 and batcher.expected_wait(1) > 0.1
+        release.set()
+        assert all(f.result(10).hits[0] for f in accepted)  # those taken are answered
+        wait_for(lambda: batcher.queued == 0)
+        assert batcher.submit_search(["again"], SearchParams(k=1)).result(10).hits[0]  # and new work taken again
+    finally:
+        release.set()
+        batcher.stop(timeout=10)
+
+
+def test_the_pace_is_learnt_from_batches_at_least_half_full(index: Path) -> None:
+    """A batch of 1 of at most 8 costs the whole batch's fixed part: taken as the pace, a few clients on a busy
+    machine were refused. Only a batch at least half full sets the pace."""
+    searcher = Searcher.load(index, encoder=SlowEncoder())
+    batcher = Batcher(lambda: searcher, max_batch=8, max_queue_wait=0.001)
+    batcher.start()
+    try:
+        batcher.submit_search(["alone"], SearchParams(k=1)).result(10)
+        assert batcher.expected_wait(100) == 0.0
+        batcher.submit_search([f"q{i}" for i in range(4)], SearchParams(k=1)).result(10)
+        assert batcher.expected_wait(1) >= 0.02  # 20 ms a query
+    finally:
+        batcher.stop(timeout=10)
+
+
+def test_a_full_queue_is_a_429_that_says_when_to_retry(index: Path) -> None:
+    service = Service(index, ServeOptions(watch_interval=0, max_queue_ms=30, max_batch=1), encoder=SlowEncoder())
+    with TestClient(create_app(service)) as client:
+        wait_for(lambda: client.get("/ready").status_code == 200)
+        client.post("/search", json={"query": "pace"})
+        running, release = threading.Event(), threading.Event()
+        service.batcher.call(lambda: (running.set(), release.wait(10)))
+        assert running.wait(10)
+        try:
+            # one waiting (always taken), and one more would be two queries of >= 20 ms: over 30 ms
+            answers = [service.batcher.submit_search(["waiting"], SearchParams(k=1))]
+            response = client.post("/search", json={"query": "one too many"})
+        finally:
+            release.set()
+        assert response.status_code == 429 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "overloaded" and "the limit is 30 ms" in response.text
+        assert all(a.result(10).hits for a in answers)
+        assert client.get("/info").json()["server"]["limits"]["max_queue_ms"] == 30
 
 
 def test_stop_answers_every_queued_job_before_the_engine_ends(index: Path) -> None:

@@ -31,7 +31,7 @@ from retrieval.corpus import Corpus, CorpusSpec
 from retrieval.encode.models import model_dim
 from retrieval.encode.spec import POOLINGS, PRECISIONS, EncoderSpec
 from retrieval.errors import ConfigError, Interrupted
-from retrieval.index import IndexSpec
+from retrieval.index import IndexSpec, check_buildable
 from retrieval.indexdir import Manifest
 from retrieval.lexical import LexicalSpec
 from retrieval.stash import DTYPES
@@ -142,8 +142,13 @@ def run_build(
         ray_options.check()
     check_target(target, options.overwrite)
     source = Corpus(spec)  # the file(s) and their columns, before seconds go into loading a model
+    d = source.vector_dim if source.precomputed else model_dim(encoder_spec.model)
     if not source.precomputed:
-        transform.check(model_dim(encoder_spec.model))  # a local model's config knows d: refused now, not after a load
+        transform.check(d)  # a local model's config knows d: refused now, not after a load
+    if d is not None:
+        # an index FAISS cannot build or train on this many rows (IVF lists, PQ codebooks) refused before the model
+        # loads; the rows validation keeps can only be fewer, which the build checks again once it has counted them
+        check_buildable(index_spec, transform.dim or d, source.num_rows)
     options = replace(options, window_rows=window_rows(source.num_rows, distributed=ray_options is not None))
     options.check()
     encoder = None if source.precomputed else encoder_spec.load()

@@ -98,7 +98,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
         lifespan=lifespan,
         static_url=DOCS_ASSETS,
     )
-    document_limits(app, options, lambda: dimension_range(service))
+    document_limits(app, options, lambda: dimension_range(service), service.kept_columns)
     app.state.service = service
     app.state.stop_timeout = 30.0  # seconds the engine gets to drain its queue at shutdown; 0 after a forced quit
     app.state.metrics = metrics

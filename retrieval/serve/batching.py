@@ -81,11 +81,14 @@ class Batcher:
     """The micro-batching engine. ``submit_search`` / ``submit_embed`` return futures; ``start``; ``stop``.
 
     ``current`` returns the searcher to use for the next batch. ``max_queue`` bounds the queries waiting
-    (beyond it ``Overloaded`` is raised at submission). A job larger than ``max_batch`` runs as a batch of its
-    own; jobs are never split. ``workers`` threads process batches (one each at a time). ``setup`` runs first in
-    each worker thread (thread-local settings such as FAISS's OpenMP thread count); ``on_batch`` is called after
-    each batch with its ``BatchStats``. ``threads``: a ``ThreadChooser`` that sets torch's thread count before
-    each batch's encoding and is told how long the encoding took.
+    (beyond it ``Overloaded`` is raised at submission), and so does ``max_queue_wait`` (seconds; 0: no limit): a
+    request is refused at once when the queries ahead of it and its own would take the engine longer than that
+    at the pace of its recent batches, since a client served after such a wait is served too late (the wait
+    follows the machine: a fixed count of queries is seconds on a busy one). A job larger than ``max_batch``
+    runs as a batch of its own; jobs are never split. ``workers`` threads process batches (one each at a time).
+    ``setup`` runs first in each worker thread (thread-local settings such as FAISS's OpenMP thread count);
+    ``on_batch`` is called after each batch with its ``BatchStats``. ``threads``: a ``ThreadChooser`` that sets
+    torch's thread count before each batch's encoding and is told how long the encoding took.
     """
 
     def __init__(
@@ -99,9 +102,14 @@ class Batcher:
         on_batch: Callable[[BatchStats], None] | None = None,
         workers: int = 1,
         threads: ThreadChooser | None = None,
+        max_queue_wait: float = 0.0,
     ):
-        if max_batch < 1 or max_wait < 0 or fill_wait < 0 or max_queue < 1 or workers < 1:
-            raise ValueError("max_batch, max_queue and workers must be positive, max_wait and fill_wait non-negative")
+        if max_batch < 1 or max_wait < 0 or fill_wait < 0 or max_queue < 1 or workers < 1 or max_queue_wait < 0:
+            raise ValueError(
+                "max_batch, max_queue and workers must be positive, max_wait, fill_wait and max_queue_wait non-negative"
+            )
+        self.max_queue_wait = max_queue_wait
+        self._per_query = 0.0  # engine seconds per query, a moving average over batches (0: none measured yet)
         self.current = current
         self.max_batch = max_batch
         self.max_wait = max_wait
@@ -143,6 +151,12 @@ class Batcher:
                 raise Stopped("the server is shutting down")
             if self._queued and self._queued + len(job.texts) > self.max_queue:
                 raise Overloaded(f"{self._queued} queries are already waiting (the limit is {self.max_queue})")
+            wait = self.expected_wait(len(job.texts))
+            if self._queued and self.max_queue_wait and wait > self.max_queue_wait:
+                raise Overloaded(
+                    f"{self._queued} queries are already waiting, about {wait * 1000:.0f} ms of work (the limit is "
+                    f"{self.max_queue_wait * 1000:.0f} ms)"
+                )
             self._jobs.append(job)
             self._queued += len(job.texts)
             self._cond.notify()
@@ -152,6 +166,19 @@ class Batcher:
     def queued(self) -> int:
         """Queries waiting for the worker."""
         return self._queued
+
+    def expected_wait(self, more: int = 0) -> float:
+        """Seconds the engine needs for the queries waiting and ``more``, at the pace of its recent batches."""
+        return (self._queued + more) * self._per_query / self.workers
+
+    def _paced(self, queries: int, seconds: float) -> None:
+        """Fold a finished batch into the pace (seconds per query): a moving average over about ten batches, so
+        the estimate follows the load (a busier machine, longer texts) within a second or so. Only batches at
+        least half full count: a batch's fixed cost spread over a few queries made the pace several times what
+        the queued queries cost once they are batched, and 4 clients of a busy machine were refused."""
+        if queries and 2 * queries >= self.max_batch:
+            pace = seconds / queries
+            self._per_query = pace if not self._per_query else 0.9 * self._per_query + 0.1 * pace
 
     # ----- the worker ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -264,6 +291,7 @@ class Batcher:
                 groups.setdefault(job.params, []).append(job)
         for params, group in groups.items():
             self._search(searcher, params, group, vectors, generation)
+        self._paced(len(texts), time.perf_counter() - start)
         if self._on_batch is not None:
             waited = start - min(job.enqueued for job in asked)
             try:

@@ -74,7 +74,8 @@ def error_response(
     status: int, code: str, message: str, param: str | None = None, headers: Any = None, **extra: Any
 ) -> JSONResponse:
     body = {"error": {"code": code, "message": message, "param": param}, **extra}
-    return JSONResponse(body, status_code=status, headers={**SECURITY_HEADERS, **(headers or {})})
+    retry = {"Retry-After": "1"} if status in (429, 503) else {}  # every refusal that a retry can cure says when
+    return JSONResponse(body, status_code=status, headers={**SECURITY_HEADERS, **retry, **(headers or {})})
 
 
 def client_closed() -> ApiError:

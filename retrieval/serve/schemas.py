@@ -7,10 +7,11 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
+import pyarrow as pa
 from fastapi import FastAPI
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
-from pydantic.json_schema import SkipJsonSchema
 
+from retrieval import filters
 from retrieval.serve.service import ServeOptions
 from retrieval.text import visible_pattern
 
@@ -33,6 +34,13 @@ WholeNumber = Annotated[int, BeforeValidator(_whole)]  # in a JSON body
 WholeNumberText = Annotated[int, BeforeValidator(_whole_text)]  # in a query string
 
 
+FILTER_TEXT = (
+    'Keep only documents whose metadata columns match: {"and": [...]}, {"or": [...]}, {"not": {...}} or '
+    '{"column", "op", "value"}, over the columns the served index kept (GET /info `index.columns`); at most '
+    f"{filters.MAX_DEPTH} deep and {filters.MAX_NODES:,} conditions."
+)
+
+
 class SearchRequest(BaseModel):
     """One query (`query`) or a batch (`queries`); knobs left out take the index's defaults."""
 
@@ -46,10 +54,9 @@ class SearchRequest(BaseModel):
     mode: Literal["dense", "lexical", "hybrid"] | None = Field(
         None, description="dense, lexical or hybrid (default: hybrid where the index has a lexical part)."
     )
-    # Left out of the OpenAPI document (the route's description gives its form): whether a filter can run depends
-    # on the columns this index kept, which no schema states, and a generated request naming another column would
-    # be "valid" yet refused.
-    filter: SkipJsonSchema[dict[str, Any] | None] = None
+    # Checked by ``filters.from_json`` and against the served index's columns (exact 422s); the OpenAPI document
+    # states its grammar over those columns (``document_limits``), which the model cannot know.
+    filter: dict[str, Any] | None = Field(None, description=FILTER_TEXT)
 
 
 class EmbedRequest(BaseModel):
@@ -158,12 +165,16 @@ def param_bounds(options: ServeOptions) -> dict[str, tuple[int, int]]:
 
 
 def document_limits(
-    app: FastAPI, options: ServeOptions, dimensions: Callable[[], tuple[int, int] | None] = lambda: None
+    app: FastAPI,
+    options: ServeOptions,
+    dimensions: Callable[[], tuple[int, int] | None] = lambda: None,
+    columns: Callable[[], pa.Schema | None] = lambda: None,
 ) -> None:
     """Write the limits the handlers enforce into the OpenAPI spec (they are this server's options, not fixed in
-    the models): k, rescore, ef_search and nprobe bounds, text lengths, batch sizes; and ``widest()``, the most
-    ``dimensions`` /v1/embeddings offers for the index being served (None while none is: the spec is written
-    again when it changes)."""
+    the models): k, rescore, ef_search and nprobe bounds, text lengths, batch sizes; ``dimensions()``, the range
+    of ``dimensions`` /v1/embeddings offers for the index being served, and ``columns()``, the metadata columns
+    it kept, which are what a `filter` may name (both None while no index is served: the spec is written again
+    when they change)."""
     # Refused as empty too: a text of whitespace or of characters the tokenizer drops alone (a pattern is searched
     # for anywhere in the string: it finds one character that is kept)
     text = {"minLength": 1, "maxLength": options.max_query_chars, "pattern": visible_pattern()}
@@ -187,16 +198,18 @@ def document_limits(
 
     generate = app.openapi
 
-    written_for: list[tuple[int, int] | None] = []  # the ``dimensions()`` the cached spec states
+    written_for: list[Any] = []  # the ``dimensions()`` and ``columns()`` the cached spec states
 
     def openapi() -> dict[str, Any]:
-        dims = dimensions()
-        if written_for != [dims]:
+        dims, kept = dimensions(), columns()
+        if written_for != [dims, kept]:
             app.openapi_schema = None
         if app.openapi_schema is None:
-            schema = generate()  # FastAPI's, kept in app.openapi_schema: written into once per index width
-            written_for[:] = [dims]
+            schema = generate()  # FastAPI's, kept in app.openapi_schema: written into once per served index
+            written_for[:] = [dims, kept]
             models = schema["components"]["schemas"]
+            document_filter(models, kept)
+            document_links(schema["paths"])
             for model in ("SearchRequest", "EmbedRequest", "EmbeddingsRequest"):
                 for name, prop in models.get(model, {}).get("properties", {}).items():
                     constrain(prop, bounds.get(name, {}))
@@ -217,3 +230,64 @@ def document_limits(
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def document_filter(models: dict[str, Any], kept: pa.Schema | None) -> None:
+    """SearchRequest's ``filter`` as the filter grammar over the columns ``kept`` (any column while no index is
+    served); an index that kept none takes no filter: only null."""
+    field = models["SearchRequest"]["properties"]["filter"]
+    description = field.get("description", "")
+    if kept is not None and len(kept) == 0:
+        field.clear()
+        field.update({"type": "null", "description": description + " This index kept no columns: none."})
+        return
+    models.update(filters.json_schema(kept))
+    field.clear()
+    field.update({"anyOf": [{"$ref": "#/components/schemas/Filter"}, {"type": "null"}], "description": description})
+
+
+# OpenAPI links: what one operation's answer tells a client to send next (schemathesis follows them in its
+# stateful phase). Each: (source path, method) -> name -> (target path, method, request body or None, description).
+LINKS: dict[tuple[str, str], dict[str, tuple[str, str, dict[str, Any] | None, str]]] = {
+    ("/reload", "post"): {
+        "ServedVersion": ("/info", "get", None, "What is served now, the version the reload put in place."),
+    },
+    ("/info", "get"): {
+        "EmbedAtFullWidth": (
+            "/v1/embeddings",
+            "post",
+            {"dimensions": "$response.body#/index/dim"},
+            "The most `dimensions` the served index offers: its kernel's directions.",
+        ),
+        "SearchInDefaultMode": (
+            "/search",
+            "post",
+            {"mode": "$response.body#/index/default_mode"},
+            "A search in the mode the index answers by default.",
+        ),
+    },
+    ("/v1/models", "get"): {
+        "EmbedWithServedModel": (
+            "/v1/embeddings",
+            "post",
+            {"model": "$response.body#/data/0/id"},
+            "Embeddings by the model listed.",
+        ),
+    },
+    ("/search", "post"): {
+        "ServingVersion": ("/info", "get", None, "The index version that answered (`generation`), described."),
+    },
+}
+
+
+def document_links(paths: dict[str, Any]) -> None:
+    """Write ``LINKS`` into the spec's 200 responses; a request body given is merged into a generated one."""
+    for (path, method), links in LINKS.items():
+        response = paths[path][method]["responses"]["200"]
+        for name, (target, target_method, body, description) in links.items():
+            pointer = target.replace("~", "~0").replace("/", "~1")
+            link: dict[str, Any] = {"operationRef": f"#/paths/{pointer}/{target_method}", "description": description}
+            if body is not None:
+                link["requestBody"] = body
+                link["x-schemathesis"] = {"merge_body": True}
+            response.setdefault("links", {})[name] = link

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from retrieval.encode.spec import Encoder
 from retrieval.errors import ConfigError, RetrievalError
 from retrieval.indexdir import Identity, IndexDir, Verify, check_verify, now
@@ -85,6 +87,12 @@ class ServeOptions:
     max_body_bytes: int = option(1 << 20, "Request body size (413 above).", group="limits")
     # Queries waiting for the engine before new requests get 429.
     max_queue: int = option(1024, "Queries waiting before 429.", group="limits")
+    # ... and the work waiting, in milliseconds at the engine's recent pace, before new requests get 429 (0: no
+    # limit). 256 closed-loop clients on a 2-core machine queued ~1 s of work each time (p99 ~1 s, no 429) with
+    # only the count: a request accepted is answered within about this plus one batch (scripts/bench_overload.py).
+    max_queue_ms: float = option(
+        100.0, "Work waiting, in ms at the engine's recent pace, before 429 (0: no limit).", group="limits"
+    )
     # Seconds between two looks at the index directory (0: never; POST /reload still works).
     watch_interval: float = option(1.0, "Seconds between looks at the index directory for a new version (0: off).")
     verify: Verify = "full"
@@ -117,7 +125,11 @@ class ServeOptions:
             raise ConfigError(
                 f"`torch_threads` must be auto or a positive integer (got {self.torch_threads!r})", "torch_threads"
             )
-        waits = (("max_wait_ms", self.max_wait_ms), ("fill_wait_ms", self.fill_wait_ms))
+        waits = (
+            ("max_wait_ms", self.max_wait_ms),
+            ("fill_wait_ms", self.fill_wait_ms),
+            ("max_queue_ms", self.max_queue_ms),
+        )
         for name, seconds in (*waits, ("watch_interval", self.watch_interval)):
             if not 0 <= seconds <= 3600:
                 raise ConfigError(f"`{name}` must be between 0 and 3600 (got {seconds!r})", name)
@@ -189,6 +201,7 @@ class Service:
             max_wait=options.max_wait_ms / 1000,
             fill_wait=options.fill_wait_ms / 1000,
             max_queue=options.max_queue,
+            max_queue_wait=options.max_queue_ms / 1000,
             setup=self._engine_thread_setup,
             on_batch=self._batch_done,
             workers=options.engine_workers,
@@ -216,6 +229,15 @@ class Service:
         if searcher is None:
             raise NotReady(self.last_error or "the index is still loading")
         return searcher
+
+    def kept_columns(self) -> pa.Schema | None:
+        """The metadata columns the serving version kept, what a filter may name (an empty schema: none); None
+        while no version is loaded."""
+        searcher = self._searcher
+        if searcher is None:
+            return None
+        table = searcher.loaded.columns
+        return pa.schema([]) if table is None else table.schema
 
     def _batch_done(self, stats: BatchStats) -> None:
         if self.on_batch is not None:
