@@ -119,7 +119,8 @@ class Verdict:
         kinds = [e.kind for e in self.evidence]
         need = self.rule.required(len(kinds))
         every = "every kind" if need == len(kinds) else f"{need} of {len(kinds)} kinds"
-        bar = f"by more than {margin:.1%} at {self.rule.confidence:.0%} confidence on {every} ({', '.join(kinds)})"
+        sure = "on average" if self.rule.z == 0 else f"at {self.rule.confidence:.0%} confidence"
+        bar = f"by more than {margin:.1%} {sure} on {every} ({', '.join(kinds)})"
         evidence = ", ".join(e.text() for e in self.evidence)
         refused = ""
         if self.refused:
