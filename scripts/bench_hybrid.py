@@ -13,7 +13,8 @@ unfiltered, on both sides of the exact-scoring switch (``retrieval.filtered.EXAC
     python scripts/bench_hybrid.py ir --models all-MiniLM-L6-v2 [--models all-mpnet-base-v2]
     python scripts/bench_hybrid.py filters --rows 100000
 
-Heavy runs take the benchmark lock (benchlib). Writes results/hybrid/{ir,filters}.{json,md}.
+Heavy runs take the benchmark lock (benchlib). Writes results/hybrid/{ir,filters}.{json,md} (``--name N``:
+results/N/).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def build(args: argparse.Namespace, name: str, model: str) -> tuple[Path, dict[s
             table = table.append_column(
                 "vector", pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), vectors.shape[1])
             )
+            WORK.mkdir(parents=True, exist_ok=True)
             pq.write_table(table, WORK / f"{name}-{model.lower()}.parquet")
             spec = CorpusSpec(WORK / f"{name}-{model.lower()}.parquet", vectors_column="vector")
             manifest = build_index(spec, None, directory, TransformSpec(), options=BuildOptions(overwrite=True))
@@ -114,12 +116,16 @@ def ndcg(searcher: Searcher, queries: Any, qrels: Any, raw: np.ndarray, params: 
 
 
 def run_ir(args: argparse.Namespace) -> None:
-    out = benchlib.out_dir("hybrid")
+    out = benchlib.out_dir(args.name)
     info = benchlib.machine(torch_too=True)
     benchlib.print_machine(info)
-    rows, choice_rows = [], []
+    rows, choice_rows, missing = [], [], []
     for model in args.models:
         for name in args.sets:
+            source = args.vectors_from and Path(args.vectors_from.format(set=name, model=model.lower()))
+            if args.skip_missing and source and not (source / "manifest.json").is_file():
+                missing.append(f"{model} on {name}")  # not encoded yet: left out, and the table says so
+                continue
             directory, cost, encoder = build(args, name, model)
             searcher = Searcher.load(directory, encoder=None)
             for split in ("test", "train") if name == "scifact" else ("test",):
@@ -139,6 +145,7 @@ def run_ir(args: argparse.Namespace) -> None:
                 print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     fusions = [label(f) for f in GRID]
     result = {"machine": info, "default_fusion": FusionSpec().to_dict(), "test": rows, "train": choice_rows}
+    result["not_measured"] = missing
     if choice_rows:
         scifact = [r for r in choice_rows if r["model"] == args.models[0]]
         result["chosen_on_train"] = max(fusions, key=lambda f: scifact[0][f])
@@ -155,6 +162,7 @@ def run_ir(args: argparse.Namespace) -> None:
         "\n## SciFact train (where the default fusion is chosen)\n",
         benchlib.md_table(choice_rows, columns),
         f"\nBest on SciFact train: {result.get('chosen_on_train')}\n",
+        f"\nNot measured (no encoded corpus): {', '.join(missing)}\n" if missing else "",
         "\n## The lexical part's cost\n",
         benchlib.md_table(rows, cost_columns),
         "\n" + benchlib.machine_md(info),
@@ -350,7 +358,12 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="filters: finish builds from their stashed parts")
     parser.add_argument("--nlist", type=int, help="filters: IVF lists (default: the library's)")
     parser.add_argument("--train-size", type=int, help="filters: IVF training rows (default: the library's)")
-    parser.add_argument("--name", default="hybrid", help="filters: the results/ folder")
+    parser.add_argument("--name", default="hybrid", help="the results/ folder")
+    parser.add_argument(
+        "--skip-missing",
+        action="store_true",
+        help="with --vectors-from: leave out (and name in the table) the sets and models without such an index",
+    )
     parser.add_argument(
         "--vectors-from",
         help="reuse the raw vectors of existing indexes of the same sets and model (a pattern with {set} and "

@@ -373,25 +373,26 @@ def test_tune_auto_chooses_without_qrels(
     corpus = write_multi_sentence_corpus(tmp_path / "corpus.parquet")
     ok(run("index", corpus, "--model", tiny_bert, "--out", tmp_path / "idx"))
     counter = EncodeCounter(monkeypatch)
-    args = ["tune", tmp_path / "idx", "--auto", "--auto-queries", 30, "--dims", "32,16", "--gammas", "0,1"]
+    # full rank only: every candidate centres, which `--auto` never moves an uncentred index to
+    args = ["tune", tmp_path / "idx", "--auto", "--auto-queries", 30, "--dims", "32", "--gammas", "0,1"]
     before = Manifest.load(tmp_path / "idx")
     _warn_few_rows.cache_clear()  # once per process and shape: earlier tests may have fitted this shape
     result = ok(run(*args, "--results", tmp_path / "out", "--apply"))
-    # 5 candidates x 3 kinds fitted on 120 rows of 32 dimensions: the warning comes once
+    # 3 candidates x 3 kinds fitted on 120 rows of 32 dimensions: the warning comes once
     assert " ".join(result.stderr.split()).count("fitting a 32 x 32 covariance on only 120 rows") == 1
     source = "30 sentence + 30 keywords + 30 half pseudo-queries (seed 0)"
     assert f"tuned on {source}: only their 60 documents were encoded again" in result.stderr
     assert len(counter.texts) == 3 * 30 + 2 * 30  # the pseudo-queries, the documents without them; nothing else
     report = json.loads((tmp_path / "out" / "tune.json").read_text())
     assert report["dev_source"] == source and report["corpus_rows_encoded"] == 60
-    assert len(report["trials"]) == 1 + 2 * 2 and all(0 <= t["dev"]["nDCG@10"] <= 1 for t in report["trials"])
+    assert len(report["trials"]) == 1 + 2 and all(0 <= t["dev"]["nDCG@10"] <= 1 for t in report["trials"])
     stdout = " ".join(result.stdout.split())  # as printed, but for where the console wrapped it
     assert report["rule"] == "safe" and "kept unless a candidate wins on each kind" in stdout
-    # on 30 queries of each kind of this tiny model's, nothing beats raw surely enough: raw is kept, and said so
+    # raw is kept, and said so
     decision = report["decision"]
     assert decision["transform"]["current"] == decision["transform"]["chosen"] == "mean raw"
-    assert decision["scorer"]["kept"] and decision["rule"]["margin"] == 0.2
-    assert report["best"]["label"] == "mean raw" and "transform: kept mean raw: no candidate beat it" in stdout
+    assert decision["scorer"]["kept"] and decision["rule"]["margin"] == 0.005
+    assert report["best"]["label"] == "mean raw" and "transform: kept mean raw: no candidate may replace it" in stdout
     assert "the index's current setting is kept: --apply changes nothing" in stdout
     assert f"--apply: {tmp_path / 'idx'} is unchanged" in " ".join(result.stderr.split())
     assert Manifest.load(tmp_path / "idx") == before  # not even a new version

@@ -152,7 +152,8 @@ def tune(
         typer.Option(
             help="No qrels: measure on pseudo-queries made from the index's own documents (a sentence taken "
             "out, its rarest words, its first half; the rest of the document the one relevant hit) and keep the "
-            "index's current setting unless a candidate beats it on every kind, by a margin, with confidence."
+            "index's current setting unless a candidate beats it on every kind by a margin (then the gentlest "
+            "such; never a centring kernel for an uncentred index)."
         ),
     ] = False,
     auto_queries: Annotated[int, typer.Option(help="--auto: how many pseudo-queries of each kind.")] = AUTO_QUERIES,
