@@ -43,7 +43,7 @@ _API = {
     "refit": "retrieval.update",
     "calibrate_index": "retrieval.update",
     "describe_index": "retrieval.info",
-    "Manifest": "retrieval.indexdir",
+    "Manifest": "retrieval.manifest",
     "RetrievalError": "retrieval.errors",
     "tune_process": "retrieval.runtime",
 }
@@ -75,8 +75,8 @@ if TYPE_CHECKING:
     from retrieval.encode.spec import Encoder, EncoderInfo, EncoderSpec
     from retrieval.errors import RetrievalError
     from retrieval.index import IndexSpec
-    from retrieval.indexdir import Manifest
     from retrieval.info import describe_index
+    from retrieval.manifest import Manifest
     from retrieval.runtime import tune_process
     from retrieval.search import Hit, Searcher, SearchParams
     from retrieval.update import add, calibrate_index, refit, remove

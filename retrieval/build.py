@@ -38,13 +38,7 @@ from retrieval.indexdir import (
     COLUMNS,
     OWN_NAMES,
     STASH,
-    Calibration,
-    CorpusRecord,
     IndexDir,
-    IndexRecord,
-    Manifest,
-    StashRecord,
-    TransformRecord,
     column_types,
     is_index_dir,
     save_docs,
@@ -56,6 +50,7 @@ from retrieval.indexdir import (
 )
 from retrieval.ingest import Ingest, poolings_for
 from retrieval.lexical import Analyzer, LexicalSpec
+from retrieval.manifest import Calibration, CorpusRecord, IndexRecord, Manifest, StashRecord, TransformRecord
 from retrieval.moments import RunningMoments
 from retrieval.options import option
 from retrieval.progress import Progress, Timer, no_progress

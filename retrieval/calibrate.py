@@ -41,7 +41,7 @@ import numpy as np
 from retrieval.errors import ConfigError
 from retrieval.fusion import FusionSpec, fuse
 from retrieval.index import _hnsw, _ivf, search_parameters
-from retrieval.indexdir import Calibration
+from retrieval.manifest import Calibration
 from retrieval.stash import BLOCK_ROWS
 
 if TYPE_CHECKING:

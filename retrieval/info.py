@@ -13,7 +13,8 @@ import numpy as np
 
 from retrieval.errors import ConfigError, render
 from retrieval.index import IndexSpec
-from retrieval.indexdir import IndexDir, IndexRecord, Manifest, RescoreRecord, Verify
+from retrieval.indexdir import IndexDir, Verify
+from retrieval.manifest import IndexRecord, Manifest, RescoreRecord
 from retrieval.moments import RunningMoments
 from retrieval.whitening import RawTransform, Whitening, kernel_drift
 

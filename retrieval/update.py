@@ -44,15 +44,9 @@ from retrieval.indexdir import (
     RESCORE,
     STASH,
     TRANSFORM,
-    Calibration,
-    CorpusRecord,
     IndexDir,
-    Manifest,
-    RescoreRecord,
-    StashRecord,
     link_from,
     link_lexical,
-    now,
     save_docs,
     save_faiss_index,
     save_lexical,
@@ -62,6 +56,7 @@ from retrieval.indexdir import (
 )
 from retrieval.ingest import Ingest
 from retrieval.lexical import Analyzer, TermStats, take_rows
+from retrieval.manifest import Calibration, CorpusRecord, Manifest, RescoreRecord, StashRecord, now
 from retrieval.moments import RunningMoments
 from retrieval.progress import Progress, Timer, no_progress
 from retrieval.stash import STATE_NAME, VectorStash, titles_of

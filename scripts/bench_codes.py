@@ -45,7 +45,8 @@ from retrieval.corpus import CorpusSpec
 from retrieval.encode.models import resolve_model
 from retrieval.evaluate import read_qrels, read_queries, to_run
 from retrieval.index import CODES, IndexSpec, create_index, default_search_params, search_parameters, train_size
-from retrieval.indexdir import RESCORE_DEPTH, IndexDir
+from retrieval.indexdir import IndexDir
+from retrieval.manifest import RESCORE_DEPTH
 from retrieval.metrics import evaluate_run
 from retrieval.moments import RunningMoments
 from retrieval.search import rescore

@@ -51,7 +51,7 @@ import benchlib  # noqa: E402
 
 from retrieval.encode.models import resolve_model
 from retrieval.encode.spec import POOLINGS
-from retrieval.indexdir import RESCORE_DEPTH
+from retrieval.manifest import RESCORE_DEPTH
 from retrieval.moments import RunningMoments
 from retrieval.tune import (
     AUTO_QUERIES,

@@ -27,7 +27,8 @@ import benchlib  # noqa: E402
 
 from retrieval.build import build_index
 from retrieval.corpus import CorpusSpec
-from retrieval.indexdir import RESCORE_DEPTH, IndexDir
+from retrieval.indexdir import IndexDir
+from retrieval.manifest import RESCORE_DEPTH
 from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import TransformSpec
 

@@ -43,7 +43,8 @@ from retrieval.build import BuildOptions, build_index  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
 from retrieval.encode.transformer import from_info  # noqa: E402
 from retrieval.evaluate import read_qrels, read_queries  # noqa: E402
-from retrieval.indexdir import RESCORE_DEPTH, IndexDir  # noqa: E402
+from retrieval.indexdir import IndexDir  # noqa: E402
+from retrieval.manifest import RESCORE_DEPTH
 from retrieval.tune import AUTO_QUERIES, choose, pick, pick_one_se, tune_auto  # noqa: E402
 from retrieval.whitening import DEFAULT_GAMMA, TransformSpec  # noqa: E402
 

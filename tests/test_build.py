@@ -22,8 +22,9 @@ from retrieval.corpus import CorpusSpec
 from retrieval.docs import Docs
 from retrieval.errors import ConfigError, CorpusError, IndexDirError, RetrievalError
 from retrieval.index import IndexSpec, flat_vectors, load_index
-from retrieval.indexdir import SCHEMA_VERSION, IndexDir, Manifest, StashRecord
+from retrieval.indexdir import IndexDir
 from retrieval.lexical import FILES as LEXICAL_FILES
+from retrieval.manifest import SCHEMA_VERSION, Manifest, StashRecord
 from retrieval.moments import RunningMoments
 from retrieval.search import Searcher, SearchParams
 from retrieval.stash import VectorStash

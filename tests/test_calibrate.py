@@ -38,8 +38,9 @@ from retrieval.cli.app import app
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError
 from retrieval.index import IndexSpec, describe, search_parameters
-from retrieval.indexdir import RESCORE_DEPTH, IndexDir
+from retrieval.indexdir import IndexDir
 from retrieval.info import _search_default, summary
+from retrieval.manifest import RESCORE_DEPTH
 from retrieval.search import Searcher, SearchParams
 from retrieval.update import add, calibrate_index, refit
 from retrieval.whitening import TransformSpec

@@ -17,7 +17,7 @@ from typer.testing import CliRunner, Result
 
 from retrieval.cli.app import app
 from retrieval.encode.transformer import TransformerEncoder
-from retrieval.indexdir import RESCORE_DEPTH, Manifest
+from retrieval.manifest import RESCORE_DEPTH, Manifest
 from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import _warn_few_rows
 

@@ -21,7 +21,8 @@ from retrieval.codes import BinaryIndex, fit_rotation
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, CorpusError
 from retrieval.index import CODES, KINDS, IndexSpec, create_index, load_index, save_index
-from retrieval.indexdir import MANIFEST, RESCORE_DEPTHS, SCHEMA_VERSION, IndexDir, checksum
+from retrieval.indexdir import MANIFEST, IndexDir, checksum
+from retrieval.manifest import RESCORE_DEPTHS, SCHEMA_VERSION
 from retrieval.search import Searcher, SearchParams
 from retrieval.stash import VectorStash, dequantize, quantize
 from retrieval.update import add, calibrate_index, refit, remove, transform_spec

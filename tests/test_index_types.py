@@ -39,7 +39,8 @@ from retrieval.index import (
     set_search_params,
     train_size,
 )
-from retrieval.indexdir import INDEX, RESCORE_DEPTH, IndexDir
+from retrieval.indexdir import INDEX, IndexDir
+from retrieval.manifest import RESCORE_DEPTH
 from retrieval.metrics import knn_recall
 from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import TransformSpec

@@ -190,7 +190,7 @@ def test_an_int8_index_records_int8_and_is_searched_in_int8(tiny_bert: Path, tmp
     assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
     encoder = json.loads((out / "manifest.json").read_text())["encoder"]
     assert (encoder["precision"], encoder["precision_used"]) == ("int8", "int8")
-    from retrieval.indexdir import Manifest
+    from retrieval.manifest import Manifest
 
     again = from_info(Manifest.load(out).encoder)
     assert again.used == "int8" and again.info().precision == "int8"

@@ -22,7 +22,8 @@ from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.evaluate import Queries
-from retrieval.indexdir import INDEX, MANIFEST, STASH, IndexDir, Manifest
+from retrieval.indexdir import INDEX, MANIFEST, STASH, IndexDir
+from retrieval.manifest import Manifest
 from retrieval.search import Searcher
 from retrieval.tune import tune_index
 from retrieval.whitening import TransformSpec

@@ -16,7 +16,7 @@ from retrieval.corpus import CorpusSpec
 from retrieval.encode.models import model_dim
 from retrieval.encode.spec import DEFAULT_MODEL
 from retrieval.index import IndexSpec
-from retrieval.indexdir import Manifest
+from retrieval.manifest import Manifest
 from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import TransformSpec
 

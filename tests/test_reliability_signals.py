@@ -25,7 +25,8 @@ from retrieval.corpus import CorpusSpec
 from retrieval.encode.models import model_dim
 from retrieval.encode.spec import DEFAULT_MODEL
 from retrieval.errors import IndexDirError
-from retrieval.indexdir import STASH, IndexDir, Manifest
+from retrieval.indexdir import STASH, IndexDir
+from retrieval.manifest import Manifest
 from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import TransformSpec
 

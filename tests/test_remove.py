@@ -337,7 +337,7 @@ def test_an_older_manifest_refitted_after_its_changes_gets_no_refit_advice(tmp_p
     Where that cannot tell (as many rows removed as added: the build's count again), the lists count as older."""
     from test_update import anisotropic
 
-    from retrieval.indexdir import Manifest
+    from retrieval.manifest import Manifest
 
     np.save(tmp_path / "a.npy", anisotropic(300))
     np.save(tmp_path / "b.npy", anisotropic(40, seed=5))

@@ -22,7 +22,8 @@ from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.index import IndexSpec
-from retrieval.indexdir import MANIFEST, RESCORE, RESCORE_DEPTH, IndexDir, Manifest, RescoreRecord, checksum, load
+from retrieval.indexdir import MANIFEST, RESCORE, IndexDir, checksum, load
+from retrieval.manifest import RESCORE_DEPTH, Manifest, RescoreRecord
 from retrieval.moments import RunningMoments
 from retrieval.search import Searcher, SearchParams
 from retrieval.whitening import TransformSpec, Whitening, l2_normalize

@@ -21,7 +21,8 @@ from retrieval.cli import home
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.index import IndexSpec, flat_vectors, load_index, search_parameters
-from retrieval.indexdir import SCHEMA_VERSION, IndexDir
+from retrieval.indexdir import IndexDir
+from retrieval.manifest import SCHEMA_VERSION
 from retrieval.search import Hit, Searcher, SearchParams
 from retrieval.whitening import TransformSpec, l2_normalize
 

@@ -18,7 +18,8 @@ from retrieval.cli import home
 from retrieval.cli.app import app
 from retrieval.corpus import CorpusSpec
 from retrieval.errors import ConfigError, IndexDirError, PlantedLinkError
-from retrieval.indexdir import Manifest, load
+from retrieval.indexdir import load
+from retrieval.manifest import Manifest
 from retrieval.whitening import TransformSpec
 
 runner = CliRunner()

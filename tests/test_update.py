@@ -24,8 +24,9 @@ from retrieval.docs import Docs
 from retrieval.encode.spec import EncoderInfo
 from retrieval.errors import ConfigError, CorpusError, IndexDirError
 from retrieval.index import IndexSpec, load_index
-from retrieval.indexdir import DOCS, INDEX, MANIFEST, MOMENTS, STASH, TRANSFORM, IndexDir, Manifest
+from retrieval.indexdir import DOCS, INDEX, MANIFEST, MOMENTS, STASH, TRANSFORM, IndexDir
 from retrieval.info import describe_index
+from retrieval.manifest import Manifest
 from retrieval.moments import RunningMoments
 from retrieval.search import Searcher, SearchParams
 from retrieval.stash import VectorStash

@@ -32,8 +32,8 @@ from retrieval.encode.models import model_dim
 from retrieval.encode.spec import POOLINGS, PRECISIONS, EncoderSpec
 from retrieval.errors import ConfigError, Interrupted
 from retrieval.index import IndexSpec, check_buildable
-from retrieval.indexdir import Manifest
 from retrieval.lexical import LexicalSpec
+from retrieval.manifest import Manifest
 from retrieval.stash import DTYPES
 from retrieval.whitening import TransformSpec
 

@@ -16,7 +16,7 @@ from retrieval.build import BuildOptions
 from retrieval.encode.spec import EncoderSpec
 from retrieval.fusion import FusionSpec
 from retrieval.index import IndexSpec
-from retrieval.indexdir import RESCORE_DEPTH
+from retrieval.manifest import RESCORE_DEPTH
 from retrieval.options import described
 from retrieval.search import SearchParams
 from retrieval.whitening import TransformSpec

@@ -23,7 +23,7 @@ from retrieval.cli.options import (
 )
 from retrieval.cli.shell import out, progress_bars, safe, user_errors
 from retrieval.errors import ConfigError, RetrievalError
-from retrieval.indexdir import Manifest
+from retrieval.manifest import Manifest
 from retrieval.search import SearchParams
 
 

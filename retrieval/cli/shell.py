@@ -18,7 +18,7 @@ from rich.text import Text
 
 from retrieval.errors import ConfigError, Interrupted, RetrievalError, Terminated, render
 from retrieval.files import not_utf8
-from retrieval.indexdir import Manifest
+from retrieval.manifest import Manifest
 
 err = Console(stderr=True, soft_wrap=True, highlight=False)  # status lines carry paths: never break them
 out = Console(highlight=False)

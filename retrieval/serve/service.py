@@ -23,7 +23,8 @@ import pyarrow as pa
 
 from retrieval.encode.spec import Encoder
 from retrieval.errors import ConfigError, RetrievalError
-from retrieval.indexdir import Identity, IndexDir, Verify, check_verify, now
+from retrieval.indexdir import Identity, IndexDir, Verify, check_verify
+from retrieval.manifest import now
 from retrieval.options import option
 from retrieval.search import MAX_K, Searcher
 from retrieval.serve.autothreads import ThreadChooser
