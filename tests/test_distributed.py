@@ -41,19 +41,13 @@ ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 from retrieval.build import BuildOptions, build_index, window_rows  # noqa: E402
 from retrieval.cli.app import app  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
-from retrieval.distributed import (  # noqa: E402
-    LOCAL_RAY_ENV,
-    RayEngine,
-    RayOptions,
-    init_local,
-    on_loopback,
-    plan,
-)
+from retrieval.distributed import RayEngine, RayOptions, plan  # noqa: E402
 from retrieval.encode.spec import EncoderSpec  # noqa: E402
 from retrieval.errors import ConfigError, CorpusError, ModelError  # noqa: E402
 from retrieval.filters import parse  # noqa: E402
 from retrieval.index import IndexSpec  # noqa: E402
 from retrieval.indexdir import STASH, IndexDir  # noqa: E402
+from retrieval.raylocal import LOCAL_RAY_ENV, init_local, on_loopback  # noqa: E402
 from retrieval.search import Searcher, SearchParams  # noqa: E402
 from retrieval.stash import VectorStash  # noqa: E402
 from retrieval.whitening import TransformSpec  # noqa: E402
