@@ -443,7 +443,7 @@ def _number(value: int | float, kind: pa.DataType) -> pa.Scalar:
     double, the value compared as it is (2.5 or 1e300 with an int16 column), a whole number beyond even a double's
     range as an infinity: ``year < 10**30`` holds for every year, ``year = 10**30`` for none."""
     if isinstance(value, int) and pa.types.is_integer(kind):
-        info = np.iinfo(kind.to_pandas_dtype())
+        info = np.iinfo(f"{'u' if pa.types.is_unsigned_integer(kind) else ''}int{kind.bit_width}")  # no pandas
         if info.min <= value <= info.max:
             return pa.scalar(value, kind)
     try:

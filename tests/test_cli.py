@@ -479,6 +479,9 @@ def test_an_index_too_big_to_train_is_refused_before_the_model_loads(
         raise AssertionError("the model was loaded before the index type was checked")
 
     monkeypatch.setattr(EncoderSpec, "load", no_model)
+    model = tmp_path / "model"  # a local model whose config states its width (the default may not be installed)
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 384}')
     corpus = write_corpus(tmp_path / "c.parquet", n=100)
     for kind, message in (
         ("IVF16,PQ8", "a product quantizer of 8 bits needs at least 256 training rows (got 100)"),
@@ -486,7 +489,7 @@ def test_an_index_too_big_to_train_is_refused_before_the_model_loads(
     ):
         out = tmp_path / "idx"
         extra = ["--nlist", "200"] if kind == "ivf" else []
-        result = run("index", corpus, "--out", out, "--index-type", kind, "--dim", "64", *extra)
+        result = run("index", corpus, "--out", out, "--model", model, "--index-type", kind, "--dim", "64", *extra)
         assert result.exit_code == 1, result.output
         assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
         assert not out.exists()
