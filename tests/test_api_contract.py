@@ -88,7 +88,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=25, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 def test_every_operation_keeps_the_schema(case: object) -> None:
     case.call_and_validate(headers={"Authorization": f"Bearer {API_KEY}"})  # type: ignore[attr-defined]
 
@@ -111,15 +111,6 @@ def test_linked_operations_keep_the_schema(api_schema: object) -> None:
                 followed[input.transition.id] += 1
             return super().step(input)
 
-    Keyed.run(
-        settings=settings(
-            max_examples=20,
-            stateful_step_count=6,
-            derandomize=True,
-            deadline=None,
-            suppress_health_check=list(HealthCheck),
-        )
-    )
     document = api_schema.raw_schema  # type: ignore[attr-defined]
     every = {
         f"{method.upper()} {path} -> [200] {name} -> {link['operationRef'].split('/')[-1].upper()} "
@@ -129,6 +120,21 @@ def test_linked_operations_keep_the_schema(api_schema: object) -> None:
         for name, link in operation["responses"].get("200", {}).get("links", {}).items()
     }
     assert "POST /reload -> [200] ServedVersion -> GET /info" in every
+    # Which transitions a scenario takes depends on the answers before it (a link applies after a 200 only, and a
+    # busy engine may answer 429), so one derandomized run need not reach every link: up to three runs, each
+    # derandomized with its own scenario length, until every link has been followed and checked.
+    for steps in (6, 8, 10):
+        Keyed.run(
+            settings=settings(
+                max_examples=20,
+                stateful_step_count=steps,
+                derandomize=True,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+            )
+        )
+        if set(followed) == every:
+            break
     assert set(followed) == every, followed
 
 
