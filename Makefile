@@ -73,9 +73,10 @@ docs:
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
 
 # The markers are declared in pyproject.toml: slow (the real model, ../shared/data), ray (a local Ray cluster),
-# process (Python subprocesses, servers, signals) and browser (headless Chromium). What is left runs in process.
+# process (Python subprocesses, servers, signals), browser (headless Chromium) and contract (schemathesis over the
+# HTTP API). What is left runs in process.
 test-fast:
-	$(PYTHON) -m pytest -q $(XDIST) -m "not slow and not ray and not process and not browser"
+	$(PYTHON) -m pytest -q $(XDIST) -m "not slow and not ray and not process and not browser and not contract"
 
 # pyproject promises Python >= 3.10. The pinned CPU torch wheel is installed for 3.11 only, so where a python3.10 is
 # found the suite also runs under it without torch (tests that need torch skip themselves): the 3.10 syntax,

@@ -87,12 +87,14 @@ def api_schema(served_app: object) -> object:
 schema = schemathesis.pytest.from_fixture("api_schema")
 
 
+@pytest.mark.contract
 @schema.parametrize()
 @settings(max_examples=12, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 def test_every_operation_keeps_the_schema(case: object) -> None:
     case.call_and_validate(headers={"Authorization": f"Bearer {API_KEY}"})  # type: ignore[attr-defined]
 
 
+@pytest.mark.contract
 def test_linked_operations_keep_the_schema(api_schema: object) -> None:
     """The stateful phase: schemathesis follows the document's links (POST /reload -> GET /info and /ready,
     GET /info -> POST /v1/embeddings at the widest `dimensions` and POST /search in the default mode,
