@@ -53,14 +53,16 @@ VARIANTS = {
     "ours_fp32_unsorted": "ours, fp32, batches in input order",
     "ours_bf16": "ours, whole model cast to bf16, length-sorted, shape-bucketed, chunked attention where it times "
     "faster",
-    "ours_int8": "ours, int8 linear layers (retrieval.encode.int8: oneDNN int8 matmul, per-token activations, "
-    "SmoothQuant factors), length-sorted, shape-bucketed (precision int8)",
+    "ours_int8": "ours, int8 linear layers (retrieval.encode.int8: oneDNN int8 matmul, SmoothQuant factors, "
+    "activations per tensor and per token in the down projection), length-sorted, shape-bucketed (precision int8)",
     "lever_bf16_sdpa_attention": "ours_bf16 with the model's own fused SDPA attention kernel instead of chunked",
     "lever_bf16_autocast": "fp32 weights under torch.autocast(bf16) (the previous bf16 path)",
     "lever_bf16_eager_attention": "ours_bf16 with transformers' eager attention instead of SDPA",
     "lever_bf16_unbucketed": "ours_bf16, each batch padded to its own longest row (any shape)",
-    "lever_bf16_tokens4096": "ours_bf16, rows per batch from a 4,096-token budget (power of two, <= 256)",
-    "lever_bf16_tokens16384": "ours_bf16, rows per batch from a 16,384-token budget (power of two, <= 256)",
+    "lever_tokens_unbounded": "ours (the run's precision) without a token budget: batch-size rows whatever their "
+    "length",
+    "lever_tokens2048": "ours (the run's precision), a 2,048-token budget per batch instead of TOKEN_BUDGET",
+    "lever_tokens16384": "ours (the run's precision), a 16,384-token budget per batch instead of TOKEN_BUDGET",
 }
 # The vectors every variant is compared with: fp32, sorted, each batch padded to its own longest row, batch 32.
 REFERENCE = "fp32, length-sorted, unbucketed, batch 32"
@@ -75,26 +77,6 @@ def load_texts(kind: str, n: int, seed: int) -> list[str]:
     docs = [f"{a} {b}".strip() for a, b in zip(t["title"], t["text"], strict=True)]
     rows = np.sort(np.random.default_rng(seed).choice(len(docs), size=min(n, len(docs)), replace=False))
     return [docs[i] for i in rows]
-
-
-def token_budget_encoder(base: type, budget: int, max_rows: int = 256) -> type:
-    """The encoder with batches formed by a token budget: as many rows as fit ``budget`` once padded (a power of
-    two, so the shapes stay bounded), long texts in small batches and short ones in large."""
-    from retrieval.encode.shapes import padded_length
-
-    class TokenBudget(base):  # type: ignore[misc, valid-type]
-        def batches(self, lengths: list[int]) -> list[tuple[np.ndarray, int]]:
-            order = np.argsort([-n for n in lengths], kind="stable")
-            out, start = [], 0
-            while start < len(order):
-                width = padded_length(int(lengths[order[start]]), self.max_length)
-                fit = max(1, min(max_rows, budget // width, len(order) - start))
-                chunk = order[start : start + (1 << (fit.bit_length() - 1))]
-                out.append((chunk, width))
-                start += len(chunk)
-            return out
-
-    return TokenBudget
 
 
 def autocast_encoder(base: type) -> type:
@@ -113,7 +95,7 @@ def autocast_encoder(base: type) -> type:
 class Runner:
     """Encoders loaded once; ``run(variant, texts, batch_size, poolings)`` -> pooling -> (n, d) float32."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, precision: str = "bf16"):
         from sentence_transformers import SentenceTransformer
 
         from retrieval.encode.models import resolve_model
@@ -124,9 +106,13 @@ class Runner:
             raise SystemExit(f"model {model!r} is not installed locally")
         self.folder = folder
 
-        def load(cls: type = TransformerEncoder, precision: str = "bf16", bucketed: bool = True) -> TransformerEncoder:
+        def load(
+            cls: type = TransformerEncoder, precision: str = "bf16", bucketed: bool = True, budget: object = ...
+        ) -> TransformerEncoder:
             enc = cls(str(folder), precision=precision)
             enc.bucketed = bucketed
+            if budget is not ...:
+                enc.token_budget = budget
             return enc
 
         self.encoders = {
@@ -139,8 +125,9 @@ class Runner:
             "lever_bf16_eager_attention": load(),
             "lever_bf16_sdpa_attention": load(),
             "lever_bf16_unbucketed": load(bucketed=False),
-            "lever_bf16_tokens4096": load(token_budget_encoder(TransformerEncoder, 4096)),
-            "lever_bf16_tokens16384": load(token_budget_encoder(TransformerEncoder, 16384)),
+            "lever_tokens_unbounded": load(precision=precision, budget=None),
+            "lever_tokens2048": load(precision=precision, budget=2048),
+            "lever_tokens16384": load(precision=precision, budget=16384),
         }
         self.encoders["lever_bf16_eager_attention"].model.set_attn_implementation("eager")
         self.encoders["lever_bf16_sdpa_attention"].chunked_attention = False
@@ -190,13 +177,14 @@ def cells(batch_sizes: list[int], threads: list[int], ours: str = "ours_bf16") -
     top = max(threads)
     ref_batch = 32 if 32 in batch_sizes else batch_sizes[0]
     swept = ("st_fp32", ours)
-    # bf16 only where ours is bf16 or int8 (int8 against bf16 on a bf16 CPU); the levers only where ours is bf16
+    # bf16 only where ours is bf16 or int8 (int8 against bf16 on a bf16 CPU); the bf16 levers only where ours is
+    # bf16, the token budget's levers in the run's precision
     others = [
         v
         for v in VARIANTS
         if v not in swept
         and ("bf16" not in v or ours == "ours_bf16" or (ours == "ours_int8" and v == "ours_bf16"))
-        and (not v.startswith("lever_") or ours == "ours_bf16")
+        and (not v.startswith("lever_bf16") or ours == "ours_bf16")
     ]
     out = [(v, top, b) for v in swept for b in batch_sizes]
     out += [(v, t, ref_batch) for v in swept for t in threads if t != top]
@@ -607,7 +595,7 @@ def main() -> None:
     torch.set_num_threads(max(args.threads))
     info = benchlib.machine(torch_too=True)
     benchlib.print_machine(info)
-    runner = Runner(args.model)
+    runner = Runner(args.model, args.precision)
     # bf16's rate only where ours runs bf16: emulated, one 2048 x 2048 product takes about a minute
     gemm = {dtype: gemm_gflops(dtype) for dtype in ("float32", "bfloat16")[: 2 if bf16_native() else 1]}
     rates = ", ".join(f"{dtype} {rate:.0f} GFLOP/s" for dtype, rate in gemm.items())
@@ -633,6 +621,8 @@ def main() -> None:
     stem = ("bench_encode_quick" if args.quick else "bench_encode") + (
         "" if args.precision == "bf16" else f"_{args.precision}"
     )
+    if args.precision == "int8" and not bf16_native():  # int8 against fp32 alone: kept beside the bf16 CPU's run
+        stem += "_no_bf16"
     if os.environ.get("ONEDNN_MAX_CPU_ISA"):  # a CPU emulated by capping oneDNN's instruction set
         stem += "_isa_" + os.environ["ONEDNN_MAX_CPU_ISA"].lower()
     data = {

@@ -476,6 +476,31 @@ def test_shape_batches_take_every_row_once_in_a_bounded_set_of_shapes(batch_size
             assert width == padded_length(max(lengths[i] for i in chunk), 256)
 
 
+@pytest.mark.parametrize("budget", [1, 100, 4096])
+def test_a_token_budget_takes_fewer_rows_of_long_texts(budget: int) -> None:
+    """With a token budget, a batch pads to at most that many tokens unless one row alone is wider (then it goes
+    alone); its row count is still ``batch_size`` or a power of two, the largest that fits while enough rows are
+    left; every row is taken once, longest first."""
+    rng = np.random.default_rng(1339)
+    lengths = rng.integers(1, 257, size=300).tolist()
+    batches = shape_batches(lengths, 32, 256, budget)
+    rows = np.concatenate([r for r, _ in batches])
+    assert sorted(rows.tolist()) == list(range(300))
+    assert [lengths[i] for i in rows] == sorted(lengths, reverse=True)
+    left = 300
+    for chunk, width in batches:
+        assert len(chunk) in {32, 16, 8, 4, 2, 1}
+        assert len(chunk) * width <= budget or len(chunk) == 1
+        if left >= 32:  # enough rows left: no more would have fitted
+            assert len(chunk) == 32 or 2 * len(chunk) * width > budget
+        left -= len(chunk)
+    if budget == 4096:
+        assert [len(c) for c, w in batches if w == 256][:2] == [16, 16]  # 16 rows of 256 tokens, not 32
+        assert 32 in [len(c) for c, w in batches if w <= 128]  # short rows fill the batch size
+    unbudgeted = [(c.tolist(), w) for c, w in shape_batches(lengths, 32, 256, None)]
+    assert unbudgeted == [(c.tolist(), w) for c, w in shape_batches(lengths, 32, 256, 32 * 256)]
+
+
 def test_the_encoder_runs_only_a_bounded_set_of_shapes(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Many random inputs, as a server sees them: the model meets at most |row counts| x |lengths| shapes."""
     monkeypatch.setattr(encoder_module, "TRACE_AFTER", 10**9)  # single texts stay on the padded eager path here

@@ -30,6 +30,7 @@ from retrieval.encode.precision import (
 from retrieval.encode.shapes import (
     PACK_MAX_TOKENS,
     PACK_TOKENS,
+    TOKEN_BUDGET,
     narrowest_rows,
     pack_rows,
     packed_batch,
@@ -70,7 +71,7 @@ class TransformerEncoder:
     ``torch.inference_mode``, pooled, and returned in their original order as float32.
 
     Precision "auto" times the first batch in fp32 and, where the CPU computes them natively, in bf16 (and int8,
-    ``retrieval.encode.int8``, where ``precision.INT8_IN_AUTO`` allows: not yet, it measured slower), and keeps the
+    ``retrieval.encode.int8``, where ``precision.INT8_IN_AUTO`` allows: off, its vectors stray further), and keeps the
     fastest that agrees with fp32 (cosine >= BF16_MIN_COSINE, INT8_MIN_COSINE): native bf16 is ~2x fp32 on some CPUs
     and ~0.6x on others with the same ``avx512_bf16`` flag, so the flag alone cannot decide. A single text (a query)
     has no padding: from the TRACE_AFTER-th one on it runs through a TorchScript trace of the model optimised for
@@ -124,6 +125,7 @@ class TransformerEncoder:
         # and they are faster on this CPU than its own SDPA kernel; False keeps the model's own.
         self.chunked_attention = True
         self.bucketed = True  # batches take shapes from a bounded set (``shape_batches``)
+        self.token_budget: int | None = TOKEN_BUDGET  # long texts in smaller batches (``shape_batches``)
         self.packing: bool | None = None  # short texts packed (``pack_rows``); None: checked on first use
         self._sha = weights_sha256(self.folder) if self.folder else None
         self._dim = int(self.model.config.hidden_size)
@@ -261,7 +263,8 @@ class TransformerEncoder:
             packed_rows = narrowest_rows(short_lengths, packed_rows)
         packs = [[short[i] for i in pack] for pack in packed_rows]
         width_cap = capacity if self.bucketed else None
-        for rows, width in shape_batches([sum(lengths[i] for i in pack) for pack in packs], self.batch_size, width_cap):
+        widths = [sum(lengths[i] for i in pack) for pack in packs]
+        for rows, width in shape_batches(widths, self.batch_size, width_cap, self.token_budget):
             self._encode_packed([packs[r] for r in rows], width, tokens["input_ids"], poolings, out)
             if on_batch:
                 on_batch(sum(len(packs[r]) for r in rows))
@@ -360,7 +363,7 @@ class TransformerEncoder:
     def batches(self, lengths: Sequence[int]) -> list[tuple[np.ndarray, int]]:
         """(row numbers, padded length) per forward pass: see ``shape_batches``; ``bucketed`` False pads each batch
         to its own longest row (any shape; kept so scripts/bench_encode.py can measure what bucketing costs)."""
-        return shape_batches(lengths, self.batch_size, self.max_length if self.bucketed else None)
+        return shape_batches(lengths, self.batch_size, self.max_length if self.bucketed else None, self.token_budget)
 
     def _forward(self, batch: Any, want_hidden: bool) -> Any:
         """One padded batch through the model in the precision chosen: the bf16 or int8 copy of the model, or fp32."""
@@ -374,8 +377,8 @@ class TransformerEncoder:
 
     @staticmethod
     def _auto_weighs_int8() -> bool:
-        """Whether precision "auto" times int8 too: only where ``precision.INT8_IN_AUTO`` says int8 has been
-        measured faster, and on a CPU with int8 instructions."""
+        """Whether precision "auto" times int8 too: only where ``precision.INT8_IN_AUTO`` lets it (off: see there),
+        and on a CPU with int8 instructions."""
         return precision.INT8_IN_AUTO and cpu_supports_int8()
 
     def _bf16_model(self) -> Any:
@@ -404,7 +407,7 @@ class TransformerEncoder:
                 for probe in probes:
                     self.model(**probe)
 
-            model = int8.quantise(self.model, int8.input_ranges(self.model, fp32, torch), torch)
+            model = int8.quantise(self.model, int8.observe(self.model, fp32, torch), torch)
             batch = self._padded(
                 self.tokenizer(list(int8.PROBE_TEXTS), truncation=True, max_length=self.max_length),
                 range(len(int8.PROBE_TEXTS)),
