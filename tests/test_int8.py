@@ -78,24 +78,66 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("onednn", [True, False])
 def test_the_int8_layer_is_exact_where_rounding_loses_nothing(onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Integer weights with 127 in every row and integer activations with 127 in every token quantise with scale
-    1: the int8 product is then the float64 one exactly (int32 sums, scales of 1, float32 output of integers), by
-    oneDNN's int8 matmul and by the ``torch._int_mm`` fallback."""
+    """Integer weights with 127 in every row and integer activations with the largest step in every token (127,
+    or 63 where oneDNN's product would saturate and activations take 7 bits) quantise with scale 1: the int8
+    product is then the float64 one exactly (int32 sums, scales of 1, float32 output of integers), by oneDNN's
+    int8 matmul and by the ``torch._int_mm`` fallback (always 8 bits)."""
     if onednn and not int8.onednn_available(torch):
         pytest.skip("this torch has no oneDNN int8 linear op")
     monkeypatch.setattr(int8, "onednn_available", lambda torch: onednn)
+    top = 63 if onednn and int8.onednn_saturates(torch) else 127
     rng = np.random.default_rng(0)
     linear = torch.nn.Linear(32, 24)
     weight = rng.integers(-127, 128, (24, 32)).astype(np.float64)
     weight[:, 0] = 127
-    x = rng.integers(-127, 128, (2, 5, 32)).astype(np.float64)
-    x[..., 3] = -127
+    x = rng.integers(-top, top + 1, (2, 5, 32)).astype(np.float64)
+    x[..., 3] = -top
     with torch.no_grad():
         linear.weight.copy_(torch.from_numpy(weight))
         linear.bias.copy_(torch.arange(24, dtype=torch.float32))
     layer = int8.int8_linear_class(torch)(linear, torch.ones(32))
     got = layer(torch.from_numpy(x).float()).numpy()
     np.testing.assert_array_equal(got, x @ weight.T + np.arange(24))
+
+
+def test_the_saturation_probe_tells_what_onednn_computes() -> None:
+    """``onednn_saturates`` is True exactly where an 8-bit activation at its top step times a weight of 127 loses
+    its sum in oneDNN's product (CPUs without VNNI or AMX: pairs of products added in int16)."""
+    if not int8.onednn_available(torch):
+        pytest.skip("this torch has no oneDNN int8 linear op")
+    weight = torch.full((16, 96), 127, dtype=torch.int8)
+    weight[::2] = -127
+    packed = torch.ops.onednn.qlinear_prepack(weight, None)
+    x = torch.randint(200, 256, (8, 96), dtype=torch.uint8)
+    sums = torch.ops.onednn.qlinear_pointwise(
+        x, 1.0, 0, packed, torch.ones(16), torch.zeros(16, dtype=torch.long), None, 1.0, 0, torch.float32, "none",
+        [], "",
+    )  # fmt: skip
+    exact = x.double() @ weight.double().T
+    assert int8.onednn_saturates(torch) == bool((sums.double() != exact).any())
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_the_int8_layer_never_saturates(per_token: bool) -> None:
+    """Inputs whose quantised rows are all at or near the top step, against weights at +-127 (the worst case for
+    int16 pair sums): the product keeps float64's up to rounding, on CPUs with and without VNNI (where an 8-bit
+    activation would lose the sums: relative error ~0.5 instead of below 1e-2)."""
+    if not int8.onednn_available(torch):
+        pytest.skip("this torch has no oneDNN int8 linear op")
+    rng = np.random.default_rng(3)
+    linear = torch.nn.Linear(96, 32)
+    weight = np.where(rng.random((32, 96)) < 0.5, -1.0, 1.0)
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(weight))
+        linear.bias.zero_()
+    x = rng.uniform(0.9, 1.0, (6, 96)) * np.where(rng.random((6, 96)) < 0.5, -1.0, 1.0)
+    x[:, :48] = np.abs(x[:, :48])  # the first half aligned with every row's first half of weights
+    weight[:, :48] = 1.0
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(weight))
+    expected = x @ weight.T
+    got = int8.int8_linear_class(torch)(linear, torch.ones(96), per_token)(torch.from_numpy(x).float()).numpy()
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-2
 
 
 def test_the_int8_layer_rounds_each_token_on_its_own_scale() -> None:
@@ -109,6 +151,71 @@ def test_the_int8_layer_rounds_each_token_on_its_own_scale() -> None:
     smooth = torch.from_numpy(rng.uniform(0.5, 2.0, 64)).float()  # the smoothing factors cancel out
     got = int8.int8_linear_class(torch)(linear, smooth)(torch.from_numpy(x).float()).double().numpy()
     assert cosines(got, expected).min() >= 0.999
+
+
+def test_the_per_tensor_int8_layer_is_exact_where_rounding_loses_nothing() -> None:
+    """Per tensor: activations spanning exactly 255 integer steps (-128 to 127; 127 steps, -64 to 63, where
+    oneDNN's product would saturate) quantise with scale 1 and zero point 128 (64), and integer weights with 127
+    in every row with scale 1: the product, bias added inside oneDNN, is the float64 one exactly, whatever the
+    (positive) smoothing factors, which the weights carry and the input sheds."""
+    if not int8.onednn_available(torch):
+        pytest.skip("this torch has no oneDNN int8 linear op")
+    low, high = (-64, 63) if int8.onednn_saturates(torch) else (-128, 127)
+    rng = np.random.default_rng(2)
+    linear = torch.nn.Linear(32, 24)
+    weight = rng.integers(-127, 128, (24, 32)).astype(np.float64)
+    weight[:, 0] = 127
+    x = rng.integers(low, high + 1, (3, 4, 32)).astype(np.float64)
+    x[0, 0, 1], x[1, 2, 5] = low, high
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(weight))
+        linear.bias.copy_(torch.arange(24, dtype=torch.float32))
+    layer = int8.int8_linear_class(torch)(linear, torch.ones(32), per_token=False)
+    assert not layer.per_token
+    got = layer(torch.from_numpy(x).float()).numpy()
+    np.testing.assert_array_equal(got, x @ weight.T + np.arange(24))
+    smooth = torch.full((32,), 2.0)  # powers of two: exact in float32 too
+    halved = torch.nn.Linear(32, 24)
+    with torch.no_grad():
+        halved.weight.copy_(torch.from_numpy(weight / 2))
+        halved.bias.copy_(torch.arange(24, dtype=torch.float32))
+    got = int8.int8_linear_class(torch)(halved, smooth, per_token=False)(torch.from_numpy(x * 2).float()).numpy()
+    np.testing.assert_array_equal(got, x @ weight.T + np.arange(24))
+
+
+def test_layers_reading_one_tensor_quantise_it_once(strong_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe texts show which layers read the very same tensor: each self-attention's query, key and value,
+    one group per transformer layer. They share smoothing factors, so the first quantises the input and the other
+    two take its result; only the feed-forward down projection (more inputs than outputs) rounds per token, and the
+    up projection's GELU runs inside oneDNN. The shared quantisation changes no vector: the encoder gives the same
+    vectors with each layer quantising alone."""
+    if not int8.onednn_available(torch):
+        pytest.skip("this torch has no oneDNN int8 linear op")
+    enc = TransformerEncoder(str(strong_bert), max_length=48, precision="int8")
+    model = enc._int8_model()
+    layers = {name: m for name, m in model.named_modules() if type(m).__name__ == "Int8Linear"}
+    groups = {id(m.shared): sorted(n.rsplit(".", 1)[1] for n, m2 in layers.items() if m2.shared is m.shared)
+              for m in layers.values() if m.shared is not None}  # fmt: skip
+    assert sorted(groups.values()) == [["key", "query", "value"]] * 2
+    assert sorted(n.split(".layer.")[1] for n, m in layers.items() if m.per_token) == [
+        "0.output.dense", "1.output.dense"
+    ]  # fmt: skip
+    assert sorted(n.split(".layer.")[1] for n, m in layers.items() if m.post_op == "gelu") == [
+        "0.intermediate.dense", "1.intermediate.dense"
+    ]  # fmt: skip
+    calls = []
+    kind = type(next(iter(layers.values())))
+    original = kind._quantise_tensor
+    monkeypatch.setattr(kind, "_quantise_tensor", lambda self, rows: calls.append(self) or original(self, rows))
+    shared_vectors = enc.encode(TEXTS)
+    shared_calls = len(calls)  # per layer and pass: query/key/value once, attention output, up projection
+    assert shared_calls > 0 and shared_calls % (2 * 3) == 0
+    for layer in layers.values():
+        layer.shared = None
+    calls.clear()
+    alone = enc.encode(TEXTS)
+    assert len(calls) == shared_calls // 3 * 5  # query, key and value each quantise their input
+    np.testing.assert_array_equal(shared_vectors, alone)
 
 
 @pytest.mark.parametrize("pooling", POOLINGS)
@@ -166,7 +273,8 @@ def test_auto_leaves_int8_out_without_int8_instructions(tiny_bert: Path, monkeyp
 
 
 def test_auto_leaves_int8_out_until_it_is_measured_faster(tiny_bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """int8 measured slower than fp32 and bf16 (docs/benchmarks/encode.md): "auto" neither makes nor times it."""
+    """int8 vectors agree with fp32 less closely than bf16 (docs/benchmarks/encode.md): "auto" neither makes nor
+    times it."""
     monkeypatch.setattr(encoder_module, "cpu_supports_bf16", lambda: False)
     monkeypatch.setattr(encoder_module, "cpu_supports_int8", lambda: True)
     monkeypatch.setattr(timing, "_chosen", timing.Policy(answers={"precision": "int8"}))  # even were it "faster"

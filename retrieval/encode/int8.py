@@ -1,11 +1,13 @@
 """Int8 linear layers: a copy of the model whose encoder ``nn.Linear`` layers multiply int8 by int8 into int32
 (oneDNN's int8 matmul, with VNNI or AMX kernels where the CPU has them), for precision "int8".
 
-Each layer's weight is quantised once, symmetric per output channel; each token's activations are quantised on
-every call, symmetric per token (a batch's padding or one long outlier token cannot coarsen another token's
-scale). Before quantising, SmoothQuant's per-input-channel factors ``s = max|x|^0.5 / max|w|^0.5`` move the
-activations' outlier channels (BERT's layer-norm outputs have a few) into the weights: ``x W^T = (x / s)(W s)^T``.
-``max|x|`` comes from a fixed set of probe texts run through the fp32 model when the copy is made.
+Each layer's weight is quantised once, symmetric per output channel; activations are quantised on every call,
+per tensor where a layer's inputs have no outlier tokens and symmetric per token in the feed-forward block's down
+projection, whose inputs do (a batch's padding or one long outlier token cannot coarsen another token's scale).
+On CPUs without VNNI or AMX, activations take 7 bits: oneDNN's product would saturate with 8
+(``onednn_saturates``). Before quantising, SmoothQuant's per-input-channel factors
+``s = max|x|^0.5 / max|w|^0.5`` move the activations' outlier channels (BERT's layer-norm outputs have a few)
+into the weights: ``x W^T = (x / s)(W s)^T``. ``max|x|`` comes from a fixed set of probe texts run through the fp32 model when the copy is made.
 
 Measured on all-MiniLM-L6-v2, 200 STS-B sentences and 40 SciFact passages against fp32 (min cosine of mean-pooled
 vectors): torch's ``quantize_dynamic`` 0.900 (per-tensor weights; its x86 kernels quantise activations to 7 bits,
@@ -17,13 +19,17 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 # SmoothQuant's migration strength: 0 leaves activations as they are, 1 moves all their range into the weights.
 SMOOTHING = 0.5
+PER_TOKEN_SMOOTHING = 0.5
 # What the smoothing factors are measured on and the int8 copy is checked against fp32 with: short and long,
 # plain and technical, as queries and passages are.
 PROBE_TEXTS = (
@@ -46,16 +52,68 @@ def onednn_available(torch: Any) -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.onednn, "qlinear_prepack")
 
 
+class SharedInput:
+    """Layers that read the same tensor with the same smoothing (a self-attention's query, key and value) quantise
+    it once: the first of them stores (input, quantised input) for its thread, the others find it there."""
+
+    def __init__(self) -> None:
+        self._last = threading.local()
+
+    def get(self, x: Any) -> Any:
+        last = getattr(self._last, "pair", None)
+        return last[1] if last is not None and last[0] is x else None
+
+    def put(self, x: Any, quantised: Any) -> None:
+        self._last.pair = (x, quantised)
+
+
+_saturates: bool | None = None
+
+
+def onednn_saturates(torch: Any) -> bool:
+    """Whether oneDNN's u8 x s8 product loses sums on this CPU: without VNNI or AMX (AVX2, AVX-512 before Cascade
+    Lake) it adds each pair of u8 x s8 products in int16 with saturation (``vpmaddubsw``), so 255 x 127 twice
+    (64,770) is clipped at 32,767. Measured once per process on one product that needs every bit, rather than
+    read from CPU flags: oneDNN picks its kernel by what it detects, and ``ONEDNN_MAX_CPU_ISA`` changes that."""
+    global _saturates
+    if _saturates is None:
+        weight = torch.full((8, 64), 127, dtype=torch.int8)
+        packed = torch.ops.onednn.qlinear_prepack(weight, None)
+        ones, zeros = torch.ones(8), torch.zeros(8, dtype=torch.long)
+        x = torch.full((4, 64), 255, dtype=torch.uint8)
+        sums = torch.ops.onednn.qlinear_pointwise(
+            x, 1.0, 0, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        )  # fmt: skip
+        _saturates = bool((sums != 64 * 255 * 127).any())
+        if _saturates:
+            log.info("oneDNN's int8 product saturates on this CPU (no VNNI): activations take 7 bits")
+    return _saturates
+
+
 def int8_linear_class(torch: Any) -> type:
-    """The int8 linear layer (made here, so importing this module does not import torch)."""
+    """The int8 linear layer (made here, so importing this module does not import torch).
+
+    Activations take 8 bits (u8, 255 steps) where oneDNN's product is exact, and 7 bits (127 steps, as torch's own
+    x86 quantisation does with ``reduce_range``) where it would saturate (``onednn_saturates``): two products
+    of at most 127 x 127 fit the int16 it adds them in."""
     onednn = onednn_available(torch)
+    steps = 127 if onednn and onednn_saturates(torch) else 255  # u8 levels a tensor's range is cut into
+    centre = (steps + 1) // 2  # the zero point of per-token (symmetric) activations: 128, or 64 with 7 bits
+    half = torch.tensor(centre + 0.5)  # and 0.5 so that truncation rounds
+    largest_step = centre - 1  # |x| / scale at most this: 127, or 63
 
     class Int8Linear(torch.nn.Module):  # type: ignore[misc, name-defined]
-        """``linear(x / smooth)`` in int8: weights per output channel, activations per token, int32 sums, by
-        oneDNN's int8 matmul (``onednn.qlinear_pointwise``: VNNI or AMX kernels; weight scales applied in it,
-        each token's scale after it), else ``torch._int_mm``."""
+        """``linear(x / smooth)`` in int8: weights per output channel, int32 sums, by oneDNN's int8 matmul
+        (``onednn.qlinear_pointwise``: VNNI or AMX kernels), else ``torch._int_mm``.
 
-        def __init__(self, linear: Any, smooth: Any):
+        Activations are quantised per token (``per_token``: each row its own scale, applied after the product) or
+        per tensor (one scale and zero point for the whole batch, the bias added by oneDNN: half the passes over
+        memory). Per tensor suits inputs without outlier tokens; the
+        feed-forward block's down projection, whose inputs carry a few tokens hundreds of times larger than the
+        rest, keeps per token (per tensor there: min cosine 0.983 against fp32 on SciFact passages; elsewhere
+        >= 0.994 each). The ``torch._int_mm`` fallback is per token throughout."""
+
+        def __init__(self, linear: Any, smooth: Any, per_token: bool = True, shared: SharedInput | None = None):
             super().__init__()
             weight = linear.weight.detach().float() * smooth
             scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
@@ -70,34 +128,55 @@ def int8_linear_class(torch: Any) -> type:
             bias = linear.bias.detach().float() if linear.bias is not None else torch.zeros(weight.shape[0])
             self.register_buffer("bias", bias)
             self.in_features, self.out_features = linear.in_features, linear.out_features
+            self.per_token = per_token or not onednn
+            self.shared = shared
+            self.post_op = "none"  # "gelu": the exact GELU applied by oneDNN to the output (per tensor only)
 
         def forward(self, x: Any) -> Any:
             shape = x.shape
-            rows = (x.float() * self.inv_smooth).reshape(-1, shape[-1])
-            scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-            quantised = torch.round(rows / scale)
-            if onednn:  # unsigned with zero point 128: oneDNN has VNNI kernels for u8 x s8 only (s8 x s8 ran its
-                # reference kernel, ~100x slower, with the ISA capped at AVX512_CORE_VNNI; AMX takes either)
-                sums = torch.ops.onednn.qlinear_pointwise(
-                    (quantised + 128).to(torch.uint8),
-                    1.0,
-                    128,
-                    self.packed,
-                    self.weight_scale,
-                    self.zero_points,
-                    None,
-                    1.0,
-                    0,
-                    torch.float32,
-                    "none",
-                    [],
-                    "",
-                )
-                out = sums * scale + self.bias
-            else:
-                sums = torch._int_mm(quantised.to(torch.int8), self.packed).float()
-                out = sums * (scale * self.weight_scale) + self.bias
+            out = self._per_token(x) if self.per_token else self._per_tensor(x)
             return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+        def _per_tensor(self, x: Any) -> Any:
+            quantised = self.shared.get(x) if self.shared is not None else None
+            if quantised is None:
+                quantised = self._quantise_tensor(x.float().reshape(-1, x.shape[-1]))
+                if self.shared is not None:
+                    self.shared.put(x, quantised)
+            u8, scale, zero_point = quantised
+            return torch.ops.onednn.qlinear_pointwise(
+                u8, scale, zero_point, self.packed, self.weight_scale, self.zero_points, self.bias,
+                1.0, 0, torch.float32, self.post_op, [], "none" if self.post_op == "gelu" else "",
+            )  # fmt: skip
+
+        def _quantise_tensor(self, rows: Any) -> tuple[Any, float, int]:
+            """``rows / smooth`` as u8 with one scale and zero point: the range from per-channel extremes (the
+            smoothing factors are positive, so the smoothed extremes are the extremes times them), then smoothing,
+            scaling, shifting and rounding in one pass, without the smoothed copy."""
+            high = max(float((rows.amax(dim=0) * self.inv_smooth).max()), 0.0)
+            low = min(float((rows.amin(dim=0) * self.inv_smooth).min()), 0.0)
+            scale = max(high - low, 1e-12) / steps
+            zero_point = math.floor(-low / scale)  # floor, not round: low lands in [0, 1), high below steps + 1
+            shifted = torch.addcmul(torch.tensor(zero_point + 0.5), rows, self.inv_smooth / scale)
+            return shifted.to(torch.uint8), scale, zero_point  # the cast truncates: + 0.5 made it round
+
+        def _per_token(self, x: Any) -> Any:
+            rows = (x.float() * self.inv_smooth).reshape(-1, x.shape[-1])
+            # max |x| per row from two plain reductions: far cheaper than abs() (a full copy) then amax
+            largest = torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)).clamp_(min=1e-12)
+            if onednn:  # unsigned with zero point 128 (64): oneDNN has VNNI kernels for u8 x s8 only (s8 x s8 ran
+                # its reference kernel, ~100x slower, with the ISA capped at AVX512_CORE_VNNI; AMX takes either)
+                scale = (largest / largest_step)[:, None]
+                u8 = torch.addcmul(half, rows, 1 / scale).to(torch.uint8)  # round(x / scale) + centre, >= 1
+                sums = torch.ops.onednn.qlinear_pointwise(
+                    u8, 1.0, centre, self.packed, self.weight_scale, self.zero_points, None,
+                    1.0, 0, torch.float32, "none", [], "",
+                )  # fmt: skip
+                return torch.addcmul(self.bias, sums, scale)
+            scale = (largest / 127)[:, None]
+            s8 = torch.round(rows / scale).to(torch.int8)
+            sums = torch._int_mm(s8, self.packed).float()
+            return torch.addcmul(self.bias, sums, scale * self.weight_scale)
 
     return Int8Linear
 
@@ -114,15 +193,29 @@ def _linears(model: Any, torch: Any) -> list[tuple[Any, str, str]]:
     return out
 
 
-def input_ranges(model: Any, run: Callable[[], Any], torch: Any) -> dict[str, Any]:
-    """Each transformer linear layer's largest absolute input per input channel, over what ``run`` runs."""
+@dataclass
+class Observed:
+    """What the probe texts showed of each transformer linear layer: its largest absolute input per input channel
+    (``ranges``), and the groups of layers of one parent that read the very same tensor on every call (``shared``:
+    a self-attention's query, key and value)."""
+
+    ranges: dict[str, Any]
+    shared: list[list[str]]
+
+
+def observe(model: Any, run: Callable[[], Any], torch: Any) -> Observed:
+    """Run ``run`` (the fp32 model on the probe texts) and record what ``Observed`` holds."""
     ranges: dict[str, Any] = {}
+    inputs_seen: dict[str, list[Any]] = {}
+    parents: dict[str, list[str]] = {}
     hooks = []
     for parent, attribute, full in _linears(model, torch):
+        parents.setdefault(full.rsplit(".", 1)[0], []).append(full)
 
         def seen(_module: Any, inputs: Any, _output: Any, full: str = full) -> None:
-            x = inputs[0].detach().float()
-            largest = x.reshape(-1, x.shape[-1]).abs().amax(dim=0)
+            x = inputs[0]
+            inputs_seen.setdefault(full, []).append(x)  # the tensor itself: siblings are told by identity
+            largest = x.float().reshape(-1, x.shape[-1]).abs().amax(dim=0)
             ranges[full] = torch.maximum(ranges[full], largest) if full in ranges else largest
 
         hooks.append(getattr(parent, attribute).register_forward_hook(seen))
@@ -132,18 +225,76 @@ def input_ranges(model: Any, run: Callable[[], Any], torch: Any) -> dict[str, An
     finally:
         for hook in hooks:
             hook.remove()
-    return ranges
+    shared = []
+    for names in parents.values():
+        groups: list[list[str]] = []
+        for name in names:
+            calls = inputs_seen.get(name, [])
+            for group in groups:
+                other = inputs_seen[group[0]]
+                if calls and len(calls) == len(other) and all(a is b for a, b in zip(calls, other, strict=True)):
+                    group.append(name)
+                    break
+            else:
+                groups.append([name])
+        shared += [group for group in groups if len(group) > 1]
+    return Observed(ranges, shared)
 
 
-def quantise(model: Any, ranges: dict[str, Any], torch: Any) -> Any:
-    """A copy of ``model`` with its transformer linear layers in int8 (``ranges``: ``input_ranges``'s)."""
+def quantise(model: Any, observed: Observed, torch: Any) -> Any:
+    """A copy of ``model`` with its transformer linear layers in int8. Each layer's smoothing factors come from its
+    input range (``observed``) and its weights' (the largest over a group that shares its input, so the group
+    quantises that input once); a layer that narrows (more inputs than outputs: the feed-forward block's down
+    projection) quantises its input per token, the others per tensor."""
     layer = int8_linear_class(torch)
     quantised = copy.deepcopy(model)
+    found = _linears(quantised, torch)
+    group_of = {name: group for group in observed.shared for name in group}
+    linears = {full: getattr(parent, attribute) for parent, attribute, full in found}
+    shared = {id(group): SharedInput() for group in observed.shared}
     with torch.inference_mode(False), torch.no_grad():
-        for parent, attribute, full in _linears(quantised, torch):
-            linear = getattr(parent, attribute)
-            weight_range = linear.weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)
-            activation_range = ranges[full].clone().clamp(min=1e-5) if full in ranges else torch.ones_like(weight_range)
-            smooth = (activation_range**SMOOTHING / weight_range ** (1 - SMOOTHING)).clamp(min=1e-5)
-            setattr(parent, attribute, layer(linear, smooth))
+        for parent, attribute, full in found:
+            linear = linears[full]
+            group = group_of.get(full, [full])
+            weight_range = (
+                torch.stack([linears[name].weight.detach().float().abs().amax(dim=0) for name in group])
+                .amax(dim=0)
+                .clamp(min=1e-5)
+            )
+            activation_range = (
+                observed.ranges[full].float().clamp(min=1e-5)
+                if full in observed.ranges
+                else torch.ones_like(weight_range)
+            )
+            per_token = linear.in_features > linear.out_features
+            alpha = PER_TOKEN_SMOOTHING if per_token else SMOOTHING
+            smooth = (activation_range**alpha / weight_range ** (1 - alpha)).clamp(min=1e-5)
+            setattr(parent, attribute, layer(linear, smooth, per_token, shared.get(id(group_of.get(full)))))
+        _fuse_gelu(quantised, torch)
     return quantised.eval()
+
+
+def _fuse_gelu(model: Any, torch: Any) -> None:
+    """Where a feed-forward block applies the exact GELU to its per-tensor int8 up projection (a ``dense`` layer
+    beside an ``intermediate_act_fn``, as in BERT, RoBERTa and MPNet), oneDNN applies it inside the product:
+    the output is written once instead of twice."""
+    for module in model.modules():
+        act, dense = getattr(module, "intermediate_act_fn", None), getattr(module, "dense", None)
+        if dense is None or getattr(dense, "post_op", None) != "none" or dense.per_token:
+            continue
+        if _is_exact_gelu(act, torch):
+            dense.post_op = "gelu"
+            module.intermediate_act_fn = torch.nn.Identity()
+
+
+def _is_exact_gelu(act: Any, torch: Any) -> bool:
+    """Whether ``act`` computes the erf GELU (transformers' GELUActivation or torch's GELU without tanh)."""
+    if act is None:
+        return False
+    probe = torch.linspace(-6, 6, 121)
+    with torch.no_grad():
+        try:
+            got = act(probe)
+        except Exception:  # noqa: BLE001 - an activation that cannot take a plain tensor is left alone
+            return False
+    return bool(torch.allclose(got, torch.nn.functional.gelu(probe), atol=1e-6))

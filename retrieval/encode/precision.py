@@ -24,10 +24,10 @@ log = logging.getLogger(__name__)
 BF16_MIN_COSINE = 0.999
 # int8 likewise (``retrieval.encode.int8``: it rounds activations to 8 bits, bf16 keeps 8 bits of mantissa).
 INT8_MIN_COSINE = 0.99
-# Whether "auto" weighs int8 at all. Measured (docs/benchmarks/encode.md, results/encode/bench_encode_int8) on an
-# Intel Xeon with native bf16, VNNI and AMX: int8 encodes passages at 0.6x fp32 and 0.3x bf16, so auto would only
-# pay for making and timing the int8 copy (seconds at every start) to drop it. int8 stays opt-in
-# (``--precision int8``) until a CPU is measured where it is the faster one.
+# Whether "auto" weighs int8 at all (where the CPU has int8 dot products). "auto" promises vectors that agree with
+# fp32 to BF16_MIN_COSINE whatever the CPU; int8's agree to 0.993-0.998 (min cosine on MiniLM passages: 8-bit
+# activations on VNNI CPUs, 7-bit without, docs/benchmarks/encode.md), so an index built with "auto" would hold other
+# vectors on one CPU than on another. int8 stays opt-in (``--precision int8``), where it is the faster one.
 INT8_IN_AUTO = False
 
 
