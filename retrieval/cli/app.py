@@ -85,11 +85,17 @@ def main(
         bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
+    # On a terminal, rich's columns; into a file or a pipe (a service's log), one plain line per record: rich
+    # would break a long line (a path) at 80 columns, and a line broken in two cannot be searched for.
+    handler: logging.Handler
+    if err.is_terminal:
+        handler = RichHandler(console=err, show_time=False, show_path=False, markup=False)
+        layout = "%(message)s"
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        layout = "%(levelname)-8s %(message)s"
     logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(message)s",
-        handlers=[RichHandler(console=err, show_time=False, show_path=False, markup=False)],
-        force=True,
+        level=logging.INFO if verbose else logging.WARNING, format=layout, handlers=[handler], force=True
     )
 
 
