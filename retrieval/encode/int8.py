@@ -1,13 +1,13 @@
 """Int8 linear layers: a copy of the model whose encoder ``nn.Linear`` layers multiply int8 by int8 into int32
 (oneDNN's int8 matmul, with VNNI or AMX kernels where the CPU has them), for precision "int8".
 
-Each layer's weight is quantised once, symmetric per output channel; activations are quantised on every call,
-per tensor where a layer's inputs have no outlier tokens and symmetric per token in the feed-forward block's down
-projection, whose inputs do (a batch's padding or one long outlier token cannot coarsen another token's scale).
-On CPUs without VNNI or AMX, activations take 7 bits: oneDNN's product would saturate with 8
-(``onednn_saturates``). Before quantising, SmoothQuant's per-input-channel factors
-``s = max|x|^0.5 / max|w|^0.5`` move the activations' outlier channels (BERT's layer-norm outputs have a few)
-into the weights: ``x W^T = (x / s)(W s)^T``. ``max|x|`` comes from a fixed set of probe texts run through the fp32 model when the copy is made.
+Each layer's weight is quantised once, symmetric per output channel; activations are quantised on every call, per
+tensor where a layer's inputs have no outlier tokens and symmetric per token in the feed-forward block's down
+projection, whose inputs do (a batch's padding or one long outlier token cannot coarsen another token's scale). On
+CPUs without VNNI or AMX, activations take 7 bits: oneDNN's product would saturate with 8 (``onednn_saturates``).
+Before quantising, SmoothQuant's per-input-channel factors ``s = max|x|^0.5 / max|w|^0.5`` move the activations'
+outlier channels (BERT's layer-norm outputs have a few) into the weights: ``x W^T = (x / s)(W s)^T``. ``max|x|``
+comes from a fixed set of probe texts run through the fp32 model when the copy is made.
 
 Measured on all-MiniLM-L6-v2, 200 STS-B sentences and 40 SciFact passages against fp32 (min cosine of mean-pooled
 vectors): torch's ``quantize_dynamic`` 0.900 (per-tensor weights; its x86 kernels quantise activations to 7 bits,
