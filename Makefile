@@ -59,11 +59,10 @@ lint:
 	$(PYTHON) -m ruff format --check retrieval tests scripts docs/hooks
 	$(PYTHON) -m mypy
 
-# XDIST="-n 2 --dist loadfile" runs the tests on two pytest-xdist workers (in the [dev] extra), a test module per
-# worker at a time: a module's fixtures (the local Ray cluster, the served index) are built once, and the Ray
-# tests, all in tests/test_distributed.py, never run beside each other. One process is the default: the timing
-# tests (a reader racing a publishing writer) hold their margins best on otherwise idle cores.
-XDIST ?=
+# The tests run on two pytest-xdist workers (in the [dev] extra), a test module per worker at a time
+# (--dist loadfile): a module's fixtures (the local Ray cluster, the served index) are built once, and the Ray
+# tests, all in tests/test_distributed.py, never run beside each other. XDIST= (empty) runs them in one process.
+XDIST ?= -n 2 --dist loadfile
 test: install-dev lint test-py310 docs
 	$(PYTHON) -m pytest -q $(XDIST)
 
@@ -87,5 +86,5 @@ VENV310 ?= /tmp/retrieval-py310
 test-py310:
 	@if [ -z "$(PY310)" ]; then echo "no python3.10 on this machine: skipping the 3.10 check"; else \
 	  set -e; [ -x $(VENV310)/bin/python ] || $(PY310) -m venv $(VENV310); \
-	  $(VENV310)/bin/pip install -q numpy faiss-cpu pyarrow typer threadpoolctl 'bm25s>=0.3.16,<0.4' 'PyStemmer>=2.2' pytest; \
-	  PYTHONPATH=$(CURDIR) $(VENV310)/bin/python -m pytest -q -p no:cacheprovider; fi
+	  $(VENV310)/bin/pip install -q numpy faiss-cpu pyarrow typer threadpoolctl 'bm25s>=0.3.16,<0.4' 'PyStemmer>=2.2' pytest pytest-xdist; \
+	  PYTHONPATH=$(CURDIR) $(VENV310)/bin/python -m pytest -q -p no:cacheprovider $(XDIST); fi
