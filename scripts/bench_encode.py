@@ -592,6 +592,11 @@ def main() -> None:
     from retrieval.encode.spec import EncoderSpec
 
     default_batch = EncoderSpec().batch_size
+    if args.precision == "int8":
+        from retrieval.encode import int8
+
+        if int8.onednn_available(torch) and int8.onednn_saturates(torch):  # refused by the encoder: say so first
+            raise SystemExit(f"{int8.SATURATES_MESSAGE} (scripts/probe_int8_range.py measures what it would give)")
     torch.set_num_threads(max(args.threads))
     info = benchlib.machine(torch_too=True)
     benchlib.print_machine(info)

@@ -1,10 +1,9 @@
 """Int8 linear layers: a copy of the model whose encoder ``nn.Linear`` layers multiply int8 by int8 into int32
 (oneDNN's int8 matmul, with VNNI or AMX kernels where the CPU has them), for precision "int8".
 
-Each layer's weight is quantised once, symmetric per output channel; activations are quantised on every call, per
-tensor where a layer's inputs have no outlier tokens and symmetric per token in the feed-forward block's down
-projection, whose inputs do (a batch's padding or one long outlier token cannot coarsen another token's scale). On
-CPUs without VNNI or AMX, activations take 7 bits: oneDNN's product would saturate with 8 (``onednn_saturates``).
+Each layer's weight is quantised once, symmetric per output channel; activations are quantised on every call,
+symmetric per token (a batch's padding or one long outlier token cannot coarsen another token's scale), but per
+tensor, once for the three, where a self-attention's query, key and value read the same tensor (``SCHEME``).
 Before quantising, SmoothQuant's per-input-channel factors ``s = max|x|^0.5 / max|w|^0.5`` move the activations'
 outlier channels (BERT's layer-norm outputs have a few) into the weights: ``x W^T = (x / s)(W s)^T``. ``max|x|``
 comes from a fixed set of probe texts run through the fp32 model when the copy is made.
@@ -29,7 +28,12 @@ log = logging.getLogger(__name__)
 
 # SmoothQuant's migration strength: 0 leaves activations as they are, 1 moves all their range into the weights.
 SMOOTHING = 0.5
-PER_TOKEN_SMOOTHING = 0.5
+# SCHEME: which layers quantise their input per tensor (one scale for the batch: cheaper) and which per token.
+# Per tensor only in a self-attention's query, key and value, which read one tensor and so quantise it once for
+# the three. Min cosine against fp32 on 1,000 STS-B test sentences (all-MiniLM-L6-v2, products exact as VNNI and
+# AMX compute them; scripts/probe_int8_range.py, results/encode/int8-range.md): 0.9910; per token everywhere 0.9913;
+# per tensor also in the attention output 0.9902, in the feed-forward up projection 0.9865, in every layer but the
+# down projection 0.9874: short sentences fall below INT8_MIN_COSINE (0.99) or too near it.
 # What the smoothing factors are measured on and the int8 copy is checked against fp32 with: short and long,
 # plain and technical, as queries and passages are.
 PROBE_TEXTS = (
@@ -85,22 +89,26 @@ def onednn_saturates(torch: Any) -> bool:
             x, 1.0, 0, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
         )  # fmt: skip
         _saturates = bool((sums != 64 * 255 * 127).any())
-        if _saturates:
-            log.info("oneDNN's int8 product saturates on this CPU (no VNNI): activations take 7 bits")
     return _saturates
 
 
-def int8_linear_class(torch: Any) -> type:
-    """The int8 linear layer (made here, so importing this module does not import torch).
+# Why precision int8 is refused where oneDNN's product saturates (scripts/probe_int8_range.py, same texts): a range
+# narrowed so that it cannot saturate costs too much, 7-bit activations 0.959 and 7-bit weights 0.978 (8 bits:
+# 0.991); oneDNN's kernel on 7-bit inputs ran at 1.5x an fp32 product on an AVX2 CPU, torch's exact ``_int_mm``
+# at 0.02x. So int8 is offered only where it is both exact and fast.
+SATURATES_MESSAGE = (
+    "precision int8 needs int8 dot-product instructions (VNNI or AMX), which this CPU lacks: its int8 products "
+    "saturate; use precision fp32 or auto"
+)
 
-    Activations take 8 bits (u8, 255 steps) where oneDNN's product is exact, and 7 bits (127 steps, as torch's own
-    x86 quantisation does with ``reduce_range``) where it would saturate (``onednn_saturates``): two products
-    of at most 127 x 127 fit the int16 it adds them in."""
+
+def int8_linear_class(torch: Any) -> type:
+    """The int8 linear layer (made here, so importing this module does not import torch): by oneDNN's product where
+    torch has it, ``torch._int_mm`` where it has not; never where oneDNN's would saturate (``SATURATES_MESSAGE``)."""
     onednn = onednn_available(torch)
-    steps = 127 if onednn and onednn_saturates(torch) else 255  # u8 levels a tensor's range is cut into
-    centre = (steps + 1) // 2  # the zero point of per-token (symmetric) activations: 128, or 64 with 7 bits
-    half = torch.tensor(centre + 0.5)  # and 0.5 so that truncation rounds
-    largest_step = centre - 1  # |x| / scale at most this: 127, or 63
+    if onednn and onednn_saturates(torch):
+        raise RuntimeError(SATURATES_MESSAGE)
+    half = torch.tensor(128.5)  # u8 zero point 128, and 0.5 so that truncation rounds
 
     class Int8Linear(torch.nn.Module):  # type: ignore[misc, name-defined]
         """``linear(x / smooth)`` in int8: weights per output channel, int32 sums, by oneDNN's int8 matmul
@@ -108,10 +116,8 @@ def int8_linear_class(torch: Any) -> type:
 
         Activations are quantised per token (``per_token``: each row its own scale, applied after the product) or
         per tensor (one scale and zero point for the whole batch, the bias added by oneDNN: half the passes over
-        memory). Per tensor suits inputs without outlier tokens; the
-        feed-forward block's down projection, whose inputs carry a few tokens hundreds of times larger than the
-        rest, keeps per token (per tensor there: min cosine 0.983 against fp32 on SciFact passages; elsewhere
-        >= 0.994 each). The ``torch._int_mm`` fallback is per token throughout."""
+        memory; ``shared``: the quantised input kept for the other layers reading it). Which layers take which:
+        ``SCHEME``. The ``torch._int_mm`` fallback is per token throughout."""
 
         def __init__(self, linear: Any, smooth: Any, per_token: bool = True, shared: SharedInput | None = None):
             super().__init__()
@@ -130,7 +136,6 @@ def int8_linear_class(torch: Any) -> type:
             self.in_features, self.out_features = linear.in_features, linear.out_features
             self.per_token = per_token or not onednn
             self.shared = shared
-            self.post_op = "none"  # "gelu": the exact GELU applied by oneDNN to the output (per tensor only)
 
         def forward(self, x: Any) -> Any:
             shape = x.shape
@@ -146,7 +151,7 @@ def int8_linear_class(torch: Any) -> type:
             u8, scale, zero_point = quantised
             return torch.ops.onednn.qlinear_pointwise(
                 u8, scale, zero_point, self.packed, self.weight_scale, self.zero_points, self.bias,
-                1.0, 0, torch.float32, self.post_op, [], "none" if self.post_op == "gelu" else "",
+                1.0, 0, torch.float32, "none", [], "",
             )  # fmt: skip
 
         def _quantise_tensor(self, rows: Any) -> tuple[Any, float, int]:
@@ -155,8 +160,8 @@ def int8_linear_class(torch: Any) -> type:
             scaling, shifting and rounding in one pass, without the smoothed copy."""
             high = max(float((rows.amax(dim=0) * self.inv_smooth).max()), 0.0)
             low = min(float((rows.amin(dim=0) * self.inv_smooth).min()), 0.0)
-            scale = max(high - low, 1e-12) / steps
-            zero_point = math.floor(-low / scale)  # floor, not round: low lands in [0, 1), high below steps + 1
+            scale = max(high - low, 1e-12) / 255
+            zero_point = math.floor(-low / scale)  # floor, not round: low lands in [0, 1), high below 256
             shifted = torch.addcmul(torch.tensor(zero_point + 0.5), rows, self.inv_smooth / scale)
             return shifted.to(torch.uint8), scale, zero_point  # the cast truncates: + 0.5 made it round
 
@@ -164,16 +169,15 @@ def int8_linear_class(torch: Any) -> type:
             rows = (x.float() * self.inv_smooth).reshape(-1, x.shape[-1])
             # max |x| per row from two plain reductions: far cheaper than abs() (a full copy) then amax
             largest = torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)).clamp_(min=1e-12)
-            if onednn:  # unsigned with zero point 128 (64): oneDNN has VNNI kernels for u8 x s8 only (s8 x s8 ran
-                # its reference kernel, ~100x slower, with the ISA capped at AVX512_CORE_VNNI; AMX takes either)
-                scale = (largest / largest_step)[:, None]
-                u8 = torch.addcmul(half, rows, 1 / scale).to(torch.uint8)  # round(x / scale) + centre, >= 1
+            scale = (largest / 127)[:, None]
+            if onednn:  # unsigned with zero point 128: oneDNN has VNNI kernels for u8 x s8 only (s8 x s8 ran its
+                # reference kernel, ~100x slower, with the ISA capped at AVX512_CORE_VNNI; AMX takes either)
+                u8 = torch.addcmul(half, rows, 1 / scale).to(torch.uint8)  # round(x / scale) + 128, in [1, 255]
                 sums = torch.ops.onednn.qlinear_pointwise(
-                    u8, 1.0, centre, self.packed, self.weight_scale, self.zero_points, None,
+                    u8, 1.0, 128, self.packed, self.weight_scale, self.zero_points, None,
                     1.0, 0, torch.float32, "none", [], "",
                 )  # fmt: skip
                 return torch.addcmul(self.bias, sums, scale)
-            scale = (largest / 127)[:, None]
             s8 = torch.round(rows / scale).to(torch.int8)
             sums = torch._int_mm(s8, self.packed).float()
             return torch.addcmul(self.bias, sums, scale * self.weight_scale)
@@ -241,12 +245,13 @@ def observe(model: Any, run: Callable[[], Any], torch: Any) -> Observed:
     return Observed(ranges, shared)
 
 
-def quantise(model: Any, observed: Observed, torch: Any) -> Any:
+def quantise(model: Any, observed: Observed, torch: Any, layer: type | None = None) -> Any:
     """A copy of ``model`` with its transformer linear layers in int8. Each layer's smoothing factors come from its
     input range (``observed``) and its weights' (the largest over a group that shares its input, so the group
-    quantises that input once); a layer that narrows (more inputs than outputs: the feed-forward block's down
-    projection) quantises its input per token, the others per tensor."""
-    layer = int8_linear_class(torch)
+    quantises that input once, per tensor); every other layer quantises its input per token (``SCHEME``).
+    ``layer``: the class each linear layer becomes, called as ``Int8Linear`` is (default
+    ``int8_linear_class``'s; scripts/probe_int8_range.py passes one that emulates other bit widths)."""
+    layer = layer or int8_linear_class(torch)
     quantised = copy.deepcopy(model)
     found = _linears(quantised, torch)
     group_of = {name: group for group in observed.shared for name in group}
@@ -266,35 +271,7 @@ def quantise(model: Any, observed: Observed, torch: Any) -> Any:
                 if full in observed.ranges
                 else torch.ones_like(weight_range)
             )
-            per_token = linear.in_features > linear.out_features
-            alpha = PER_TOKEN_SMOOTHING if per_token else SMOOTHING
-            smooth = (activation_range**alpha / weight_range ** (1 - alpha)).clamp(min=1e-5)
+            per_token = full not in group_of  # per tensor only where a group shares the input (SCHEME)
+            smooth = (activation_range**SMOOTHING / weight_range ** (1 - SMOOTHING)).clamp(min=1e-5)
             setattr(parent, attribute, layer(linear, smooth, per_token, shared.get(id(group_of.get(full)))))
-        _fuse_gelu(quantised, torch)
     return quantised.eval()
-
-
-def _fuse_gelu(model: Any, torch: Any) -> None:
-    """Where a feed-forward block applies the exact GELU to its per-tensor int8 up projection (a ``dense`` layer
-    beside an ``intermediate_act_fn``, as in BERT, RoBERTa and MPNet), oneDNN applies it inside the product:
-    the output is written once instead of twice."""
-    for module in model.modules():
-        act, dense = getattr(module, "intermediate_act_fn", None), getattr(module, "dense", None)
-        if dense is None or getattr(dense, "post_op", None) != "none" or dense.per_token:
-            continue
-        if _is_exact_gelu(act, torch):
-            dense.post_op = "gelu"
-            module.intermediate_act_fn = torch.nn.Identity()
-
-
-def _is_exact_gelu(act: Any, torch: Any) -> bool:
-    """Whether ``act`` computes the erf GELU (transformers' GELUActivation or torch's GELU without tanh)."""
-    if act is None:
-        return False
-    probe = torch.linspace(-6, 6, 121)
-    with torch.no_grad():
-        try:
-            got = act(probe)
-        except Exception:  # noqa: BLE001 - an activation that cannot take a plain tensor is left alone
-            return False
-    return bool(torch.allclose(got, torch.nn.functional.gelu(probe), atol=1e-6))

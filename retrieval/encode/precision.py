@@ -25,9 +25,9 @@ BF16_MIN_COSINE = 0.999
 # int8 likewise (``retrieval.encode.int8``: it rounds activations to 8 bits, bf16 keeps 8 bits of mantissa).
 INT8_MIN_COSINE = 0.99
 # Whether "auto" weighs int8 at all (where the CPU has int8 dot products). "auto" promises vectors that agree with
-# fp32 to BF16_MIN_COSINE whatever the CPU; int8's agree to 0.993-0.998 (min cosine on MiniLM passages: 8-bit
-# activations on VNNI CPUs, 7-bit without, docs/benchmarks/encode.md), so an index built with "auto" would hold other
-# vectors on one CPU than on another. int8 stays opt-in (``--precision int8``), where it is the faster one.
+# fp32 to BF16_MIN_COSINE whatever the CPU; int8's agree to about 0.99 at worst (min cosine on 1,000 MiniLM STS-B
+# sentences, docs/benchmarks/encode.md), so an index built with "auto" would hold other vectors on one CPU than on
+# another. int8 stays opt-in (``--precision int8``), where it is the faster one.
 INT8_IN_AUTO = False
 
 

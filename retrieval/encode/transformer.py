@@ -395,9 +395,12 @@ class TransformerEncoder:
     def _int8_model(self) -> Any:
         """The model with int8 transformer linear layers (``retrieval.encode.int8``: smoothing factors measured on
         its probe texts), made once and checked against the fp32 model on them: min cosine of mean-pooled vectors
-        at least INT8_MIN_COSINE, else precision int8 is refused (``auto`` does not take it)."""
+        at least INT8_MIN_COSINE, else precision int8 is refused (``auto`` does not take it); refused at once where
+        oneDNN's int8 product would saturate (``int8.SATURATES_MESSAGE``)."""
         if self._model_int8 is None:
             torch = self._torch
+            if int8.onednn_available(torch) and int8.onednn_saturates(torch):
+                raise ModelError(int8.SATURATES_MESSAGE)
             probes = [
                 self.tokenizer([text], truncation=True, max_length=self.max_length, return_tensors="pt")
                 for text in int8.PROBE_TEXTS
