@@ -94,7 +94,7 @@ def onednn_saturates(torch: Any) -> bool:
 
 # Why precision int8 is refused where oneDNN's product saturates (scripts/probe_int8_range.py, same texts): a range
 # narrowed so that it cannot saturate costs too much, 7-bit activations 0.959 and 7-bit weights 0.978 (8 bits:
-# 0.991); oneDNN's kernel on 7-bit inputs ran at 1.5x an fp32 product on an AVX2 CPU, torch's exact ``_int_mm``
+# 0.991); oneDNN's kernel on 7-bit inputs ran at 1.85x an fp32 product on an AVX2 CPU, torch's exact ``_int_mm``
 # at 0.02x. So int8 is offered only where it is both exact and fast.
 SATURATES_MESSAGE = (
     "precision int8 needs int8 dot-product instructions (VNNI or AMX), which this CPU lacks: its int8 products "
