@@ -287,7 +287,7 @@ def paths(kind: str, shipped: filtered.Rule, kept: int, n: int, sweep: bool) -> 
     if kind == "flat":
         return out
     if kept <= EXACT_MEASURED and not shipped.exact(kept, n):
-        out.append(("exact", replace(shipped, exact_rows=n)))
+        out.append(("exact", replace(shipped, exact_share=1.0)))
     selector = replace(shipped, exact_rows=0, exact_share=0.0)
     if shipped.exact(kept, n):
         out.append(("selector", selector))

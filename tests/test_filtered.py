@@ -94,7 +94,11 @@ class Spy:
         ("ivf", 20_001, 1_000_000, False),
         ("ivf", 50_000, 10_000_000, False),  # 0.5%: IVF's lists still find them
         ("ivf", 10_000, 10_000_000, True),  # 0.1%: IVF's share switch
-        ("ivf", 400, 4_000, True),  # a small index: every filter up to 20,000 rows is scored exactly
+        ("hnsw", 2_000, 4_000, True),  # a small index: every filter up to 20,000 rows is scored exactly by HNSW
+        ("ivf", 200, 4_000, True),  # and up to 5% of it by IVF, whose lists are cheap to search at that size
+        ("ivf", 201, 4_000, False),
+        ("ivf", 5_000, 100_000, True),
+        ("ivf", 5_001, 100_000, False),
     ],
 )
 def test_the_rule_scores_exactly_at_or_below_the_switch_in_rows_and_in_share(

@@ -92,7 +92,7 @@ def test_hnsw_and_ivf_filtered_recall(built: dict[str, Path], kind: str, path: s
     """Both sides of the switch: the selector search (widened knobs) and exact scoring of the kept rows."""
     searcher = Searcher.load(built[kind], encoder=FakeEncoder())
     rule = filtered.rule_for(searcher.index)
-    searcher.filter_rule = replace(rule, exact_rows=0 if path == "approximate" else N, exact_share=0.0)
+    searcher.filter_rule = replace(rule, exact_rows=0, exact_share=0.0 if path == "approximate" else 1.0)
     queries = [" ".join(np.random.default_rng(i).choice(WORDS, size=3)) for i in range(20)]
     for where in ("year >= 2012", "year >= 2021", "source = 'acl' and year < 2004"):
         mask = searcher.mask(parse(where))
