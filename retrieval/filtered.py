@@ -59,23 +59,23 @@ class Rule:
 
 # Measured at 1M rows with the spectrum of real MiniLM vectors (scripts/bench_hybrid.py filters, one thread;
 # docs/benchmarks/hybrid.md, results/hybrid/filters-1m.json), each p50 against the same index's unfiltered p50:
-# - exact scoring of gathered rows costs ~0.1 us a row: 9,981 rows 1.2 ms, 19,835 rows 2.1 ms, while HNSW's
-#   unfiltered search takes ~1.0 ms and IVF's (1,024 lists, nprobe 32) ~2.35 ms. At 2% kept (19,835 rows) exact
-#   scoring and IVF's selector search cost the same (2.08 against 2.11 ms); HNSW's selector search took 4.6x its
-#   unfiltered time there where exact scoring took 2.0x, and 8.4-8.6x at 1% and below, where exact scoring took
-#   0.4-1.1x: so both kinds switch at 20,000 rows, HNSW also at 1% of any larger index. IVF's unfiltered search
-#   is cheaper on a smaller index (lists of fewer rows): at 100k rows (results/hybrid/filters-100k.json) exact
-#   scoring of 10,194 rows took 1.85x, the selector search 1.2x, and the two met at 5%: IVF's rows switch is
-#   also at most 5% of the index.
-# - HNSW's beam: at 10% kept efSearch 128 reached recall@10 0.946 against exact search over the kept rows; a beam of
-#   2 k / share (200 rows) 0.967 at 1.1-1.2x, 3 k / share 0.979 at 1.6x. Its walk is the unfiltered one (the
+# - exact scoring of gathered rows costs ~0.1 us a row: 9,981 rows 1.2-1.3 ms, 19,835 rows 2.2 ms, while HNSW's
+#   unfiltered search takes ~1.1 ms and IVF's (1,024 lists, nprobe 32) ~2.4 ms. At 2% kept (19,835 rows) exact
+#   scoring and IVF's selector search cost about the same (0.87x against 1.04x); HNSW's selector search took 7.3x
+#   there where exact scoring took 1.85x, and 9.5-12x at 1% and below, where exact scoring took 0.36-1.09x; at 5%
+#   exact scoring took 4.3x (HNSW) and 2.0x (IVF), the selector search 2.1x and 1.2x. So both kinds switch at
+#   20,000 rows, HNSW also at 1% of any larger index. IVF's unfiltered search is cheaper on a smaller index
+#   (lists of fewer rows): at 100k rows (results/hybrid/filters-100k.json) exact scoring of 10,194 rows took
+#   1.85x, the selector search 1.2x, and the two met at 5% (1.15x, 1.27x): IVF's rows switch is also at most 5%.
+# - HNSW's beam: at 10% kept efSearch 128 reached recall@10 0.946 against exact search over the kept rows; a beam
+#   of 2 k / share (200 rows) 0.967 at 1.3x, 3 k / share 0.979 at 1.7x. Its walk is the unfiltered one (the
 #   selector only keeps rows out of the results), so at half the rows kept it needs no widening (0.978, as
 #   unfiltered).
-# - IVF's lists: nprobe x share ** -0.5 kept recall@10 >= 0.975 at every share from 50% to 0.1% (1.5x, 1.3x, 1.0x
-#   at 50%, 10%, 1%), where x 1 / share cost 2.0x, 3.3x, 2.8x, and no widening lost recall (0.94 at 10%, 0.88 at
-#   1%). At 0.1% it probes every list (1.6x): exact scoring is 10x cheaper. ``per_k`` is a floor for indexes
-#   probing few lists of few rows (on these rows it never binds): on 16-d rows without clumps, 64 lists, nprobe 1,
-#   1% kept, share ** -0.5 alone reached recall@10 0.56 (tests/test_hybrid.py).
+# - IVF's lists: nprobe x share ** -0.5 kept recall@10 >= 0.975 at every share from 50% to 0.1% (1.55x, 1.3x,
+#   1.0x at 50%, 10%, 1%), where x 1 / share cost 2.1x, 3.4x, 2.9x, and no widening lost recall (0.94 at 10%,
+#   0.88 at 1%). At 0.1% it probes every list (1.6x): exact scoring is 10x cheaper. ``per_k`` is a floor for
+#   indexes probing few lists of few rows (on these rows it never binds): on 16-d rows without clumps, 64 lists,
+#   nprobe 1, 1% kept, share ** -0.5 alone reached recall@10 0.56 (tests/test_hybrid.py).
 RULES = {
     "hnsw": Rule(exact_rows=20_000, exact_share=0.01, power=0.0, per_k=2.0, cap=16.0),
     "ivf": Rule(exact_rows=20_000, exact_share=0.001, power=0.5, per_k=10.0, cap=1024.0, rows_share=0.05),
