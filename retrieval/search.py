@@ -21,7 +21,7 @@ from retrieval.encode.spec import Encoder
 from retrieval.encode.transformer import from_info
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.files import available_memory, touch_pages
-from retrieval.filtered import search_filtered
+from retrieval.filtered import Kept, Rule, search_filtered, wider_knobs
 from retrieval.filters import Filter, evaluate
 from retrieval.fusion import MODES, FusionSpec, check_mode, fuse
 from retrieval.index import FaissProduct, flat_vectors, list_count, one_query_twin, search_parameters
@@ -35,6 +35,8 @@ from retrieval.whitening import RawTransform, Whitening, l2_normalize
 log = logging.getLogger(__name__)
 
 MAX_K = 10_000  # hits per query: past this a caller wants an export, not a search
+KEPT_FILTERS = 16  # filters whose rows a searcher keeps evaluated (with their bitmaps and gathered vectors)
+KEPT_BYTES = 512 << 20  # what those filters hold together, at most (a 1M-row index's 20,000-row filter: 31 MiB)
 PREFAULT_SHARE = 0.25  # warm-up makes docs and stash resident only when they take at most this share of free memory
 
 
@@ -124,8 +126,9 @@ class Searcher:
         self._scan = FlatScan(flat) if flat is not None else None
         self._one_query = one_query_twin(self.index)  # an IVF index's twin for single queries, on every core
         self._stash_lock = threading.Lock()
-        self._masks: dict[Filter, np.ndarray] = {}  # the last few filters' rows, evaluated once each
-        self._masks_lock = threading.Lock()
+        self._kept: dict[Filter, Kept] = {}  # the last few filters' rows, evaluated once each
+        self._kept_lock = threading.Lock()
+        self.filter_rule: Rule | None = None  # which path a filtered search takes (None: ``filtered.RULES``)
         self._described: dict[str, Any] | None = None  # `describe()`, read and computed once
         # Queries searched by FAISS (HNSW, IVF...) are multiplied by FAISS's BLAS, on the pool it then searches
         # with (``index.FaissProduct``); a flat scan's own products are numpy's, and so are its queries'.
@@ -237,19 +240,25 @@ class Searcher:
 
     def mask(self, where: Filter | None) -> np.ndarray | None:
         """The rows ``where`` keeps (None: every row), evaluated over the index's kept columns."""
-        if where is None:
-            return None
-        with self._masks_lock:
-            cached = self._masks.get(where)
-        if cached is not None:
-            return cached
-        mask = evaluate(where, self.loaded.columns)
-        mask.flags.writeable = False
-        with self._masks_lock:
-            if len(self._masks) >= 16:
-                self._masks.pop(next(iter(self._masks)))
-            self._masks[where] = mask
-        return mask
+        return None if where is None else self.kept(where).mask
+
+    def kept(self, where: Filter) -> Kept:
+        """The rows ``where`` keeps and what searches with it reuse (``filtered.Kept``), evaluated once for each of
+        the last ``KEPT_FILTERS`` filters used, which together hold at most ``KEPT_BYTES`` (the least recently
+        used dropped first; the filter in use is always kept)."""
+        with self._kept_lock:
+            kept = self._kept.pop(where, None)
+            if kept is not None:
+                self._kept[where] = kept  # most recently used last
+        if kept is None:
+            kept = Kept(evaluate(where, self.loaded.columns))
+        with self._kept_lock:
+            self._kept[where] = self._kept.pop(where, kept)  # a filter two threads evaluated at once: one is kept
+            kept = self._kept[where]
+            held = sum(other.nbytes for other in self._kept.values())
+            while len(self._kept) > 1 and (len(self._kept) > KEPT_FILTERS or held > KEPT_BYTES):
+                held -= self._kept.pop(next(iter(self._kept))).nbytes
+        return kept
 
     def search_vectors(self, raw: np.ndarray, params: SearchParams = SearchParams()) -> list[list[Hit]]:
         """Search with raw encoder-space vectors (they get the index's transform)."""
@@ -266,7 +275,8 @@ class Searcher:
         mode = "dense" if params.mode is None and texts is None else self.mode(params)  # vectors alone: dense
         if mode != "dense" and texts is None:
             raise ConfigError(f"a `mode` {mode} search needs the query texts, not only their vectors", "mode")
-        mask = self.mask(params.where)
+        kept = None if params.where is None else self.kept(params.where)
+        mask = None if kept is None else kept.mask
         k = min(params.k, self.index.ntotal)
         lexical = self.loaded.lexical
         if mode == "lexical":
@@ -274,14 +284,14 @@ class Searcher:
             return lexical.search(texts, k, mask)
         assert raw is not None
         if mode == "dense":
-            return self._dense(raw, params, mask)
+            return self._dense(raw, params, kept)
         assert lexical is not None and texts is not None
         fusion = params.fusion or self.manifest.fusing
         depth = max(params.k, fusion.depth)
-        dense = self._dense(raw, replace(params, k=depth), mask)
+        dense = self._dense(raw, replace(params, k=depth), kept)
         return fuse(dense, lexical.search(texts, depth, mask), fusion, k)
 
-    def _dense(self, raw: np.ndarray, params: SearchParams, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    def _dense(self, raw: np.ndarray, params: SearchParams, kept: Kept | None) -> tuple[np.ndarray, np.ndarray]:
         raw = np.atleast_2d(np.asarray(raw, dtype=np.float32))
         if raw.shape[1] != self.transform.dim_in:
             raise ConfigError(f"query vectors have {raw.shape[1]} dims; this index takes {self.transform.dim_in}")
@@ -297,10 +307,10 @@ class Searcher:
         depth = max(params.k, rescore)
         # one query: numpy's product, measured 3% faster than FAISS's at batch 1, where no pools fight
         vectors = self.transform.transform(raw, product=self._query_product if len(raw) > 1 else None)
-        if mask is None:
+        if kept is None:
             scores, rows = self.search_transformed(vectors, depth, params.ef_search, params.nprobe)
         else:
-            scores, rows = self._search_filtered(vectors, depth, params, mask)
+            scores, rows = self._search_filtered(vectors, depth, params, kept)
         if rescore:
             scores, rows = self._rescore(raw, rows, params.k)
         return scores[:, : params.k], rows[:, : params.k]
@@ -330,7 +340,7 @@ class Searcher:
         # Fewer than k found (the probed lists held fewer rows, the beam reached fewer): those queries again, with
         # the knob doubled until they fill or it spans the index; a user asking for k of N >= k documents gets k.
         short = np.flatnonzero((rows < 0).any(axis=1))
-        while len(short) and (wider := _wider(index, ef_search, nprobe)) is not None:
+        while len(short) and (wider := wider_knobs(index, ef_search, nprobe)) is not None:
             ef_search, nprobe = wider
             params = search_parameters(index, ef_search=ef_search, nprobe=nprobe)
             scores[short], rows[short] = index.search(vectors[short], k, params=params)
@@ -338,9 +348,9 @@ class Searcher:
         return scores, rows
 
     def _search_filtered(
-        self, vectors: np.ndarray, k: int, params: SearchParams, mask: np.ndarray
+        self, vectors: np.ndarray, k: int, params: SearchParams, kept: Kept
     ) -> tuple[np.ndarray, np.ndarray]:
-        """``search_transformed`` over only the rows ``mask`` keeps (``filtered.search_filtered``)."""
+        """``search_transformed`` over only the rows ``kept`` holds (``filtered.search_filtered``)."""
         defaults = self.manifest.index.search
         ef_search = defaults.get("ef_search") if params.ef_search is None else params.ef_search
         nprobe = defaults.get("nprobe") if params.nprobe is None else params.nprobe
@@ -353,7 +363,8 @@ class Searcher:
 
         k = min(k, self.index.ntotal)
         flat = self._scan.matrix if self._scan is not None else None
-        return search_filtered(self.index, vectors, k, mask, ef_search, nprobe, vectors_of, flat)
+        index = self._one_query if self._one_query is not None and len(vectors) == 1 else self.index
+        return search_filtered(index, vectors, k, kept, ef_search, nprobe, vectors_of, flat, self.filter_rule)
 
     def stash(self) -> VectorStash:
         """This version's raw-vector stash, its parts memory-mapped (``Loaded.open_stash``)."""
@@ -392,14 +403,6 @@ class Searcher:
                 self._described = report
             return report
         return self._described
-
-
-def _wider(index: Any, ef_search: int | None, nprobe: int | None) -> tuple[int | None, int | None] | None:
-    """The knobs doubled, each up to what spans the index (efSearch N, nprobe every list); None when both do."""
-    lists = list_count(index) or 0
-    wider_ef = None if ef_search is None else min(2 * ef_search, max(ef_search, index.ntotal))
-    wider_nprobe = None if nprobe is None else min(2 * nprobe, max(nprobe, lists))
-    return None if (wider_ef, wider_nprobe) == (ef_search, nprobe) else (wider_ef, wider_nprobe)
 
 
 def rescore(

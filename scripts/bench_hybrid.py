@@ -5,16 +5,19 @@
 queries in each mode (dense, lexical, hybrid with the recorded default) and over a grid of fusions (RRF, convex
 at several dense weights). The default fusion is chosen on SciFact's TRAIN queries (``--choose``), never on test.
 
-``filters``: N synthetic rows (clustered 384-d vectors: real text at 1M rows does not fit this run) with a
-``bucket`` column, so that filters keep 50%, 10%, 1% and 0.1% of the rows; for flat, HNSW and IVF: recall@10 of
-the filtered search against exact search over the kept rows, and p50 latency of single queries, filtered and
-unfiltered, on both sides of the exact-scoring switch (``retrieval.filtered.EXACT_ROWS`` / ``EXACT_SHARE``).
+``filters``: rows with a ``bucket`` column (uniform 0-999), so that filters keep 50%, 10%, 1% and 0.1% of the
+rows: ``--corpus`` (e.g. the million rows ``make_spectrum.py sample`` writes) or N synthetic clustered 384-d rows.
+For flat, HNSW and IVF: recall@10 of the filtered search against exact search over the kept rows, and p50 of
+single queries, each timed right after the same query unfiltered (the ratio is taken under the same load); per
+share, the path the library takes (``retrieval.filtered.RULES``), exact scoring of the kept rows and the selector
+search; ``--sweep``: the selector search at each widening of ``SWEEPS``; ``--switch``: shares around the
+exact-scoring switch; and what a new filter costs its first search.
 
     python scripts/bench_hybrid.py ir --models all-MiniLM-L6-v2 [--models all-mpnet-base-v2]
-    python scripts/bench_hybrid.py filters --rows 100000
+    python scripts/bench_hybrid.py filters --rows 100000 [--sweep] [--switch]
 
 Heavy runs take the benchmark lock (benchlib). Writes results/hybrid/{ir,filters}.{json,md} (``--name N``:
-results/N/).
+results/N/; ``--results R``: the filters part's files are R.json, R.md).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,7 @@ from retrieval.build import BuildOptions, build_index  # noqa: E402
 from retrieval.corpus import CorpusSpec  # noqa: E402
 from retrieval.encode.spec import EncoderSpec  # noqa: E402
 from retrieval.evaluate import evaluate_ir, read_qrels, read_queries  # noqa: E402
-from retrieval.filters import parse  # noqa: E402
+from retrieval.filters import evaluate, parse  # noqa: E402
 from retrieval.fusion import FusionSpec  # noqa: E402
 from retrieval.index import IndexSpec  # noqa: E402
 from retrieval.indexdir import IndexDir  # noqa: E402
@@ -211,27 +214,42 @@ def exact(searcher: Searcher, queries: np.ndarray, mask: np.ndarray, k: int = 10
     return [set(row[row >= 0].tolist()) for row in found]
 
 
-def timed(searcher: Searcher, queries: np.ndarray, params: SearchParams) -> tuple[list[set[int]], float]:
-    found, times = [], []
-    searcher.search_vectors(queries[:1], params)  # warm-up
-    for query in queries:
-        start = time.perf_counter()
-        hits = searcher.search_vectors(query[None], params)[0]
-        times.append(time.perf_counter() - start)
-        found.append({h.row for h in hits})
-    return found, float(np.median(times)) * 1e3
+def recall(found: list[set[int]], want: list[set[int]]) -> float:
+    return float(np.mean([len(f & w) / max(len(w), 1) for f, w in zip(found, want, strict=True)]))
 
 
-# The paths measured at each share: the exact scoring of the kept rows, and FAISS's selector with the index's
-# knob widened by at most (HNSW efSearch, IVF nprobe) this much over 1 / share; the shipped caps are marked.
-PATHS = {
-    "hnsw": [("exact", None), ("selector", 1.0), ("selector", 16.0)],
-    "ivf": [("exact", None), ("selector", 16.0), ("selector", 1024.0)],
-    "flat": [("selector", None)],
-}
+def timed(
+    searcher: Searcher, queries: np.ndarray, params: SearchParams, rounds: int
+) -> tuple[list[set[int]], float, float]:
+    """(rows found per query, p50 ms, unfiltered p50 ms) of single queries, each filtered search timed right
+    after the same query unfiltered, ``rounds`` times over the queries: the ratio of the two p50s is measured
+    under the same load."""
+    unfiltered = replace(params, where=None)
+    searcher.search_vectors(queries[:1], params)  # warm-up (and the filter's rows, evaluated once)
+    searcher.search_vectors(queries[:1], unfiltered)
+    found: list[set[int]] = []
+    times: list[float] = []
+    base: list[float] = []
+    for round_ in range(rounds):
+        for query in queries:
+            start = time.perf_counter()
+            searcher.search_vectors(query[None], unfiltered)
+            base.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            hits = searcher.search_vectors(query[None], params)[0]
+            times.append(time.perf_counter() - start)
+            if round_ == 0:
+                found.append({h.row for h in hits})
+    return found, float(np.median(times)) * 1e3, float(np.median(base)) * 1e3
 
 
 EXACT_MEASURED = 50_000  # exact scoring of more kept rows than this is not timed: a query reads them all
+# The widenings swept: IVF's power of the share (per_k as shipped), HNSW's beam per row asked for (power as shipped)
+SWEEPS = {
+    "ivf": [("power", p) for p in (0.0, 0.25, 0.5, 0.75, 1.0)],
+    "hnsw": [("per_k", c) for c in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)],
+}
+SWITCH_SHARES = (0.002, 0.005, 0.02, 0.05)  # where exact scoring and the selector search are both timed
 
 
 def corpus_of(args: argparse.Namespace) -> CorpusSpec:
@@ -262,32 +280,67 @@ def query_vectors(args: argparse.Namespace, searcher: Searcher, rng: np.random.G
     return queries + 0.3 * rng.normal(size=queries.shape).astype(np.float32), f"{args.queries} rows plus noise"
 
 
-def measure_share(searcher: Searcher, kind: str, queries: np.ndarray, share: float, base: dict[str, Any]) -> list:
-    """Every path's recall@10 and p50 at one share kept."""
+def paths(kind: str, shipped: filtered.Rule, kept: int, n: int, sweep: bool) -> list[tuple[str, filtered.Rule]]:
+    """The paths measured at one share: the library's own choice, exact scoring of the kept rows, the selector
+    search, and (``sweep``) the selector search at each widening of ``SWEEPS``."""
+    out = [("default", shipped)]
+    if kind == "flat":
+        return out
+    if kept <= EXACT_MEASURED and not shipped.exact(kept, n):
+        out.append(("exact", replace(shipped, exact_share=1.0)))
+    selector = replace(shipped, exact_rows=0, exact_share=0.0)
+    if shipped.exact(kept, n):
+        out.append(("selector", selector))
+    if sweep:
+        for field, value in SWEEPS[kind]:
+            out.append((f"selector, {field} {value:g}", replace(selector, **{field: value})))
+    return out
+
+
+def setup_ms(searcher: Searcher, where: Any, queries: np.ndarray, params: SearchParams) -> dict[str, float]:
+    """What a filter costs the first search that uses it: evaluating it over the kept columns, its row numbers
+    and bitmap, and the first search itself (which gathers the kept rows' vectors when it scores them exactly)."""
+    searcher._kept.clear()
+    start = time.perf_counter()
+    mask = evaluate(where, searcher.loaded.columns)
+    evaluated = time.perf_counter()
+    kept = filtered.Kept(mask)
+    kept.selector()
+    made = time.perf_counter()
+    searcher._kept.clear()
+    start_search = time.perf_counter()
+    searcher.search_vectors(queries[:1], params)
+    first = time.perf_counter() - start_search
+    return {
+        "evaluate ms": (evaluated - start) * 1e3,
+        "rows + bitmap ms": (made - evaluated) * 1e3,
+        "first search ms": first * 1e3,
+    }
+
+
+def measure_share(
+    args: argparse.Namespace, searcher: Searcher, kind: str, queries: np.ndarray, share: float, sweep: bool
+) -> list[dict[str, Any]]:
+    """Every path's recall@10 and p50 (and the unfiltered p50 timed beside it) at one share kept."""
     where = parse(f"bucket < {round(1000 * share)}")
     mask = searcher.mask(where)
     kept, n = int(mask.sum()), len(mask)
     want = exact(searcher, queries, mask)
+    params = SearchParams(k=10, mode="dense", where=where)
     rows = []
-    saved = filtered.EXACT_ROWS, filtered.EXACT_SHARE, filtered.EF_WIDEN_CAP, filtered.NPROBE_WIDEN_CAP
-    default = "exact" if kind != "flat" and filtered.exact_below(kept, n) else "selector"
-    for path, cap in PATHS[kind]:
-        if path == "exact" and kept > EXACT_MEASURED:
-            continue
-        filtered.EXACT_ROWS, filtered.EXACT_SHARE = (0, 0.0) if path == "selector" else (n, 1.0)
-        if cap is not None:
-            filtered.EF_WIDEN_CAP = filtered.NPROBE_WIDEN_CAP = cap
+    for label, rule in paths(kind, filtered.rule_for(searcher.index), kept, n, sweep):
+        searcher.filter_rule = rule
         try:
-            found, p50 = timed(searcher, queries, SearchParams(k=10, mode="dense", where=where))
+            found, p50, base = timed(searcher, queries, params, args.rounds)
+            setup = setup_ms(searcher, where, queries, params) if label == "default" else {}
         finally:
-            filtered.EXACT_ROWS, filtered.EXACT_SHARE, filtered.EF_WIDEN_CAP, filtered.NPROBE_WIDEN_CAP = saved
-        shipped = cap is None or cap == (saved[2] if kind == "hnsw" else saved[3])
-        recall = float(np.mean([len(f & w) / max(len(w), 1) for f, w in zip(found, want, strict=True)]))
-        label = path if cap is None else f"selector, widen <= {cap:g}x"
+            searcher.filter_rule = None
+        taken = "exact" if kind != "flat" and rule.exact(kept, n) else "selector"
         rows.append(
-            base
-            | {"kept": share, "rows kept": kept, "path": label, "default path": path == default and shipped}
-            | {"recall@10": recall, "p50 ms": p50, "p50 / unfiltered": p50 / base["unfiltered p50 ms"]}
+            {"kind": kind, "kept": share, "rows kept": kept, "path": label, "takes": taken}
+            | {"recall@10": recall(found, want), "p50 ms": p50, "unfiltered p50 ms": base}
+            | {"p50 / unfiltered": p50 / base}
+            | setup
         )
         print(rows[-1], flush=True)
     return rows
@@ -298,8 +351,7 @@ def run_filters(args: argparse.Namespace) -> None:
         for kind in args.kinds:
             build_filters(args, kind)
         return
-    if not args.untimed:
-        benchlib.hold_bench_lock()
+    benchlib.hold_bench_lock()
     out = benchlib.out_dir(args.name)
     info = benchlib.machine()
     benchlib.print_machine(info)
@@ -307,35 +359,34 @@ def run_filters(args: argparse.Namespace) -> None:
     for kind in args.kinds:
         searcher = Searcher.load(build_filters(args, kind))
         queries, described = query_vectors(args, searcher, np.random.default_rng(1))
-        found, unfiltered_ms = timed(searcher, queries, SearchParams(k=10, mode="dense"))
-        want = exact(searcher, queries, np.ones(searcher.index.ntotal, dtype=bool))
-        recall = float(np.mean([len(f & w) / max(len(w), 1) for f, w in zip(found, want, strict=True)]))
-        base = {"kind": kind, "unfiltered p50 ms": unfiltered_ms}
-        rows.append(base | {"kept": 1.0, "rows kept": searcher.index.ntotal, "path": "no filter"})
-        rows[-1] |= {"default path": True, "recall@10": recall, "p50 ms": unfiltered_ms, "p50 / unfiltered": 1.0}
-        for share in SHARES:
-            rows += measure_share(searcher, kind, queries, share, base)
-    name = "filters" if list(args.kinds) == list(KINDS) else f"filters-{'-'.join(args.kinds)}"
-    if args.untimed:  # recall alone: times taken without the benchmark lock are not kept
-        name += "-recall"
-        for row in rows:
-            for key in ("p50 ms", "unfiltered p50 ms", "p50 / unfiltered"):
-                row.pop(key, None)
+        everything = np.ones(searcher.index.ntotal, dtype=bool)
+        found, p50, _ = timed(searcher, queries, SearchParams(k=10, mode="dense"), args.rounds)
+        rows.append({"kind": kind, "kept": 1.0, "rows kept": searcher.index.ntotal, "path": "no filter"})
+        rows[-1] |= {"recall@10": recall(found, exact(searcher, queries, everything)), "p50 ms": p50}
+        rows[-1] |= {"unfiltered p50 ms": p50, "p50 / unfiltered": 1.0}
+        for share in sorted(SHARES + (SWITCH_SHARES if args.switch else ()), reverse=True):
+            rows += measure_share(args, searcher, kind, queries, share, args.sweep and share in SHARES)
+    name = args.results or ("filters" if list(args.kinds) == list(KINDS) else f"filters-{'-'.join(args.kinds)}")
     n = rows[0]["rows kept"]
     what = f"rows of {args.corpus.name}" if args.corpus else "synthetic 384-d rows"
-    record = {"machine": info, "rows": n, "corpus": what, "queries": described, "results": rows}
-    record |= {"exact_rows": filtered.EXACT_ROWS, "exact_share": filtered.EXACT_SHARE}
+    rules = {kind: asdict(rule) for kind, rule in filtered.RULES.items()}
+    record = {"machine": info, "rows": n, "corpus": what, "queries": described, "rounds": args.rounds}
+    record |= {"rules": rules, "results": rows}
     benchlib.write_json(out / f"{name}.json", record)
-    columns = [(k, k) for k in ("kind", "kept", "rows kept", "path", "default path", "recall@10", "p50 ms")]
-    if not args.untimed:
-        columns += [("unfiltered p50 ms", "unfiltered p50 ms"), ("p50 / unfiltered", "p50 / unfiltered")]
+    keys = ("kind", "kept", "rows kept", "path", "takes", "recall@10", "p50 ms", "unfiltered p50 ms")
+    columns = [(k, k) for k in (*keys, "p50 / unfiltered")]
+    setup = [(k, k) for k in ("kind", "kept", "rows kept", "takes", "evaluate ms", "rows + bitmap ms")]
+    setup.append(("first search ms", "first search ms"))
     text = [
         f"# Filtered search: {n:,} {what}, {described}, single queries\n",
-        f"Switch to exact scoring at <= {filtered.EXACT_ROWS:,} rows or <= {filtered.EXACT_SHARE:.0%} kept.\n",
+        f"Rules: {rules}. Each p50 over {args.rounds} rounds of the queries, the unfiltered search timed beside"
+        " the filtered one.\n",
         benchlib.md_table(rows, columns),
+        "\n## What a new filter costs its first search\n",
+        benchlib.md_table([r for r in rows if "evaluate ms" in r], setup),
         "\n" + benchlib.machine_md(info),
     ]
-    (out / f"{name}.md").write_text("\n".join(text) + "\n")
+    benchlib.write_md(out / f"{name}.md", "\n".join(text))
     print("\n".join(text))
 
 
@@ -354,7 +405,10 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=WORK, help="filters: where the indexes are built")
     parser.add_argument("--ef-construction", type=int, default=IndexSpec().ef_construction, help="filters: HNSW")
     parser.add_argument("--build-only", action="store_true", help="filters: build the indexes, time nothing")
-    parser.add_argument("--untimed", action="store_true", help="filters: recall only, without the lock")
+    parser.add_argument("--rounds", type=int, default=3, help="filters: timed passes over the queries")
+    parser.add_argument("--sweep", action="store_true", help="filters: the selector search at every widening")
+    parser.add_argument("--switch", action="store_true", help="filters: shares around the exact-scoring switch")
+    parser.add_argument("--results", help="filters: the results files' name (default filters[-KINDS])")
     parser.add_argument("--resume", action="store_true", help="filters: finish builds from their stashed parts")
     parser.add_argument("--nlist", type=int, help="filters: IVF lists (default: the library's)")
     parser.add_argument("--train-size", type=int, help="filters: IVF training rows (default: the library's)")

@@ -3,6 +3,7 @@ over the kept rows, HNSW / IVF filtered recall against it, and lexical and hybri
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -87,14 +88,11 @@ def test_flat_filtered_search_equals_exact_search_over_the_kept_rows(built: dict
 
 @pytest.mark.parametrize("kind", ["hnsw", "ivf"])
 @pytest.mark.parametrize("path", ["approximate", "exact"])
-def test_hnsw_and_ivf_filtered_recall(built: dict[str, Path], kind: str, path: str, monkeypatch) -> None:
+def test_hnsw_and_ivf_filtered_recall(built: dict[str, Path], kind: str, path: str) -> None:
     """Both sides of the switch: the selector search (widened knobs) and exact scoring of the kept rows."""
-    if path == "approximate":
-        monkeypatch.setattr(filtered, "EXACT_ROWS", 0)
-        monkeypatch.setattr(filtered, "EXACT_SHARE", 0.0)
-    else:
-        monkeypatch.setattr(filtered, "EXACT_ROWS", N)
     searcher = Searcher.load(built[kind], encoder=FakeEncoder())
+    rule = filtered.rule_for(searcher.index)
+    searcher.filter_rule = replace(rule, exact_rows=0, exact_share=0.0 if path == "approximate" else 1.0)
     queries = [" ".join(np.random.default_rng(i).choice(WORDS, size=3)) for i in range(20)]
     for where in ("year >= 2012", "year >= 2021", "source = 'acl' and year < 2004"):
         mask = searcher.mask(parse(where))
@@ -203,10 +201,10 @@ def test_tune_fusion_chooses_on_dev_and_apply_records_it(built: dict[str, Path],
         update.set_fusion(tmp_path / "idx", FusionSpec("convex", weight=2.0))
 
 
-def test_ivf_selector_search_probes_lists_in_proportion_to_the_rows_kept(tmp_path: Path, monkeypatch) -> None:
-    """A filter keeping 1% of an IVF index's rows, searched through the selector: nprobe widened by 1 / share
-    (up to every list), so recall@10 against exact search over the kept rows is that of the unfiltered search,
-    not the 16x cap's (1 of 64 lists probed, widened to 16: most kept rows never looked at)."""
+def test_ivf_selector_search_probes_lists_holding_enough_kept_rows(tmp_path: Path) -> None:
+    """A filter keeping 1% of an IVF index's rows without clumps, searched through the selector from nprobe 1:
+    share ** -0.5 alone would probe 10 of the 64 lists (recall@10 0.56 against exact search over the kept rows);
+    the lists must also hold 10 k kept rows in expectation, which here is every list."""
     rng = np.random.default_rng(0)
     n, d = 6400, 16
     vectors = rng.normal(size=(n, d))  # no clumps: the kept rows nearest a query lie in lists far apart
@@ -221,9 +219,8 @@ def test_ivf_selector_search_probes_lists_in_proportion_to_the_rows_kept(tmp_pat
     corpus = CorpusSpec(tmp_path / "v.parquet", vectors_column="vector", columns=("bucket",))
     spec = IndexSpec(kind="ivf", nlist=64, nprobe=1, codes="fp32")
     build_index(corpus, None, tmp_path / "ivf", TransformSpec.raw(), spec, options=BuildOptions(lexical=None))
-    monkeypatch.setattr(filtered, "EXACT_ROWS", 0)  # the selector path, whatever the share
-    monkeypatch.setattr(filtered, "EXACT_SHARE", 0.0)
     searcher = Searcher.load(tmp_path / "ivf")
+    searcher.filter_rule = replace(filtered.RULES["ivf"], exact_rows=0, exact_share=0.0)  # the selector path
     where = parse("bucket < 1")
     mask = searcher.mask(where)
     assert mask.sum() == n // 100
