@@ -110,9 +110,12 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
 
 def _codes(spec: IndexSpec, k: int) -> str:
     """What the index keeps of each vector: ``fp16 (256 bytes a vector)``, ``binary (16 bytes a vector, itq
-    rotation, Hamming distance)``."""
+    rotation, Hamming distance, top 400 re-ranked asymmetrically)``."""
     line = f"{spec.code} ({spec.bytes_per_vector(k):g} bytes a vector"
-    return line + (f", {spec.rotation_used} rotation, Hamming distance)" if spec.binary else ")")
+    if not spec.binary:
+        return line + ")"
+    rerank = f", top {spec.rerank_used} re-ranked asymmetrically" if spec.rerank_used else ""
+    return line + f", {spec.rotation_used} rotation, Hamming distance{rerank})"
 
 
 def lists_line(faiss_info: dict[str, Any]) -> str:

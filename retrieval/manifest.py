@@ -23,8 +23,11 @@ from retrieval.whitening import RawTransform, TransformSpec, Whitening
 # dense-only index of the kind's default codes.
 # 4: the transform record names the output dimension `dim` (2 and 3 called it `k`, the number of hits everywhere
 # else); an older manifest's `k` reads as `dim`, and its next version is written in schema 4.
-SCHEMA_VERSION = 4
-READ_SCHEMAS = (2, 3, SCHEMA_VERSION)
+# 5: the index spec records `rerank`, the Hamming candidates a binary index re-ranks asymmetrically by default;
+# an older binary index (thresholds at zero, searched by Hamming distance) reads as `rerank` 0 and is served as
+# it was measured; a `refit --rerank N` turns it on.
+SCHEMA_VERSION = 5
+READ_SCHEMAS = (2, 3, 4, SCHEMA_VERSION)
 # Candidates re-scored at full dimension by default when an index is reduced (k < d) and kept its stash: the
 # smallest depth that kept every IR dev task of both models at >= 99.9% of raw nDCG@10 at d/3 (worst 99.93%; 30
 # gave 99.77%) for +0.8 ms p50 at 1M rows (docs/defaults.md; scripts/choose_defaults.py).
@@ -139,10 +142,13 @@ class IndexRecord:
         return asdict(self) | {"spec": self.spec.to_dict(), "calibration": calibration}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> IndexRecord:
+    def from_dict(cls, data: dict[str, Any], schema: int = SCHEMA_VERSION) -> IndexRecord:
         calibration = data.get("calibration")
+        spec = IndexSpec.from_dict(data["spec"])
+        if schema < 5 and spec.binary and spec.rerank is None:  # built before the asymmetric re-rank existed
+            spec = replace(spec, rerank=0)
         return cls(
-            IndexSpec.from_dict(data["spec"]),
+            spec,
             data["factory"],
             int(data["ntotal"]),
             dict(data.get("search", {})),
@@ -312,7 +318,7 @@ class Manifest:
         return cls(
             encoder=EncoderInfo.from_dict(data["encoder"]),
             transform=TransformRecord.from_dict(data["transform"]),
-            index=IndexRecord.from_dict(data["index"]),
+            index=IndexRecord.from_dict(data["index"], int(data["schema_version"])),
             corpus=_corpus_record(data),
             stash=StashRecord(**stash) if stash else None,
             rescore=RescoreRecord.from_dict(rescore) if rescore else None,

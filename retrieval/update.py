@@ -107,6 +107,8 @@ def index_spec(directory: Path, **changes: Any) -> IndexSpec:
         given["codes"] = None  # a factory string names its own codes: the kept ones do not carry over
     if given.get("codes", "binary") != "binary" and "rotation" not in given:
         given["rotation"] = None  # a binary index's rotation does not carry over to other codes
+    if given.get("codes", "binary") != "binary" and "rerank" not in given:
+        given["rerank"] = None  # nor its re-rank depth
     spec = dataclasses.replace(kept, **given)
     spec.check_given({key: value for key, value in changes.items() if key != "kind"})
     return spec
