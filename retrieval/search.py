@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 MAX_K = 10_000  # hits per query: past this a caller wants an export, not a search
 KEPT_FILTERS = 16  # filters whose rows a searcher keeps evaluated (with their bitmaps and gathered vectors)
 KEPT_BYTES = 512 << 20  # what those filters hold together, at most (a 1M-row index's 20,000-row filter: 31 MiB)
+STASH_READS = ("map", "pread")
 PREFAULT_SHARE = 0.25  # warm-up makes docs and stash resident only when they take at most this share of free memory
 
 
@@ -122,7 +123,10 @@ class Hit:
 class Searcher:
     """A loaded index directory. ``Searcher.load(dir).search("query", SearchParams(k=5))`` -> list of Hit."""
 
-    def __init__(self, loaded: Loaded, encoder: Encoder | None):
+    def __init__(self, loaded: Loaded, encoder: Encoder | None, stash_reads: str = "map"):
+        if stash_reads not in STASH_READS:
+            raise ConfigError(f"`stash_reads` must be one of {', '.join(STASH_READS)} (got {stash_reads!r})")
+        self.stash_reads = stash_reads  # how re-scoring reads the stash's rows (``VectorStash.read_rows``)
         self.loaded = loaded
         self.directory = loaded.directory.path
         self.manifest = loaded.manifest
@@ -145,14 +149,21 @@ class Searcher:
 
     @classmethod
     def load(
-        cls, directory: Path | str, encoder: Encoder | None = None, verify: Verify | bool = "full", batch_size: int = 32
+        cls,
+        directory: Path | str,
+        encoder: Encoder | None = None,
+        verify: Verify | bool = "full",
+        batch_size: int = 32,
+        stash_reads: str = "map",
     ) -> Searcher:
         """Open one whole version of an index directory, check its files, and prepare its encoder.
 
         ``verify``: "full" checks every file's sha256, "quick" sizes and sampled hashes (what a one-shot CLI
         search does), "none" nothing. Pass ``encoder`` to reuse one already loaded (it must match the index's
         model, pooling and max length); leave it None to load the one the manifest names. Indexes of
-        precomputed vectors need no encoder.
+        precomputed vectors need no encoder. ``stash_reads``: "map" reads re-scored rows through memory maps (the
+        pages stay resident: fastest once warm), "pread" by ``os.pread`` (the process holds only what it
+        allocates: a large stash stays in the page cache, not in this process's resident set).
         """
         level: Verify = ("full" if verify else "none") if isinstance(verify, bool) else verify
         loaded = load(directory, level)
@@ -161,7 +172,7 @@ class Searcher:
             info.check_query(encoder.info())
         elif info.kind == "transformers":
             encoder = from_info(info, batch_size=batch_size)
-        return cls(loaded, encoder)
+        return cls(loaded, encoder, stash_reads)
 
     def warm_up(self, prefault: bool = True) -> int:
         """Settle all lazy state now rather than on a user's first request: the encoder's precision and
@@ -180,7 +191,7 @@ class Searcher:
         parts = []
         if self.manifest.stash is not None:  # the memory maps (opened at load when this index re-scores)
             parts = list(self.stash().iter_parts(self.manifest.transform.pooling))
-        rescored = parts if self.manifest.rescoring.depth > 0 else []
+        rescored = parts if self.manifest.rescoring.depth > 0 and self.stash_reads == "map" else []
         touched = 0
         if prefault:
             size = self.docs.nbytes + sum(part.nbytes for part in rescored)
@@ -393,7 +404,8 @@ class Searcher:
     def _rescore(self, raw: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         scorer = self.loaded.rescorer or RawTransform(self.transform.dim_in)
         pooling = self.manifest.transform.pooling
-        return rescore(self.stash(), scorer, raw, rows, k, pooling, product=self._rescore_product)
+        pread = self.stash_reads == "pread"
+        return rescore(self.stash(), scorer, raw, rows, k, pooling, product=self._rescore_product, pread=pread)
 
     def hits(self, scores: np.ndarray, rows: np.ndarray) -> list[list[Hit]]:
         out = []
@@ -430,15 +442,16 @@ def rescore(
     k: int,
     pooling: str | None = None,
     product: FaissProduct | None = None,
+    pread: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Re-rank each query's candidate ``rows`` by ``scorer`` (the full-dimension scorer: raw cosine unless the
     index records a full-rank transform) of their stashed vectors; (scores, rows) of the best ``k``. Every
-    query's candidates are read in one pass over the stash; a query's -1 rows (fewer candidates than asked)
-    score -inf and stay last."""
+    query's candidates are read in one pass over the stash (``pread``: by ``os.pread``, not its maps); a query's
+    -1 rows (fewer candidates than asked) score -inf and stay last."""
     queries = scorer.transform(raw, product=product)
     found = rows >= 0
     scores = np.full(rows.shape, -np.inf, dtype=np.float32)
-    vectors = scorer.transform(stash.read_rows(rows[found], pooling), product=product)
+    vectors = scorer.transform(stash.read_rows(rows[found], pooling, pread=pread), product=product)
     scores[found] = np.einsum("ij,ij->i", vectors, np.repeat(queries, found.sum(axis=1), axis=0))
     order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
