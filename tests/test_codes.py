@@ -499,3 +499,32 @@ def test_cli_searches_binary_codes_with_a_rerank_depth(tiny_bert: Path, corpus: 
     result = runner.invoke(app, ["refit", str(out), "--rerank", "0"])
     assert result.exit_code == 0, result.output
     assert IndexDir(out).manifest().index.spec.rerank == 0
+
+
+def test_the_service_takes_rerank_and_reads_the_stash_by_pread(built: tuple[Path, dict[tuple[str, str], Path]]) -> None:
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from retrieval.serve.app import create_app
+    from retrieval.serve.service import ServeOptions, Service
+
+    directory = built[1]["ivf", "binary"]
+    options = ServeOptions(watch_interval=0, stash_reads="pread")
+    service = Service(directory, options, encoder=FakeEncoder())
+    searcher = Searcher.load(directory, encoder=FakeEncoder())
+    with TestClient(create_app(service)) as client:
+        deadline = time.monotonic() + 20
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert service.searcher().stash_reads == "pread"
+        for rerank in (0, 50):
+            expected = [h.id for h in searcher.search(QUERIES[4], SearchParams(k=5, rerank=rerank))]
+            got = client.get("/search", params={"q": QUERIES[4], "k": 5, "rerank": rerank}).json()
+            assert [h["id"] for h in got["results"][0]["hits"]] == expected
+            posted = client.post("/search", json={"query": QUERIES[4], "k": 5, "rerank": rerank}).json()
+            assert [h["id"] for h in posted["results"][0]["hits"]] == expected
+        refused = client.get("/search", params={"q": QUERIES[4], "rerank": -1})
+        assert refused.status_code == 422 and "rerank" in refused.text
+    with pytest.raises(ConfigError, match="stash_reads"):
+        ServeOptions(stash_reads="mapped").check()
