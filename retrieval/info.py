@@ -14,7 +14,7 @@ import numpy as np
 from retrieval.errors import ConfigError, render
 from retrieval.index import IndexSpec
 from retrieval.indexdir import IndexDir, Verify
-from retrieval.manifest import IndexRecord, Manifest, RescoreRecord
+from retrieval.manifest import IndexRecord, Manifest, RescoreRecord, depth_key
 from retrieval.moments import RunningMoments
 from retrieval.whitening import RawTransform, Whitening, kernel_drift
 
@@ -135,7 +135,7 @@ def _rescoring(manifest: Manifest) -> str:
         if manifest.stash is None:
             return "off by default (no stash)"
         if not RescoreRecord.default(
-            manifest.transform, manifest.stash, manifest.index.factory, manifest.index.spec.code
+            manifest.transform, manifest.stash, manifest.index.factory, depth_key(manifest.index.spec)
         ).depth:
             return "off by default (the index keeps every dimension)"
         # a depth of 0 recorded for an index that loses information: chosen, or written by an older version

@@ -64,7 +64,8 @@ def test_every_code_on_every_kind_builds_loads_and_searches(
     manifest = IndexDir(directory).manifest()
     assert manifest.index.spec.codes == code and manifest.n == N
     assert manifest.index.metric == ("hamming" if code == "binary" else "inner_product")
-    assert manifest.rescoring.depth == RESCORE_DEPTHS.get(code, 0)  # 16 -> 16 dims: only the codes lose
+    # 16 -> 16 dims: only the codes lose; binary codes are re-ranked asymmetrically by default
+    assert manifest.rescoring.depth == RESCORE_DEPTHS.get("binary-asym" if code == "binary" else code, 0)
     searcher = Searcher.load(directory, encoder=FakeEncoder())
     assert manifest.index.factory.startswith("B") == (code == "binary") == isinstance(searcher.index, BinaryIndex)
     raw = FakeEncoder().encode(QUERIES)
@@ -331,7 +332,7 @@ def test_calibrate_measures_and_publishes_a_knob_of_binary_codes(
     shutil.copytree(built[1][kind, "binary"], directory)
     raw = FakeEncoder().encode([f"a question about {i}" for i in range(60)])
     calibration, manifest = calibrate_index(directory, raw, target=0.9, apply=True)
-    assert calibration.knob == knob and calibration.rescore == RESCORE_DEPTHS["binary"] and calibration.reached
+    assert calibration.knob == knob and calibration.rescore == RESCORE_DEPTHS["binary-asym"] and calibration.reached
     assert manifest.index.search[knob] == calibration.value and manifest.index.spec.codes == "binary"
     searcher = Searcher.load(directory, encoder=FakeEncoder())
     assert isinstance(searcher.index, BinaryIndex) and len(searcher.search(QUERIES[2])) == 10
@@ -452,7 +453,8 @@ def test_the_rerank_depth_is_recorded_round_trips_and_is_searched(corpus: Path, 
         searcher.search_raw(raw, SearchParams(rerank=-1))
     # refit keeps the depth, or takes a new one
     assert refit(out, transform_spec(out), spec_of(out)).index.spec.rerank == 64
-    assert refit(out, transform_spec(out), spec_of(out, rerank=0)).index.spec.rerank == 0
+    refitted = refit(out, transform_spec(out), spec_of(out, rerank=0))
+    assert refitted.index.spec.rerank == 0 and refitted.rescoring.depth == RESCORE_DEPTHS["binary"]  # Hamming: deeper
     assert spec_of(out, codes="sq8").rerank is None  # not carried over to other codes
 
 
@@ -462,11 +464,13 @@ def test_a_version_4_manifest_of_binary_codes_is_served_by_hamming_distance(corp
     data = json.loads((out / MANIFEST).read_text())
     assert data["schema_version"] == SCHEMA_VERSION == 5 and data["index"]["spec"]["rerank"] is None
     del data["index"]["spec"]["rerank"]
+    data["rescore"]["depth"] = 400  # what a build before the asymmetric re-rank recorded
     data |= {"schema_version": 4}
     data["checksum"] = checksum(data)
     (out / MANIFEST).write_text(json.dumps(data))
     manifest = IndexDir(out).manifest()
     assert manifest.schema_version == 4 and manifest.index.spec.rerank == 0  # as it was built and measured
+    assert manifest.rescoring.depth == RESCORE_DEPTHS["binary"]  # the depth measured for Hamming candidates
     searcher = Searcher.load(out, encoder=FakeEncoder())
     assert isinstance(searcher.index, BinaryIndex) and searcher.index.rerank == 0
     raw = FakeEncoder().encode(QUERIES[:4])
