@@ -38,7 +38,7 @@ RESCORE_DEPTH = 50
 # test, 100.1% on the dev basket (docs/benchmarks/codes.md; scripts/bench_codes.py).
 # Binary codes whose Hamming candidates are re-ranked asymmetrically first (``binary-asym``, the default rerank
 # of 400): 100 met the same rule (recall@10 0.998 of raw search's top 10 on NPL, 0.979-0.993 elsewhere), and kept
-# 99.98-100.5% of raw nDCG@10 on SciFact and every dev set; at 1M rows it re-scores a quarter of the rows.
+# 99.98-101.2% of raw nDCG@10 on SciFact and every dev set; at 1M rows it re-scores a quarter of the rows.
 RESCORE_DEPTHS = {"sq8": 20, "sq4": 50, "binary": 400, "binary-asym": 100}
 
 
