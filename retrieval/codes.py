@@ -5,8 +5,14 @@ A sign bit ignores the scale of its direction, so the sign bits of whitened (PCA
 first directions carry most of the variance, yet every bit counts the same in Hamming distance. A rotation after the
 kernel spreads the variance over all bits (ITQ, Gong & Lazebnik 2011). Measured on CISI with all-MiniLM-L6-v2 at 48
 bytes: sign bits of whitened coordinates kept 0.58 of raw nDCG@10, after a random rotation 0.97, after ITQ 0.99
-(``scripts/bench_codes.py`` compares the two rotations on every IR set). The centre and the rotation are learned
-when the index is trained and saved with its codes, so queries get the same bits as the documents.
+(``scripts/bench_codes.py`` compares the two rotations on every IR set). The centre, the rotation and each bit's
+threshold (its median over the training rows) are learned when the index is trained and saved with its codes, so
+queries get the same bits as the documents.
+
+Hamming distance throws away the query's magnitudes too. Re-ranking a deeper list of Hamming candidates by the
+query's rotated floats against the documents' +-1 bits (``asymmetric``, read from the codes FAISS holds) gained
+2-4 points of nDCG@10 over Hamming distance at 48 bytes (docs/benchmarks/codes.md); ``rerank`` candidates are
+re-ranked so by default.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ ROTATIONS = ("itq", "random")
 ITQ_ITERATIONS = 50  # as FAISS's ITQMatrix; the probe in the notes saw no gain past it
 ROTATION_SEED = 1234
 MAGIC = b"PK"  # a binary index file is an .npz archive; a FAISS float index file never starts so
+# +-1 for each of a byte's 8 bits, in np.packbits' order (the first dimension in the highest bit)
+SIGNS = (np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32) * 2 - 1).T.copy()
+QUERY_CHUNK = 64  # queries whose byte tables are made at once in an asymmetric re-rank (64 x 48 x 256 floats)
 
 
 def binary_factory(kind: str, m: int, nlist: int) -> str:
@@ -35,14 +44,28 @@ class BinaryIndex:
     """Sign-bit codes of centred, rotated vectors in a FAISS binary index.
 
     ``search`` returns scores, not Hamming distances: ``cos(pi h / bits)``, the angle a Hamming distance ``h``
-    estimates (Charikar's SimHash), so higher is better as for the inner-product indexes; the stash re-scores the
-    candidates by default (``RescoreRecord``)."""
+    estimates (Charikar's SimHash), so higher is better as for the inner-product indexes; or, when ``rerank``
+    (the attribute, or the call's) exceeds k, the cosine between the query's rotated floats and the +-1 bits of
+    that many Hamming candidates (``asymmetric``). The stash re-scores the candidates by default
+    (``RescoreRecord``)."""
 
-    def __init__(self, binary: Any, rotation: str, centre: np.ndarray | None = None, matrix: np.ndarray | None = None):
+    def __init__(
+        self,
+        binary: Any,
+        rotation: str,
+        centre: np.ndarray | None = None,
+        matrix: np.ndarray | None = None,
+        thresholds: np.ndarray | None = None,
+        rerank: int = 0,
+    ):
         self.binary = binary
         self.rotation = rotation
         self.centre = centre  # (d,) float32, learned by train
         self.matrix = matrix  # (d, d) float32 orthogonal, learned (ITQ) or drawn (random) by train
+        # (d,) float32: each rotated coordinate's median over the training rows (zeros in files written before)
+        self.thresholds = thresholds
+        self.rerank = rerank  # Hamming candidates re-ranked asymmetrically by default (0: Hamming only)
+        self._lists: tuple[Any, ...] | None = None  # an IVF index's codes by row (``codes_of``), made on first use
 
     @classmethod
     def create(cls, factory: str, dim: int, rotation: str, ef_construction: int | None = None) -> BinaryIndex:
@@ -70,32 +93,129 @@ class BinaryIndex:
     def code_size(self) -> int:
         return int(self.binary.code_size)
 
-    def codes(self, vectors: np.ndarray) -> np.ndarray:
-        """The packed sign bits of ``vectors`` (n, d) -> (n, d / 8) uint8."""
+    def rotated(self, vectors: np.ndarray) -> np.ndarray:
+        """``vectors`` (n, d) centred, rotated and shifted by the bits' thresholds: a bit is set where this is > 0."""
         assert self.matrix is not None and self.centre is not None, "a binary index is trained before use"
         rotated = (np.asarray(vectors, dtype=np.float32) - self.centre) @ self.matrix
-        return np.packbits(rotated > 0, axis=1)
+        return rotated if self.thresholds is None else rotated - self.thresholds
+
+    def codes(self, vectors: np.ndarray) -> np.ndarray:
+        """The packed sign bits of ``vectors`` (n, d) -> (n, d / 8) uint8."""
+        return np.packbits(self.rotated(vectors) > 0, axis=1)
 
     def train(self, sample: np.ndarray) -> None:
-        """Learn the centre and rotation on ``sample`` (transformed rows), then the binary index's own lists."""
+        """Learn the centre, rotation and thresholds on ``sample`` (transformed rows), then the binary index's own
+        lists."""
         sample = np.asarray(sample, dtype=np.float32)
         if self.matrix is None:
             self.centre = sample.mean(axis=0).astype(np.float32)
             self.matrix = fit_rotation(sample - self.centre, self.rotation)
+            # a bit set for half the rows carries the most; the mean splits a skewed coordinate unevenly
+            self.thresholds = np.median((sample - self.centre) @ self.matrix, axis=0).astype(np.float32)
         if not self.binary.is_trained:
             self.binary.train(self.codes(sample))
 
     def add(self, vectors: np.ndarray) -> None:
+        self._lists = None
         self.binary.add(self.codes(vectors))
 
-    def search(self, vectors: np.ndarray, k: int, params: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        distances, rows = self.binary.search(self.codes(vectors), k, params=params)
-        scores = np.cos(np.pi * distances.astype(np.float32) / self.d).astype(np.float32)
-        scores[rows < 0] = -np.inf
-        return scores, rows
+    def merge_from(self, shard: BinaryIndex) -> None:
+        """Append ``shard``'s rows (an IVF copy of this trained index), numbered after this index's own."""
+        self._lists = None
+        self.binary.merge_from(shard.binary, self.ntotal)
+
+    def search(
+        self, vectors: np.ndarray, k: int, params: Any = None, rerank: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, rows) of the best ``k``: by Hamming distance (``rerank`` 0), or by ``asymmetric`` among the best
+        ``max(k, rerank)`` by Hamming distance (``rerank`` None: this index's)."""
+        depth = self.rerank if rerank is None else rerank
+        wide = max(k, min(depth, self.ntotal)) if depth else k
+        distances, rows = self.binary.search(self.codes(vectors), wide, params=params)
+        if not depth:
+            scores = np.cos(np.pi * distances.astype(np.float32) / self.d).astype(np.float32)
+            scores[rows < 0] = -np.inf
+            return scores, rows
+        scores = self.asymmetric(vectors, rows)
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
+
+    def asymmetric(self, vectors: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """(n, m) scores of each query's candidate ``rows`` (n, m; -1: none, scored -inf): the cosine between the
+        query's ``rotated`` floats r and a row's +-1 bits b, ``r . b / (|r| sqrt(d))``.
+
+        Each query's r is cut into bytes' worth of 8 coordinates and a table made of each byte value's partial
+        sum (d/8 x 256 floats), so a candidate costs d/8 lookups rather than unpacking its bits."""
+        rotated = self.rotated(np.atleast_2d(vectors))
+        n, m = rows.shape
+        size = self.code_size
+        found = rows >= 0
+        codes = np.zeros((n, m, size), dtype=np.uint8)
+        codes[found] = self.codes_of(rows[found])
+        norms = np.linalg.norm(rotated, axis=1) * np.sqrt(self.d)
+        norms[norms == 0] = 1.0  # a query on every threshold: every score 0, not NaN
+        scores = np.empty((n, m), dtype=np.float32)
+        byte = np.arange(size)
+        for start in range(0, n, QUERY_CHUNK):
+            chunk = rotated[start : start + QUERY_CHUNK].reshape(-1, size, 8)
+            tables = chunk @ SIGNS  # (queries, d/8, 256): the partial sum of each byte value
+            picked = tables[
+                np.arange(len(chunk))[:, None, None], byte[None, None, :], codes[start : start + len(chunk)]
+            ]
+            scores[start : start + len(chunk)] = picked.sum(axis=2) / norms[start : start + len(chunk), None]
+        scores[~found] = -np.inf
+        return scores
+
+    def codes_of(self, rows: np.ndarray) -> np.ndarray:
+        """The packed codes FAISS holds for ``rows`` (m,) -> (m, d / 8) uint8, read in place: a flat index's code
+        array, an HNSW graph's flat storage, or an IVF index's lists (through a map of each row's list and place,
+        made once: 8 bytes a row)."""
+        import faiss
+
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(rows):
+            return np.zeros((0, self.code_size), dtype=np.uint8)
+        top = self.binary
+        if isinstance(top, faiss.IndexBinaryIVF):
+            return self._ivf_codes(rows)
+        flat: Any = faiss.downcast_IndexBinary(top.storage) if isinstance(top, faiss.IndexBinaryHNSW) else top
+        assert isinstance(flat, faiss.IndexBinaryFlat), f"no codes to read in {type(flat).__name__}"
+        stored = getattr(flat, "xb")  # noqa: B009 - the stubs lack IndexBinaryFlat's code array
+        array = faiss.rev_swig_ptr(stored.data(), flat.ntotal * flat.code_size).reshape(flat.ntotal, -1)
+        return array[rows]
+
+    def _ivf_codes(self, rows: np.ndarray) -> np.ndarray:
+        import faiss
+
+        if self._lists is None:
+            lists = self.binary.invlists
+            sizes = np.array([lists.list_size(i) for i in range(self.binary.nlist)], dtype=np.int64)
+            ids = [
+                faiss.rev_swig_ptr(lists.get_ids(i), int(n)) if n else np.zeros(0, np.int64)
+                for i, n in enumerate(sizes)
+            ]
+            codes = [
+                faiss.rev_swig_ptr(lists.get_codes(i), int(n) * self.code_size).reshape(int(n), -1)
+                if n
+                else np.zeros((0, self.code_size), np.uint8)
+                for i, n in enumerate(sizes)
+            ]
+            where = np.empty(self.ntotal, dtype=np.int64)  # a row's list << 32 | its place in the list
+            for number, held in enumerate(ids):
+                where[held] = (number << 32) | np.arange(len(held), dtype=np.int64)
+            self._lists = (where, codes)
+        where, codes = self._lists
+        place = where[rows]
+        number, offset = place >> 32, place & 0xFFFFFFFF
+        out = np.empty((len(rows), self.code_size), dtype=np.uint8)
+        for list_no in np.unique(number):
+            hit = number == list_no
+            out[hit] = codes[list_no][offset[hit]]
+        return out
 
     def reset(self) -> None:
-        """Drop the rows; the centre, rotation and any IVF lists stay trained."""
+        """Drop the rows; the centre, rotation, thresholds and any IVF lists stay trained."""
+        self._lists = None
         self.binary.reset()
 
     # ----- save and load --------------------------------------------------------------------------------------
@@ -109,6 +229,7 @@ class BinaryIndex:
             binary=faiss.serialize_index_binary(self.binary),
             centre=self.centre,
             matrix=self.matrix,
+            thresholds=np.zeros(self.d, np.float32) if self.thresholds is None else self.thresholds,
             rotation=np.array(self.rotation),
         )
         return buffer.getvalue()
@@ -124,12 +245,19 @@ class BinaryIndex:
             with np.load(io.BytesIO(data), allow_pickle=False) as saved:
                 binary = faiss.deserialize_index_binary(np.ascontiguousarray(saved["binary"]))
                 rotation, centre, matrix = str(saved["rotation"]), saved["centre"], saved["matrix"]
+                thresholds = saved["thresholds"] if "thresholds" in saved else None  # older files: zero
         except (OSError, ValueError, KeyError, RuntimeError, zipfile.BadZipFile) as err:
             raise IndexDirError(f"cannot read binary index {name}: it is corrupt; rebuild with --overwrite") from err
         d = int(binary.d)
-        if rotation not in ROTATIONS or centre.shape != (d,) or matrix.shape != (d, d):
+        if (
+            rotation not in ROTATIONS
+            or centre.shape != (d,)
+            or matrix.shape != (d, d)
+            or (thresholds is not None and thresholds.shape != (d,))
+        ):
             raise IndexDirError(f"binary index {name} does not hold a {d}-bit rotation; rebuild with --overwrite")
-        return cls(binary, rotation, centre.astype(np.float32), matrix.astype(np.float32))
+        shift = None if thresholds is None else thresholds.astype(np.float32)
+        return cls(binary, rotation, centre.astype(np.float32), matrix.astype(np.float32), shift)
 
     @classmethod
     def load(cls, path: Path) -> BinaryIndex:

@@ -27,6 +27,9 @@ CODES = ("fp32", "fp16", "sq8", "sq4", "binary")
 # What each code is called in FAISS's index_factory after "HNSW32_" (or alone, for flat) and after "IVF1024,"
 _SQ = {"fp32": "Flat", "fp16": "SQfp16", "sq8": "SQ8", "sq4": "SQ4"}
 DEFAULT_ROTATION = "itq"
+# Hamming candidates a binary index re-ranks by the query's floats against the codes' +-1 bits by default
+# (codes.BinaryIndex.asymmetric); chosen in docs/benchmarks/codes.md (scripts/bench_codes.py)
+RERANK_DEPTH = 400
 REFINE_K_FACTOR = 16  # a Refine(...) step re-ranks 16 k candidates of the compressed index exactly
 MAX_KNOB = 1 << 24  # no count-like knob (lists, beam widths, training rows) is sensible beyond this
 ADD_CHUNK_BYTES = 1 << 25  # a flat index read for adding comes from its file 32 MiB at a time
@@ -64,6 +67,12 @@ class IndexSpec:
     rotation: str | None = option(
         None, f"Binary codes: the rotation after the kernel, {', '.join(ROTATIONS)}.", default_help="itq"
     )
+    rerank: int | None = option(
+        None,
+        "Binary codes: re-rank this many Hamming candidates by the query's floats against the codes' +-1 bits "
+        "(asymmetric, from the codes in the index); 0: Hamming distance only.",
+        default_help=str(RERANK_DEPTH),
+    )
 
     @property
     def code(self) -> str | None:
@@ -78,6 +87,11 @@ class IndexSpec:
     @property
     def binary(self) -> bool:
         return self.code == "binary"
+
+    @property
+    def rerank_used(self) -> int:
+        """Hamming candidates re-ranked asymmetrically (``rerank``, else ``RERANK_DEPTH``); 0 for other codes."""
+        return (RERANK_DEPTH if self.rerank is None else self.rerank) if self.binary else 0
 
     @property
     def rotation_used(self) -> str | None:
@@ -107,7 +121,7 @@ class IndexSpec:
         names its own M and list count, so only the search-time and build-time beams and nprobe apply)."""
         named = {"flat": set(), "hnsw": {"m", "ef_construction", "ef_search"}, "ivf": {"nlist", "nprobe", "train_size"}}
         if self.kind in named:
-            return named[self.kind] | {"codes"} | ({"rotation", "train_size"} if self.binary else set())
+            return named[self.kind] | {"codes"} | ({"rotation", "rerank", "train_size"} if self.binary else set())
         return (
             ({"ef_construction", "ef_search"} if "HNSW" in self.kind else set())
             | ({"nprobe"} if "IVF" in self.kind else set())
@@ -142,6 +156,8 @@ class IndexSpec:
         for name, value in knobs.items():
             if value is not None and not 1 <= value <= MAX_KNOB:
                 raise ConfigError(f"`{name}` must be between 1 and {MAX_KNOB:,} (got {value})", name)
+        if self.rerank is not None and not 0 <= self.rerank <= MAX_KNOB:
+            raise ConfigError(f"`rerank` must be between 0 and {MAX_KNOB:,} (got {self.rerank})", "rerank")
 
     def _check_codes(self) -> None:
         if self.codes is not None and self.codes not in CODES:
@@ -156,6 +172,8 @@ class IndexSpec:
             raise ConfigError(f"unknown `rotation` {self.rotation!r}; choose one of {', '.join(ROTATIONS)}", "rotation")
         if self.rotation is not None and not self.binary:
             raise ConfigError("`rotation` applies only to `codes` binary; drop it, or use binary codes", "rotation")
+        if self.rerank is not None and not self.binary:
+            raise ConfigError("`rerank` applies only to `codes` binary; drop it, or use binary codes", "rerank")
 
     def check_dim(self, dim: int) -> None:
         """Refuse codes that cannot hold ``dim``-dimensional vectors (binary codes pack 8 dimensions a byte)."""
@@ -186,7 +204,9 @@ def create_index(spec: IndexSpec, dim: int, n: int) -> Any:
     if spec.binary:
         spec.check_dim(dim)
         assert spec.rotation_used is not None
-        return BinaryIndex.create(factory, dim, spec.rotation_used, spec.ef_construction)
+        binary = BinaryIndex.create(factory, dim, spec.rotation_used, spec.ef_construction)
+        binary.rerank = spec.rerank_used
+        return binary
     try:
         index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as err:
@@ -541,7 +561,7 @@ def mergeable(index: Any) -> bool:
 def merge(into: Any, shard: Any) -> None:
     """Append ``shard``'s rows to ``into`` (both IVF copies of one trained index), numbered after its own."""
     if isinstance(into, BinaryIndex):
-        into.binary.merge_from(shard.binary, into.ntotal)
+        into.merge_from(shard)
     else:
         into.merge_from(shard, into.ntotal)
 

@@ -138,11 +138,16 @@ class IndexDir:
             return load_transform(self.path / RESCORE)
         return RawTransform(manifest.transform.d)
 
-    def faiss_index(self, mmap: bool = False) -> Any:
-        """The FAISS index; ``mmap``: read-only, its flat storage mapped from the file (``index.load_index``)."""
+    def faiss_index(self, mmap: bool = False, manifest: Manifest | None = None) -> Any:
+        """The FAISS index; ``mmap``: read-only, its flat storage mapped from the file (``index.load_index``).
+        Binary codes get the asymmetric re-rank depth ``manifest`` (None: this directory's) records."""
+        from retrieval.codes import BinaryIndex
         from retrieval.index import load_index  # FAISS only where the index itself is read
 
-        return load_index(self.path / INDEX, mmap)
+        index = load_index(self.path / INDEX, mmap)
+        if isinstance(index, BinaryIndex):
+            index.rerank = (manifest or self.manifest()).index.spec.rerank_used
+        return index
 
     def faiss_index_for_adding(self, rows: int) -> Any:
         """The FAISS index, in memory, with room for ``rows`` more where its kind allows (``index.load_for_adding``)."""
@@ -316,7 +321,9 @@ def _load_once(directory: IndexDir, verify: Verify) -> Loaded:
     quick += [COLUMNS] if manifest.columns else []
     directory.verify(manifest, verify, quick if verify != "full" else None)
     transform = directory.transform()
-    index = directory.faiss_index(mmap=True)  # a reader's: never added to, mapped (a 1.5 GB flat index loads at once)
+    index = directory.faiss_index(
+        mmap=True, manifest=manifest
+    )  # a reader's: never added to, mapped (a 1.5 GB flat index loads at once)
     docs = directory.docs()
     t = manifest.transform
     agree = (

@@ -14,7 +14,7 @@ import numpy as np
 from retrieval.errors import ConfigError, render
 from retrieval.index import IndexSpec
 from retrieval.indexdir import IndexDir, Verify
-from retrieval.manifest import IndexRecord, Manifest, RescoreRecord
+from retrieval.manifest import IndexRecord, Manifest, RescoreRecord, depth_key
 from retrieval.moments import RunningMoments
 from retrieval.whitening import RawTransform, Whitening, kernel_drift
 
@@ -110,9 +110,12 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
 
 def _codes(spec: IndexSpec, k: int) -> str:
     """What the index keeps of each vector: ``fp16 (256 bytes a vector)``, ``binary (16 bytes a vector, itq
-    rotation, Hamming distance)``."""
+    rotation, Hamming distance, top 400 re-ranked asymmetrically)``."""
     line = f"{spec.code} ({spec.bytes_per_vector(k):g} bytes a vector"
-    return line + (f", {spec.rotation_used} rotation, Hamming distance)" if spec.binary else ")")
+    if not spec.binary:
+        return line + ")"
+    rerank = f", top {spec.rerank_used} re-ranked asymmetrically" if spec.rerank_used else ""
+    return line + f", {spec.rotation_used} rotation, Hamming distance{rerank})"
 
 
 def lists_line(faiss_info: dict[str, Any]) -> str:
@@ -132,7 +135,7 @@ def _rescoring(manifest: Manifest) -> str:
         if manifest.stash is None:
             return "off by default (no stash)"
         if not RescoreRecord.default(
-            manifest.transform, manifest.stash, manifest.index.factory, manifest.index.spec.code
+            manifest.transform, manifest.stash, manifest.index.factory, depth_key(manifest.index.spec)
         ).depth:
             return "off by default (the index keeps every dimension)"
         # a depth of 0 recorded for an index that loses information: chosen, or written by an older version

@@ -23,8 +23,11 @@ from retrieval.whitening import RawTransform, TransformSpec, Whitening
 # dense-only index of the kind's default codes.
 # 4: the transform record names the output dimension `dim` (2 and 3 called it `k`, the number of hits everywhere
 # else); an older manifest's `k` reads as `dim`, and its next version is written in schema 4.
-SCHEMA_VERSION = 4
-READ_SCHEMAS = (2, 3, SCHEMA_VERSION)
+# 5: the index spec records `rerank`, the Hamming candidates a binary index re-ranks asymmetrically by default;
+# an older binary index (thresholds at zero, searched by Hamming distance) reads as `rerank` 0 and is served as
+# it was measured; a `refit --rerank N` turns it on.
+SCHEMA_VERSION = 5
+READ_SCHEMAS = (2, 3, 4, SCHEMA_VERSION)
 # Candidates re-scored at full dimension by default when an index is reduced (k < d) and kept its stash: the
 # smallest depth that kept every IR dev task of both models at >= 99.9% of raw nDCG@10 at d/3 (worst 99.93%; 30
 # gave 99.77%) for +0.8 ms p50 at 1M rows (docs/defaults.md; scripts/choose_defaults.py).
@@ -33,7 +36,15 @@ RESCORE_DEPTH = 50
 # as 32-bit floats of the same dimensions do (within 0.005 of recall@10, the IR dev basket, MiniLM; scalar codes
 # at d/3 to d, binary at d). Binary at 384 dims, re-scored from the int8 stash: 100.2% of raw nDCG@10 on SciFact
 # test, 100.1% on the dev basket (docs/benchmarks/codes.md; scripts/bench_codes.py).
-RESCORE_DEPTHS = {"sq8": 20, "sq4": 50, "binary": 400}
+# Binary codes whose Hamming candidates are re-ranked asymmetrically first (``binary-asym``, the default rerank
+# of 400): 100 met the same rule (recall@10 0.998 of raw search's top 10 on NPL, 0.979-0.993 elsewhere), and kept
+# 99.98-101.2% of raw nDCG@10 on SciFact and every dev set; at 1M rows it re-scores a quarter of the rows.
+RESCORE_DEPTHS = {"sq8": 20, "sq4": 50, "binary": 400, "binary-asym": 100}
+
+
+def depth_key(spec: IndexSpec) -> str | None:
+    """The key of ``RESCORE_DEPTHS`` an index spec's default re-scoring depth is measured under."""
+    return "binary-asym" if spec.binary and spec.rerank_used else spec.code
 
 
 # ----- the manifest's sections -------------------------------------------------------------------------------
@@ -139,10 +150,13 @@ class IndexRecord:
         return asdict(self) | {"spec": self.spec.to_dict(), "calibration": calibration}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> IndexRecord:
+    def from_dict(cls, data: dict[str, Any], schema: int = SCHEMA_VERSION) -> IndexRecord:
         calibration = data.get("calibration")
+        spec = IndexSpec.from_dict(data["spec"])
+        if schema < 5 and spec.binary and spec.rerank is None:  # built before the asymmetric re-rank existed
+            spec = replace(spec, rerank=0)
         return cls(
-            IndexSpec.from_dict(data["spec"]),
+            spec,
             data["factory"],
             int(data["ntotal"]),
             dict(data.get("search", {})),
@@ -282,7 +296,7 @@ class Manifest:
     def rescoring(self) -> RescoreRecord:
         """How this index re-scores by default (the recorded choice, else the default rule)."""
         return self.rescore or RescoreRecord.default(
-            self.transform, self.stash, self.index.factory, self.index.spec.code
+            self.transform, self.stash, self.index.factory, depth_key(self.index.spec)
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -312,7 +326,7 @@ class Manifest:
         return cls(
             encoder=EncoderInfo.from_dict(data["encoder"]),
             transform=TransformRecord.from_dict(data["transform"]),
-            index=IndexRecord.from_dict(data["index"]),
+            index=IndexRecord.from_dict(data["index"], int(data["schema_version"])),
             corpus=_corpus_record(data),
             stash=StashRecord(**stash) if stash else None,
             rescore=RescoreRecord.from_dict(rescore) if rescore else None,

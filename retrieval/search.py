@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from retrieval.codes import BinaryIndex
 from retrieval.encode.spec import Encoder
 from retrieval.encode.transformer import from_info
 from retrieval.errors import ConfigError, IndexDirError
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 MAX_K = 10_000  # hits per query: past this a caller wants an export, not a search
 KEPT_FILTERS = 16  # filters whose rows a searcher keeps evaluated (with their bitmaps and gathered vectors)
 KEPT_BYTES = 512 << 20  # what those filters hold together, at most (a 1M-row index's 20,000-row filter: 31 MiB)
+STASH_READS = ("map", "pread")
 PREFAULT_SHARE = 0.25  # warm-up makes docs and stash resident only when they take at most this share of free memory
 
 
@@ -46,7 +48,8 @@ class SearchParams:
     ``k``) at full dimension, from the raw vectors kept in the stash; 0: off; None: the index's default, which is
     ``RESCORE_DEPTH`` when the index kept its stash and is reduced (k < d, or lossy FAISS codes), else off
     (``Manifest.rescoring``).
-    ``ef_search`` / ``nprobe``: HNSW / IVF knobs for this call (None: the index's defaults).
+    ``ef_search`` / ``nprobe``: HNSW / IVF knobs for this call (None: the index's defaults). ``rerank``: binary
+    codes' Hamming candidates re-ranked asymmetrically before any re-scoring (None: the index's ``rerank``).
     ``mode``: dense, lexical or hybrid (None: hybrid where the index has a lexical part, else dense); ``fusion``:
     how hybrid fuses (None: the index's recorded choice); ``where``: a metadata filter (``retrieval.filters``),
     applied inside the search."""
@@ -57,6 +60,12 @@ class SearchParams:
     nprobe: int | None = None
     mode: str | None = option(
         None, f"{', '.join(MODES)}.", default_help="hybrid where the index has a lexical part, else dense"
+    )
+    rerank: int | None = option(
+        None,
+        "Binary codes: re-rank this many Hamming candidates by the query's floats against the codes' +-1 bits, "
+        "before any re-scoring from the stash; 0: Hamming distance only.",
+        default_help="the index's",
     )
     fusion: FusionSpec | None = None  # the command line's --fusion and --fusion-weight: FusionSpec's fields
     where: Filter | None = option(
@@ -71,8 +80,8 @@ class SearchParams:
             check_mode(self.mode)
         if self.fusion is not None:
             self.fusion.check()
-        for name, value, low in (("k", self.k, 1), ("rescore", self.rescore, 0)):
-            if name == "rescore" and value is None:
+        for name, value, low in (("k", self.k, 1), ("rescore", self.rescore, 0), ("rerank", self.rerank, 0)):
+            if name != "k" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_K:
                 raise ConfigError(f"`{name}` must be an integer between {low} and {MAX_K:,} (got {value!r})", name)
@@ -114,7 +123,10 @@ class Hit:
 class Searcher:
     """A loaded index directory. ``Searcher.load(dir).search("query", SearchParams(k=5))`` -> list of Hit."""
 
-    def __init__(self, loaded: Loaded, encoder: Encoder | None):
+    def __init__(self, loaded: Loaded, encoder: Encoder | None, stash_reads: str = "map"):
+        if stash_reads not in STASH_READS:
+            raise ConfigError(f"`stash_reads` must be one of {', '.join(STASH_READS)} (got {stash_reads!r})")
+        self.stash_reads = stash_reads  # how re-scoring reads the stash's rows (``VectorStash.read_rows``)
         self.loaded = loaded
         self.directory = loaded.directory.path
         self.manifest = loaded.manifest
@@ -137,14 +149,21 @@ class Searcher:
 
     @classmethod
     def load(
-        cls, directory: Path | str, encoder: Encoder | None = None, verify: Verify | bool = "full", batch_size: int = 32
+        cls,
+        directory: Path | str,
+        encoder: Encoder | None = None,
+        verify: Verify | bool = "full",
+        batch_size: int = 32,
+        stash_reads: str = "map",
     ) -> Searcher:
         """Open one whole version of an index directory, check its files, and prepare its encoder.
 
         ``verify``: "full" checks every file's sha256, "quick" sizes and sampled hashes (what a one-shot CLI
         search does), "none" nothing. Pass ``encoder`` to reuse one already loaded (it must match the index's
         model, pooling and max length); leave it None to load the one the manifest names. Indexes of
-        precomputed vectors need no encoder.
+        precomputed vectors need no encoder. ``stash_reads``: "map" reads re-scored rows through memory maps (the
+        pages stay resident: fastest once warm), "pread" by ``os.pread`` (the process holds only what it
+        allocates: a large stash stays in the page cache, not in this process's resident set).
         """
         level: Verify = ("full" if verify else "none") if isinstance(verify, bool) else verify
         loaded = load(directory, level)
@@ -153,7 +172,7 @@ class Searcher:
             info.check_query(encoder.info())
         elif info.kind == "transformers":
             encoder = from_info(info, batch_size=batch_size)
-        return cls(loaded, encoder)
+        return cls(loaded, encoder, stash_reads)
 
     def warm_up(self, prefault: bool = True) -> int:
         """Settle all lazy state now rather than on a user's first request: the encoder's precision and
@@ -172,7 +191,7 @@ class Searcher:
         parts = []
         if self.manifest.stash is not None:  # the memory maps (opened at load when this index re-scores)
             parts = list(self.stash().iter_parts(self.manifest.transform.pooling))
-        rescored = parts if self.manifest.rescoring.depth > 0 else []
+        rescored = parts if self.manifest.rescoring.depth > 0 and self.stash_reads == "map" else []
         touched = 0
         if prefault:
             size = self.docs.nbytes + sum(part.nbytes for part in rescored)
@@ -308,7 +327,7 @@ class Searcher:
         # one query: numpy's product, measured 3% faster than FAISS's at batch 1, where no pools fight
         vectors = self.transform.transform(raw, product=self._query_product if len(raw) > 1 else None)
         if kept is None:
-            scores, rows = self.search_transformed(vectors, depth, params.ef_search, params.nprobe)
+            scores, rows = self.search_transformed(vectors, depth, params.ef_search, params.nprobe, params.rerank)
         else:
             scores, rows = self._search_filtered(vectors, depth, params, kept)
         if rescore:
@@ -320,10 +339,16 @@ class Searcher:
         return self.manifest.rescoring.depth if params.rescore is None else params.rescore
 
     def search_transformed(
-        self, vectors: np.ndarray, k: int = 10, ef_search: int | None = None, nprobe: int | None = None
+        self,
+        vectors: np.ndarray,
+        k: int = 10,
+        ef_search: int | None = None,
+        nprobe: int | None = None,
+        rerank: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(scores, rows) for query vectors already in the index's space. Knobs left unset take the index's
-        defaults; they apply to this call only (FAISS search parameters), so concurrent callers never race."""
+        defaults; they apply to this call only (FAISS search parameters; a binary index's ``rerank``), so
+        concurrent callers never race."""
         k = min(k, self.index.ntotal)
         if self._scan is not None:
             return self._scan.search(vectors, k)
@@ -336,14 +361,17 @@ class Searcher:
             # every list: a build has at least one row per list, but `remove` can leave fewer rows than lists
             nprobe = None if nprobe is None else max(nprobe, k, list_count(index) or 0)
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-        scores, rows = index.search(vectors, k, params=search_parameters(index, ef_search=ef_search, nprobe=nprobe))
+        searched: Any = index  # a FAISS index, or a binary one that also takes this call's ``rerank``
+        extra = {"rerank": rerank} if rerank is not None and isinstance(index, BinaryIndex) else {}
+        params = search_parameters(index, ef_search=ef_search, nprobe=nprobe)
+        scores, rows = searched.search(vectors, k, params=params, **extra)
         # Fewer than k found (the probed lists held fewer rows, the beam reached fewer): those queries again, with
         # the knob doubled until they fill or it spans the index; a user asking for k of N >= k documents gets k.
         short = np.flatnonzero((rows < 0).any(axis=1))
         while len(short) and (wider := wider_knobs(index, ef_search, nprobe)) is not None:
             ef_search, nprobe = wider
             params = search_parameters(index, ef_search=ef_search, nprobe=nprobe)
-            scores[short], rows[short] = index.search(vectors[short], k, params=params)
+            scores[short], rows[short] = searched.search(vectors[short], k, params=params, **extra)
             short = short[(rows[short] < 0).any(axis=1)]
         return scores, rows
 
@@ -376,7 +404,8 @@ class Searcher:
     def _rescore(self, raw: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         scorer = self.loaded.rescorer or RawTransform(self.transform.dim_in)
         pooling = self.manifest.transform.pooling
-        return rescore(self.stash(), scorer, raw, rows, k, pooling, product=self._rescore_product)
+        pread = self.stash_reads == "pread"
+        return rescore(self.stash(), scorer, raw, rows, k, pooling, product=self._rescore_product, pread=pread)
 
     def hits(self, scores: np.ndarray, rows: np.ndarray) -> list[list[Hit]]:
         out = []
@@ -413,15 +442,16 @@ def rescore(
     k: int,
     pooling: str | None = None,
     product: FaissProduct | None = None,
+    pread: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Re-rank each query's candidate ``rows`` by ``scorer`` (the full-dimension scorer: raw cosine unless the
     index records a full-rank transform) of their stashed vectors; (scores, rows) of the best ``k``. Every
-    query's candidates are read in one pass over the stash; a query's -1 rows (fewer candidates than asked)
-    score -inf and stay last."""
+    query's candidates are read in one pass over the stash (``pread``: by ``os.pread``, not its maps); a query's
+    -1 rows (fewer candidates than asked) score -inf and stay last."""
     queries = scorer.transform(raw, product=product)
     found = rows >= 0
     scores = np.full(rows.shape, -np.inf, dtype=np.float32)
-    vectors = scorer.transform(stash.read_rows(rows[found], pooling), product=product)
+    vectors = scorer.transform(stash.read_rows(rows[found], pooling, pread=pread), product=product)
     scores[found] = np.einsum("ij,ij->i", vectors, np.repeat(queries, found.sum(axis=1), axis=0))
     order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)

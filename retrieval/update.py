@@ -56,7 +56,7 @@ from retrieval.indexdir import (
 )
 from retrieval.ingest import Ingest
 from retrieval.lexical import Analyzer, TermStats, take_rows
-from retrieval.manifest import Calibration, CorpusRecord, Manifest, RescoreRecord, StashRecord, now
+from retrieval.manifest import Calibration, CorpusRecord, Manifest, RescoreRecord, StashRecord, depth_key, now
 from retrieval.moments import RunningMoments
 from retrieval.progress import Progress, Timer, no_progress
 from retrieval.stash import STATE_NAME, VectorStash, titles_of
@@ -107,6 +107,8 @@ def index_spec(directory: Path, **changes: Any) -> IndexSpec:
         given["codes"] = None  # a factory string names its own codes: the kept ones do not carry over
     if given.get("codes", "binary") != "binary" and "rotation" not in given:
         given["rotation"] = None  # a binary index's rotation does not carry over to other codes
+    if given.get("codes", "binary") != "binary" and "rerank" not in given:
+        given["rerank"] = None  # nor its re-rank depth
     spec = dataclasses.replace(kept, **given)
     spec.check_given({key: value for key, value in changes.items() if key != "kind"})
     return spec
@@ -175,7 +177,7 @@ def _refit(
         if isinstance(fitted, Whitening):
             save_rescorer(work, fitted)
         default = RescoreRecord.default(
-            transform_record, manifest.stash, index_record_.factory, index_record_.spec.code
+            transform_record, manifest.stash, index_record_.factory, depth_key(index_record_.spec)
         )
         rescore = RescoreRecord(default.depth, scorer)
         changes = len(manifest.corpus.added) + len(manifest.corpus.removed)

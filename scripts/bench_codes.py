@@ -44,7 +44,15 @@ from retrieval.build import BuildOptions, build_index
 from retrieval.corpus import CorpusSpec
 from retrieval.encode.models import resolve_model
 from retrieval.evaluate import read_qrels, read_queries, to_run
-from retrieval.index import CODES, IndexSpec, create_index, default_search_params, search_parameters, train_size
+from retrieval.index import (
+    CODES,
+    RERANK_DEPTH,
+    IndexSpec,
+    create_index,
+    default_search_params,
+    search_parameters,
+    train_size,
+)
 from retrieval.indexdir import IndexDir
 from retrieval.manifest import RESCORE_DEPTH
 from retrieval.metrics import evaluate_run
@@ -56,6 +64,8 @@ from retrieval.whitening import RawTransform, TransformSpec, l2_normalize
 SETS = ("scifact", "cisi", "cacm", "npl", "scifact-train")  # <corpus>[-train]: that corpus's test or train queries
 DEV = ("cisi", "cacm", "npl", "scifact-train")  # the IR dev basket; SciFact test is the held-out headline
 DEPTHS = (0, 20, 50, 100, 200, 400)
+RERANKS = (RERANK_DEPTH, 1000)  # Hamming candidates re-ranked asymmetrically (the top max(DEPTHS) of them kept)
+ASYMMETRIC = tuple(f"binary-asym{r}" for r in RERANKS)
 LOST = 0.005  # recall@10 (against exact raw search) a default depth may lose to the uncompressed index
 LATENCY_ROWS = 100_000
 LATENCY_QUERIES = 200
@@ -130,16 +140,20 @@ def measure_set(data: dict[str, Any], model: str, name: str, int8: VectorStash) 
             if train_size(index, index_spec, n):
                 index.train(docs)
             index.add(docs)
-            _, top = index.search(queries, max(DEPTHS))
-            row: dict[str, Any] = {"model": model, "set": name, "transform": kind, "dim": k, "code": code}
-            row |= {"raw_ndcg": raw_score, "ndcg": ndcg(data, top[:, :10]), "recall": recall(data, top)}
-            row["ram_bytes"] = index_spec.bytes_per_vector(k)
-            for depth in DEPTHS[1:]:
-                for label, stash in (("f32", data["stash"]), ("i8", int8)):
-                    _, found = rescore(stash, scorer, data["raw"], top[:, :depth], 10)
-                    row[f"ndcg_{label}_{depth}"] = ndcg(data, found)
-                    row[f"recall_{label}_{depth}"] = recall(data, found)
-            rows_out.append(row)
+            # binary codes by Hamming distance alone, and re-ranked asymmetrically from RERANKS candidates
+            searches: dict[str, dict[str, int]] = {code: {"rerank": 0} if code.startswith("binary") else {}}
+            searches |= {f"binary-asym{r}": {"rerank": r} for r in RERANKS} if code == "binary" else {}
+            for label, extra in searches.items():
+                _, top = index.search(queries, max(DEPTHS), **extra)
+                row: dict[str, Any] = {"model": model, "set": name, "transform": kind, "dim": k, "code": label}
+                row |= {"raw_ndcg": raw_score, "ndcg": ndcg(data, top[:, :10]), "recall": recall(data, top)}
+                row["ram_bytes"] = index_spec.bytes_per_vector(k)
+                for depth in DEPTHS[1:]:
+                    for stash_label, stash in (("f32", data["stash"]), ("i8", int8)):
+                        _, found = rescore(stash, scorer, data["raw"], top[:, :depth], 10)
+                        row[f"ndcg_{stash_label}_{depth}"] = ndcg(data, found)
+                        row[f"recall_{stash_label}_{depth}"] = recall(data, found)
+                rows_out.append(row)
     rows_out += anchors(data, model, name, raw_score, int8)
     return rows_out
 
@@ -190,9 +204,10 @@ def choose_depths(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return float(np.mean([r[f"recall_f32_{depth}"] for r in group]))
 
     chosen: dict[str, Any] = {}
-    for code in ("sq8", "sq4", "binary"):
+    for code in ("sq8", "sq4", "binary", *ASYMMETRIC):
+        binary = code.startswith("binary")
         cases = {(r["model"], r["dim"]) for r in rows if r["code"] == code and r["transform"] == "whitened"}
-        cases = {(m, k) for m, k in cases if (k == _d({"model": m}) if code == "binary" else 3 * k >= _d({"model": m}))}
+        cases = {(m, k) for m, k in cases if (k == _d({"model": m}) if binary else 3 * k >= _d({"model": m}))}
         chosen[code] = next(
             (
                 depth
@@ -322,6 +337,8 @@ def targets(rows: list[dict[str, Any]], depths: dict[str, Any]) -> list[dict[str
                 "set": name,
                 "raw_binary": binary,
                 "w_binary": score(group, "whitened", d, "binary") - binary,
+                "w_binary_asym": score(group, "whitened", d, f"binary-asym{RERANK_DEPTH}") - binary,
+                "raw_binary_asym": score(group, "raw", d, f"binary-asym{RERANK_DEPTH}") - binary,
                 "w_sq4": score(group, "whitened", d // 4, "sq4") - binary,
                 "raw_int8": score(group, "anchor", d, "raw-int8"),
                 "w_sq8": score(group, "whitened", d, "sq8") - score(group, "anchor", d, "raw-int8"),
@@ -337,6 +354,8 @@ TARGET_COLUMNS = [
     ("set", "set"),
     ("raw_binary", "raw sign bits, d/8 B"),
     ("w_binary", "whitened ITQ bits, d/8 B (+-)"),
+    ("w_binary_asym", f"whitened ITQ bits, top {RERANK_DEPTH} re-ranked asymmetrically (+-)"),
+    ("raw_binary_asym", f"raw ITQ bits, top {RERANK_DEPTH} re-ranked asymmetrically (+-)"),
     ("w_sq4", "whitened d/4 sq4, d/8 B (+-)"),
     ("raw_int8", "raw int8, d B"),
     ("w_sq8", "whitened sq8, d B (+-)"),
@@ -348,7 +367,7 @@ TARGET_COLUMNS = [
 # whose default depth each row is shown at (fp32 and fp16 at the reduced index's 50; a code no swept depth
 # satisfied at the deepest)
 DEPTH_OF = {"sq8": "sq8", "sq4": "sq4", "binary": "binary", "binary-random": "binary", "raw-int8": "sq8"}
-DEPTH_OF |= {"raw-binary": "binary"}
+DEPTH_OF |= {"raw-binary": "binary"} | {code: code for code in ASYMMETRIC}
 
 COLUMNS = [
     ("model", "model"),

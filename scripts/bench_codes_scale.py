@@ -2,10 +2,11 @@
 index keeps resident, for the 48-byte configuration ``docs/benchmarks/codes.md`` recommends.
 
 The configuration: whitened at full width (``--dim 384``), binary codes (sign bits after ITQ: 48 bytes a row),
-an int8 stash re-scoring the top 400 candidates (``--stash-dtype int8``), in a binary IVF or HNSW index.
+an int8 stash (``--stash-dtype int8``), in a binary IVF or HNSW index; searched in each of CONFIGS: the stash's
+rows read through maps or by pread, Hamming candidates re-ranked asymmetrically or not, re-scoring depths.
 
     python scripts/bench_codes_scale.py build --corpus ROWS.parquet --work DIR [--kinds ivf hnsw]
-    python scripts/bench_codes_scale.py run --work DIR --query-vectors Q.npy --truth DIR/raw-index [--kinds ...]
+    python scripts/bench_codes_scale.py run --work DIR --query-vectors Q.npy --truth ROWS.parquet [--kinds ...]
 
 ``build`` makes ``DIR/binary-KIND`` from a parquet file of ``vector`` rows (``make_spectrum.py sample``); nothing
 is timed. ``run`` takes the benchmark lock and measures each index in a fresh process (``measure``), so that its
@@ -35,6 +36,10 @@ import benchlib  # noqa: E402
 
 KINDS = ("ivf", "hnsw")
 QUERIES = 1000
+# (stash reads, Hamming candidates re-ranked asymmetrically, candidates re-scored from the int8 stash); each index
+# is measured in each, a fresh process apiece. The first is the configuration measured before the asymmetric
+# re-rank and pread existed.
+CONFIGS = (("map", 0, 400), ("pread", 0, 400), ("pread", 400, 400), ("pread", 400, 100), ("pread", 200, 50))
 
 
 def build(args: argparse.Namespace) -> None:
@@ -83,9 +88,9 @@ def measure(args: argparse.Namespace) -> None:
 
     queries = np.load(args.query_vectors).astype(np.float32)
     before = memory(args.index)
-    searcher = Searcher.load(args.index, verify="quick")
+    searcher = Searcher.load(args.index, verify="quick", stash_reads=args.stash_reads)
     loaded = memory(args.index)
-    params = SearchParams(k=10, mode="dense")
+    params = SearchParams(k=10, mode="dense", rescore=args.rescore, rerank=args.rerank)
     searcher.search_vectors(queries[:1], params)  # warm-up: the stash's maps opened
     times, found = [], []
     for query in queries:
@@ -99,7 +104,9 @@ def measure(args: argparse.Namespace) -> None:
         "index": manifest.index.factory,
         "rows": int(searcher.index.ntotal),
         "bytes per row": int(searcher.index.code_size),
-        "rescore": manifest.rescoring.depth,
+        "rescore": manifest.rescoring.depth if args.rescore is None else args.rescore,
+        "rerank": searcher.index.rerank if args.rerank is None else args.rerank,
+        "stash reads": args.stash_reads,
         "search": manifest.index.search,
         "p50 ms": float(np.median(times)) * 1e3,
         "p99 ms": float(np.percentile(times, 99)) * 1e3,
@@ -109,16 +116,14 @@ def measure(args: argparse.Namespace) -> None:
     args.out.write_text(json.dumps(result))
 
 
-def truth(directory: Path, queries: np.ndarray, k: int = 10) -> np.ndarray:
-    """Exact raw cosine top ``k`` over every row of ``directory``'s float32 stash, a block at a time."""
-    from retrieval.indexdir import IndexDir
-
-    stash = IndexDir(directory).stash()
+def truth(source: Path, queries: np.ndarray, k: int = 10) -> np.ndarray:
+    """Exact raw cosine top ``k`` over every row of ``source`` (an index directory's float32 stash, or the
+    parquet file of ``vector`` rows the indexes were built from), a block at a time."""
     q = queries / np.linalg.norm(queries, axis=1, keepdims=True)
     best = np.full((len(q), k), -np.inf, dtype=np.float32)
     rows = np.full((len(q), k), -1, dtype=np.int64)
     first = 0
-    for block in stash.iter_blocks(100_000):
+    for block in _blocks(source):
         scores = q @ (block / np.linalg.norm(block, axis=1, keepdims=True)).T
         scores = np.concatenate([best, scores], axis=1)
         ids = np.concatenate([rows, np.broadcast_to(np.arange(first, first + len(block)), (len(q), len(block)))], 1)
@@ -128,9 +133,20 @@ def truth(directory: Path, queries: np.ndarray, k: int = 10) -> np.ndarray:
     return rows
 
 
+def _blocks(source: Path) -> Any:
+    if source.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(source).iter_batches(100_000, columns=["vector"]):
+            column = batch.column(0)
+            yield column.values.to_numpy().reshape(len(column), -1).astype(np.float32)
+        return
+    from retrieval.indexdir import IndexDir
+
+    yield from IndexDir(source).stash().iter_blocks(100_000)
+
+
 def run(args: argparse.Namespace) -> None:
-    if not args.untimed:
-        benchlib.hold_bench_lock()
     out = benchlib.out_dir("codes-scale")
     info = benchlib.machine()
     benchlib.print_machine(info)
@@ -138,12 +154,15 @@ def run(args: argparse.Namespace) -> None:
     queries = queries[np.sort(np.random.default_rng(0).choice(len(queries), min(QUERIES, len(queries)), False))]
     chosen = args.work / "queries.npy"
     np.save(chosen, queries)
-    want = truth(args.truth, queries)
+    want = truth(args.truth, queries)  # minutes of products at 1M rows: before the lock, which covers the timing
+    if not args.untimed:
+        benchlib.hold_bench_lock()
     rows = []
-    for kind in args.kinds:
+    for kind, (reads, rerank, depth) in ((kind, config) for kind in args.kinds for config in CONFIGS):
         directory = args.work / f"binary-{kind}"
         result_path = args.work / f"measure-{kind}.json"
         command = [sys.executable, __file__, "measure", "--index", str(directory), "--query-vectors", str(chosen)]
+        command += ["--stash-reads", reads, "--rerank", str(rerank), "--rescore", str(depth)]
         subprocess.run([*command, "--out", str(result_path)], check=True, env=benchlib.retrieval_env())
         # ``measure`` reads no lock: under ``run``'s (held by this process) its times do not overlap others'
         result: dict[str, Any] = json.loads(result_path.read_text())
@@ -165,7 +184,8 @@ def run(args: argparse.Namespace) -> None:
     name = "codes-scale-untimed" if args.untimed else "codes-scale"
     benchlib.write_json(out / f"{name}.json", record)
     times = () if args.untimed else ("p50 ms", "p99 ms")
-    columns = [(k, k) for k in ("kind", "index", "rows", "bytes per row", "rescore", "recall@10", *times)]
+    columns = [(k, k) for k in ("kind", "index", "rows", "bytes per row", "stash reads", "rerank", "rescore")]
+    columns += [(k, k) for k in ("recall@10", *times)]
     columns += [(k, k) for k in ("RSS after imports", "RSS loaded", "index RSS loaded", "RSS after queries")]
     columns += [(k, k) for k in ("index anon after queries", "index files mapped after queries")]
     text = [
@@ -192,8 +212,13 @@ def main() -> None:
     parser.add_argument("--train-size", type=int, help="build: IVF training rows (default: the library's)")
     parser.add_argument("--query-vectors", type=Path, help="a .npy of raw query vectors")
     parser.add_argument("--untimed", action="store_true", help="run: recall and memory only, without the lock")
-    parser.add_argument("--truth", type=Path, help="run: an index of the same rows, raw transform, float32 stash")
+    parser.add_argument(
+        "--truth", type=Path, help="run: the rows' parquet file, or an index of them (raw transform, float32 stash)"
+    )
     parser.add_argument("--index", type=Path, help="measure: the index directory")
+    parser.add_argument("--stash-reads", default="map", choices=("map", "pread"), help="measure: how rows are read")
+    parser.add_argument("--rerank", type=int, help="measure: Hamming candidates re-ranked asymmetrically")
+    parser.add_argument("--rescore", type=int, help="measure: candidates re-scored from the stash")
     parser.add_argument("--out", type=Path, help="measure: where its JSON goes")
     args = parser.parse_args()
     {"build": build, "run": run, "measure": measure}[args.part](args)

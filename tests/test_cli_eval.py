@@ -406,3 +406,17 @@ def test_tune_auto_chooses_without_qrels(
     one_error_line(run("tune", "--pairs", built["dev_q"], "--auto"), "--auto tunes an INDEX_DIR")
     one_error_line(run("tune", tmp_path / "idx", "--auto", "--auto-queries", 0), "--auto-queries must be between")
     one_error_line(run("tune", built["index"], "--auto"), "no kind of pseudo-query", "200 documents", "--queries")
+
+
+def test_tune_apply_keeps_binary_codes_and_their_rerank_depth(built: dict[str, Path], tmp_path: Path) -> None:
+    index = Path(shutil.copytree(built["index"], tmp_path / "idx"))
+    ok(run("refit", index, "--codes", "binary", "--rerank", 64))
+    assert (Manifest.load(index).index.spec.codes, Manifest.load(index).index.spec.rerank) == ("binary", 64)
+    ok(run(*tune_ir_args(built, index, tmp_path / "out"), "--poolings", "mean", "--apply"))
+    spec = Manifest.load(index).index.spec
+    assert (spec.codes, spec.rerank) == ("binary", 64)
+    best = json.loads((tmp_path / "out" / "tune.json").read_text())["best"]
+    assert Manifest.load(index).transform.dim == best["dim"]
+    for rerank in (0, 64):
+        hits = ok(run("search", doc_text(42), "--index", index, "--json", "-k", 3, "--rerank", rerank)).stdout
+        assert len(hits.splitlines()) == 3

@@ -64,7 +64,8 @@ def test_every_code_on_every_kind_builds_loads_and_searches(
     manifest = IndexDir(directory).manifest()
     assert manifest.index.spec.codes == code and manifest.n == N
     assert manifest.index.metric == ("hamming" if code == "binary" else "inner_product")
-    assert manifest.rescoring.depth == RESCORE_DEPTHS.get(code, 0)  # 16 -> 16 dims: only the codes lose
+    # 16 -> 16 dims: only the codes lose; binary codes are re-ranked asymmetrically by default
+    assert manifest.rescoring.depth == RESCORE_DEPTHS.get("binary-asym" if code == "binary" else code, 0)
     searcher = Searcher.load(directory, encoder=FakeEncoder())
     assert manifest.index.factory.startswith("B") == (code == "binary") == isinstance(searcher.index, BinaryIndex)
     raw = FakeEncoder().encode(QUERIES)
@@ -291,7 +292,10 @@ def test_cli_builds_binary_codes_with_an_int8_stash_then_refits_to_sq8(
         "int8",
     )
     shown = json.loads(runner.invoke(app, ["info", str(out), "--json"]).stdout)
-    assert shown["summary"]["codes"] == "binary (2 bytes a vector, random rotation, Hamming distance)"
+    assert (
+        shown["summary"]["codes"]
+        == "binary (2 bytes a vector, random rotation, Hamming distance, top 400 re-ranked asymmetrically)"
+    )
     result = runner.invoke(app, ["refit", str(out), "--codes", "sq8"])
     assert result.exit_code == 0, result.output
     manifest = IndexDir(out).manifest()
@@ -328,7 +332,7 @@ def test_calibrate_measures_and_publishes_a_knob_of_binary_codes(
     shutil.copytree(built[1][kind, "binary"], directory)
     raw = FakeEncoder().encode([f"a question about {i}" for i in range(60)])
     calibration, manifest = calibrate_index(directory, raw, target=0.9, apply=True)
-    assert calibration.knob == knob and calibration.rescore == RESCORE_DEPTHS["binary"] and calibration.reached
+    assert calibration.knob == knob and calibration.rescore == RESCORE_DEPTHS["binary-asym"] and calibration.reached
     assert manifest.index.search[knob] == calibration.value and manifest.index.spec.codes == "binary"
     searcher = Searcher.load(directory, encoder=FakeEncoder())
     assert isinstance(searcher.index, BinaryIndex) and len(searcher.search(QUERIES[2])) == 10
@@ -351,3 +355,180 @@ def test_the_service_serves_codes(built: tuple[Path, dict[tuple[str, str], Path]
         hits = client.get("/search", params={"q": QUERIES[3], "k": 5}).json()["results"][0]["hits"]
         expected = Searcher.load(built[1]["hnsw", code], encoder=FakeEncoder()).search(QUERIES[3], SearchParams(k=5))
         assert [h["id"] for h in hits] == [h.id for h in expected]
+
+
+# ----- binary codes re-ranked asymmetrically ----------------------------------------------------------------------
+def _anisotropic(n: int, d: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return l2_normalize(rng.normal(size=(n, d)) * np.linspace(3, 0.3, d) + 0.5).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_asymmetric_rerank_against_a_float64_reference(kind: str) -> None:
+    docs, queries = _anisotropic(800, 32, 11), _anisotropic(30, 32, 12)
+    index = create_index(IndexSpec(kind, codes="binary", nlist=8, nprobe=8), 32, len(docs))
+    assert isinstance(index, BinaryIndex) and index.rerank == 400  # the spec's default
+    index.train(docs)
+    index.add(docs)
+    centre, matrix, thresholds = (
+        np.asarray(a, dtype=np.float64) for a in (index.centre, index.matrix, index.thresholds)
+    )
+    np.testing.assert_allclose(thresholds, np.median((docs - centre) @ matrix, axis=0), atol=1e-5)
+    bits = np.where((docs.astype(np.float64) - centre) @ matrix - thresholds > 0, 1.0, -1.0)
+    rotated = (queries.astype(np.float64) - centre) @ matrix - thresholds
+    reference = rotated @ bits.T / (np.linalg.norm(rotated, axis=1, keepdims=True) * np.sqrt(32))
+    _, hamming = index.search(queries, 100, rerank=0)
+    scores, rows = index.search(queries, 10, rerank=100)
+    # the same 100 Hamming candidates, ranked by the float64 cosine of the rotated query and the +-1 bits; float32
+    # sums of 32 products of unit-scale floats: 1e-5
+    expected = np.take_along_axis(reference, hamming, axis=1)
+    np.testing.assert_allclose(scores, -np.sort(-expected, axis=1)[:, :10], atol=1e-5)
+    np.testing.assert_allclose(scores, np.take_along_axis(reference, rows, axis=1), atol=1e-5)
+    assert all(set(r) <= set(h) for r, h in zip(rows, hamming, strict=True))
+    # Hamming distance alone: the SimHash cosine of the distance, as before
+    h_scores, h_rows = index.search(queries, 10, rerank=0)
+    distances = (bits[h_rows] != np.where(rotated > 0, 1.0, -1.0)[:, None, :]).sum(axis=2)
+    np.testing.assert_allclose(h_scores, np.cos(np.pi * distances / 32), atol=1e-6)
+    # fewer candidates than k: all k re-ranked; more asked than rows: every row, -1 never scored
+    assert index.search(queries, 20, rerank=5)[1].shape == (30, 20)
+    scores, rows = index.search(queries[:2], 10, rerank=5000)
+    assert (rows >= 0).all() and np.isfinite(scores).all()
+
+
+def test_codes_are_read_from_faiss_after_adding_and_merging() -> None:
+    from retrieval.index import merge
+
+    docs = _anisotropic(900, 16, 13)
+    for kind in KINDS:
+        index = create_index(IndexSpec(kind, codes="binary", nlist=4), 16, len(docs))
+        index.train(docs)
+        index.add(docs[:500])
+        rows = np.array([0, 499, 7, 7, 250])
+        np.testing.assert_array_equal(index.codes_of(rows), index.codes(docs[rows]))
+        index.add(docs[500:700])  # the map of an IVF index's rows is made again
+        np.testing.assert_array_equal(index.codes_of(np.arange(700)), index.codes(docs[:700]))
+        if kind == "ivf":
+            shard = BinaryIndex.from_bytes(index.to_bytes())
+            shard.reset()
+            shard.add(docs[700:])
+            merge(index, shard)
+            np.testing.assert_array_equal(index.codes_of(np.arange(900)), index.codes(docs))
+        assert index.codes_of(np.zeros(0, dtype=np.int64)).shape == (0, 2)
+
+
+def test_a_binary_index_saved_before_thresholds_reads_with_zero_thresholds(tmp_path: Path) -> None:
+    import io
+
+    docs = _anisotropic(300, 16, 14)
+    index = create_index(IndexSpec("flat", codes="binary"), 16, len(docs))
+    index.train(docs)
+    index.thresholds = None  # as an index trained before medians: bits at zero after centring
+    index.add(docs)
+    with np.load(io.BytesIO(index.to_bytes())) as saved:  # the file as an older retrieval wrote it
+        older = {key: saved[key] for key in saved.files if key != "thresholds"}
+    buffer = io.BytesIO()
+    np.savez(buffer, **older)
+    loaded = BinaryIndex.from_bytes(buffer.getvalue())
+    assert loaded.thresholds is None
+    np.testing.assert_array_equal(loaded.codes(docs), index.codes(docs))
+    np.testing.assert_array_equal(loaded.search(docs[:5], 3, rerank=0)[1], index.search(docs[:5], 3, rerank=0)[1])
+
+
+def test_the_rerank_depth_is_recorded_round_trips_and_is_searched(corpus: Path, tmp_path: Path) -> None:
+    from retrieval.manifest import Manifest
+
+    out = tmp_path / "idx"
+    build_index(CorpusSpec(corpus), FakeEncoder(), out, TransformSpec(), IndexSpec("flat", codes="binary", rerank=64))
+    manifest = IndexDir(out).manifest()
+    assert manifest.index.spec.rerank == 64 and Manifest.from_dict(manifest.to_dict()) == manifest
+    searcher = Searcher.load(out, encoder=FakeEncoder())
+    assert isinstance(searcher.index, BinaryIndex) and searcher.index.rerank == 64
+    raw = FakeEncoder().encode(QUERIES[:8])
+    vectors = searcher.transform.transform(raw)
+    for rerank in (None, 0, 200):
+        _, rows = searcher.search_raw(raw, SearchParams(k=5, rescore=0, rerank=rerank))
+        expected = searcher.index.search(vectors, 5, rerank=64 if rerank is None else rerank)[1]
+        np.testing.assert_array_equal(rows, expected)
+    with pytest.raises(ConfigError, match="`rerank` must be"):
+        searcher.search_raw(raw, SearchParams(rerank=-1))
+    # refit keeps the depth, or takes a new one
+    assert refit(out, transform_spec(out), spec_of(out)).index.spec.rerank == 64
+    refitted = refit(out, transform_spec(out), spec_of(out, rerank=0))
+    assert refitted.index.spec.rerank == 0 and refitted.rescoring.depth == RESCORE_DEPTHS["binary"]  # Hamming: deeper
+    assert spec_of(out, codes="sq8").rerank is None  # not carried over to other codes
+
+
+def test_a_version_4_manifest_of_binary_codes_is_served_by_hamming_distance(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "idx"
+    build_index(CorpusSpec(corpus), FakeEncoder(), out, TransformSpec(), IndexSpec("flat", codes="binary"))
+    data = json.loads((out / MANIFEST).read_text())
+    assert data["schema_version"] == SCHEMA_VERSION == 5 and data["index"]["spec"]["rerank"] is None
+    del data["index"]["spec"]["rerank"]
+    data["rescore"]["depth"] = 400  # what a build before the asymmetric re-rank recorded
+    data |= {"schema_version": 4}
+    data["checksum"] = checksum(data)
+    (out / MANIFEST).write_text(json.dumps(data))
+    manifest = IndexDir(out).manifest()
+    assert manifest.schema_version == 4 and manifest.index.spec.rerank == 0  # as it was built and measured
+    assert manifest.rescoring.depth == RESCORE_DEPTHS["binary"]  # the depth measured for Hamming candidates
+    searcher = Searcher.load(out, encoder=FakeEncoder())
+    assert isinstance(searcher.index, BinaryIndex) and searcher.index.rerank == 0
+    raw = FakeEncoder().encode(QUERIES[:4])
+    _, rows = searcher.search_raw(raw, SearchParams(k=5, rescore=0))
+    np.testing.assert_array_equal(rows, searcher.index.search(searcher.transform.transform(raw), 5, rerank=0)[1])
+    manifest = add(
+        out, CorpusSpec(write_corpus(tmp_path / "more.parquet", n=5, id=[f"more-{i}" for i in range(5)])), FakeEncoder()
+    )
+    assert manifest.schema_version == SCHEMA_VERSION and manifest.index.spec.rerank == 0  # kept by the next version
+
+
+def test_rerank_is_refused_for_other_codes_in_one_line(corpus: Path, tmp_path: Path) -> None:
+    encoder = FakeEncoder()
+    with pytest.raises(ConfigError, match="`rerank` applies only to `codes` binary") as caught:
+        build_index(CorpusSpec(corpus), encoder, tmp_path / "idx", TransformSpec(), IndexSpec("flat", rerank=10))
+    assert "\n" not in str(caught.value) and encoder.calls == 0 and not (tmp_path / "idx").exists()
+
+
+def test_cli_searches_binary_codes_with_a_rerank_depth(tiny_bert: Path, corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "idx"
+    args = ["index", str(corpus), "--model", str(tiny_bert), "--codes", "binary", "--rerank", "32", "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert IndexDir(out).manifest().index.spec.rerank == 32
+    for rerank in ("0", "100"):
+        result = runner.invoke(app, ["search", "document", "--index", str(out), "-k", "3", "--rerank", rerank])
+        assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["search", "document", "--index", str(out), "--rerank", "-3"])
+    assert result.exit_code == 1 and "--rerank must be" in result.stderr
+    result = runner.invoke(app, ["refit", str(out), "--rerank", "0"])
+    assert result.exit_code == 0, result.output
+    assert IndexDir(out).manifest().index.spec.rerank == 0
+
+
+def test_the_service_takes_rerank_and_reads_the_stash_by_pread(built: tuple[Path, dict[tuple[str, str], Path]]) -> None:
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from retrieval.serve.app import create_app
+    from retrieval.serve.service import ServeOptions, Service
+
+    directory = built[1]["ivf", "binary"]
+    options = ServeOptions(watch_interval=0, stash_reads="pread")
+    service = Service(directory, options, encoder=FakeEncoder())
+    searcher = Searcher.load(directory, encoder=FakeEncoder())
+    with TestClient(create_app(service)) as client:
+        deadline = time.monotonic() + 20
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert service.searcher().stash_reads == "pread"
+        for rerank in (0, 50):
+            expected = [h.id for h in searcher.search(QUERIES[4], SearchParams(k=5, rerank=rerank))]
+            got = client.get("/search", params={"q": QUERIES[4], "k": 5, "rerank": rerank}).json()
+            assert [h["id"] for h in got["results"][0]["hits"]] == expected
+            posted = client.post("/search", json={"query": QUERIES[4], "k": 5, "rerank": rerank}).json()
+            assert [h["id"] for h in posted["results"][0]["hits"]] == expected
+        refused = client.get("/search", params={"q": QUERIES[4], "rerank": -1})
+        assert refused.status_code == 422 and "rerank" in refused.text
+    with pytest.raises(ConfigError, match="stash_reads"):
+        ServeOptions(stash_reads="mapped").check()

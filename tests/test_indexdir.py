@@ -59,11 +59,11 @@ def _as_schema(index: Path, version: int) -> None:
 
 
 @pytest.mark.parametrize("version", [2, 3])
-def test_an_older_manifest_s_k_reads_as_dim_and_its_next_version_is_schema_4(
+def test_an_older_manifest_s_k_reads_as_dim_and_its_next_version_is_the_current_schema(
     index: Path, tmp_path: Path, version: int
 ) -> None:
     """Schemas 2 and 3 named the output dimension ``k`` (the number of hits everywhere else); 4 names it ``dim``.
-    An index written before still loads and searches, and the next writer writes it in schema 4."""
+    An index written before still loads and searches, and the next writer writes it in the current schema."""
     expected = Searcher.load(index, encoder=FakeEncoder()).search("alpha", SearchParams(k=5))
     _as_schema(index, version)
     searcher = Searcher.load(index, encoder=FakeEncoder())
@@ -72,7 +72,7 @@ def test_an_older_manifest_s_k_reads_as_dim_and_its_next_version_is_schema_4(
     more = write_corpus(tmp_path / "more.parquet", n=20, id=[f"new{i}" for i in range(20)])
     update.add(index, CorpusSpec(more), FakeEncoder())
     on_disk = json.loads((index / MANIFEST).read_text())
-    assert on_disk["schema_version"] == indexdir.SCHEMA_VERSION == 4
+    assert on_disk["schema_version"] == indexdir.SCHEMA_VERSION == 5
     assert on_disk["transform"]["dim"] == 8 and "k" not in on_disk["transform"]
 
 
@@ -207,10 +207,10 @@ def test_a_publish_between_reading_the_manifest_and_the_index_is_read_again(inde
     real = IndexDir.faiss_index
     published = []
 
-    def publish_first(self, mmap=False):  # type: ignore[no-untyped-def]
+    def publish_first(self, mmap=False, manifest=None):  # type: ignore[no-untyped-def]
         if not published:
             published.append(update.refit(index, TransformSpec(dim=dim)))
-        return real(self, mmap)
+        return real(self, mmap, manifest)
 
     monkeypatch.setattr(IndexDir, "faiss_index", publish_first)
     searcher = Searcher.load(index, encoder=FakeEncoder(), verify="quick")

@@ -63,12 +63,13 @@ def test_each_documented_field_is_an_option_of_its_commands_with_its_help(name: 
 
 
 def test_the_options_main_gained_are_declared_once_too() -> None:
-    """codes, rotation, stash dtype, lexical, columns, mode, fusion, fusion weight and where: fields with help."""
+    """codes, rotation, rerank, stash dtype, lexical, columns, mode, fusion, fusion weight and where: fields with
+    help."""
     columns = {item.name for item in described(CorpusSpec)}
     assert columns == {"columns"} and "--columns" in flags(["index"])
-    assert {"codes", "rotation"} <= {item.name for item in described(IndexSpec)}
+    assert {"codes", "rotation", "rerank"} <= {item.name for item in described(IndexSpec)}
     assert {"stash_dtype", "lexical"} <= {item.name for item in described(BuildOptions)}
-    assert {item.name for item in described(SearchParams)} == {"mode", "where"}
+    assert {item.name for item in described(SearchParams)} == {"mode", "rerank", "where"}
     assert [flag_of(item) for item in described(FusionSpec)] == ["--fusion", "--fusion-weight"]
     lexical = next(item for item in described(BuildOptions) if item.name == "lexical")
     assert (lexical.type, lexical.default) == ("bool", True)  # as the command line reads it: a flag

@@ -36,7 +36,7 @@ from retrieval.whitening import TransformSpec
         (lambda m: m["transform"]["spec"].__setitem__("gamma", 1.0), "does not match its own checksum"),
         (lambda m: m["encoder"].__setitem__("model", "some/other-model"), "does not match its own checksum"),
         (lambda m: m["transform"].__setitem__("d", 64), "does not match its own checksum"),
-        (lambda m: m.__setitem__("schema_version", 1), "schema version 1; this retrieval reads versions 2 to 4"),
+        (lambda m: m.__setitem__("schema_version", 1), "schema version 1; this retrieval reads versions 2 to 5"),
     ],
     ids=["k", "gamma", "model", "d", "schema"],
 )

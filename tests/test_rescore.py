@@ -299,3 +299,54 @@ def test_a_hard_open_file_limit_below_the_stash_is_one_clear_error(tmp_path: Pat
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Too many open files; the stash has 60 parts" in done.stdout and "`ulimit -n`" in done.stdout, done.stdout
+
+
+# ----- re-scored rows read by pread ----------------------------------------------------------------------------
+def _mapped(root: Path) -> list[str]:
+    """The files under ``root`` this process has mapped."""
+    inside = str(root.resolve())
+    return [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if inside in line]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_rows_read_by_pread_are_the_mapped_rows_exactly(tmp_path: Path, dtype: str) -> None:
+    from retrieval.stash import VectorStash
+
+    rng = np.random.default_rng(5)
+    stash = VectorStash.create(tmp_path / "s", 12, ["mean"], dtype)
+    for size in (7, 40, 1, 33):  # parts of uneven sizes: rows cross them
+        block = (rng.normal(size=(size, 12)) * rng.uniform(0.5, 4, size=(size, 1))).astype(np.float32)
+        stash.append({"mean": block}, [str(i) for i in range(size)], [""] * size)
+    opened, mapped = VectorStash.open(tmp_path / "s"), VectorStash.open(tmp_path / "s")
+    for rows in (np.array([80, 0, 3, 3, 47, 46, 45, 6, 7, 8, 9, 79]), rng.integers(0, 81, 200), np.arange(81)):
+        by_pread = opened.read_rows(rows, pread=True)
+        assert not opened._maps
+        np.testing.assert_array_equal(by_pread, mapped.read_rows(rows))  # the same bytes, decoded alike
+    del mapped
+    import gc
+
+    gc.collect()
+    assert not _mapped(tmp_path / "s")  # nothing mapped by pread
+    assert opened.read_rows(np.zeros(0, dtype=np.int64), pread=True).shape == (0, 12)
+    with pytest.raises(IndexError):
+        opened.read_rows(np.array([81]), pread=True)
+    opened.close()
+
+
+def test_a_searcher_rescoring_by_pread_answers_as_by_maps_and_maps_no_stash(reduced: Path) -> None:
+    raw = queries(6)
+    mapped = Searcher.load(reduced, encoder=FakeEncoder())
+    by_pread = Searcher.load(reduced, encoder=FakeEncoder(), stash_reads="pread")
+    for params in (SearchParams(k=5), SearchParams(k=3, rescore=200)):
+        expected = mapped.search_raw(raw, params)
+        found = by_pread.search_raw(raw, params)
+        np.testing.assert_array_equal(found[1], expected[1])
+        np.testing.assert_array_equal(found[0], expected[0])
+    del mapped
+    import gc
+
+    gc.collect()
+    by_pread.warm_up(prefault=True)  # makes the docs resident, never the stash it does not map
+    assert not [name for name in _mapped(reduced) if "/stash/" in name]
+    with pytest.raises(ConfigError, match="stash_reads"):
+        Searcher.load(reduced, encoder=FakeEncoder(), stash_reads="mmap")

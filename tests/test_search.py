@@ -251,7 +251,7 @@ def test_another_schema_version_is_refused(damaged: Path) -> None:
     data["schema_version"] = 1  # older: rebuilt by this version
     (damaged / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(
-        IndexDirError, match="schema version 1; this retrieval reads versions 2 to 4: rebuild the index"
+        IndexDirError, match="schema version 1; this retrieval reads versions 2 to 5: rebuild the index"
     ):
         Searcher.load(damaged, encoder=FakeEncoder())
 

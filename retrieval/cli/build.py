@@ -103,7 +103,9 @@ def index(
     index_spec = IndexSpec(**fields_of(IndexSpec, specs))
     transform.check()  # every value checked before a model is loaded; dim against d once it is known
     index_spec.check()
-    given = {name: specs[name] for name in ("nlist", "nprobe", "train_size", "codes", "rotation")}  # None unless set
+    given = {
+        name: specs[name] for name in ("nlist", "nprobe", "train_size", "codes", "rotation", "rerank")
+    }  # None unless set
     given |= {  # the rest, unless changed
         name: specs[name]
         for name in ("m", "ef_construction", "ef_search")

@@ -88,7 +88,8 @@ def search_params(directory: Path | None, options: dict[str, Any], **knobs: Any)
 
             recorded = IndexDir(directory).manifest().fusing
         spec = replace(recorded, method=fusion or recorded.method, weight=recorded.weight if weight is None else weight)
-    params = SearchParams(mode=mode, fusion=spec, where=parse(where) if where is not None else None, **knobs)
+    where_filter = parse(where) if where is not None else None
+    params = SearchParams(mode=mode, fusion=spec, where=where_filter, rerank=options.get("rerank"), **knobs)
     params.check()
     return params
 

@@ -24,7 +24,7 @@ from retrieval.serve.schemas import WHOLE_DIGITS, default_k, param_bounds
 from retrieval.serve.service import ServeOptions, Service
 from retrieval.text import blank, valid_unicode
 
-INT_PARAMS = frozenset({"k", "rescore", "ef_search", "nprobe"})  # GET /search's whole-number parameters
+INT_PARAMS = frozenset({"k", "rescore", "ef_search", "nprobe", "rerank"})  # GET /search's whole-number parameters
 
 
 def search_params(
@@ -35,20 +35,21 @@ def search_params(
     nprobe: int | None,
     mode: str | None = None,
     where: Filter | None = None,
+    rerank: int | None = None,
 ) -> SearchParams:
     """The search knobs of a request, each checked against the server's bounds (``param_bounds``): 422 naming
     the field otherwise. A ``k`` left out is never one the server refuses (``default_k``). A mode the index
     cannot serve and a filter over columns it did not keep (or of the wrong type) are 422s too, found now."""
     options = service.options
     k = default_k(options) if k is None else k
-    given = {"k": k, "rescore": rescore, "ef_search": ef_search, "nprobe": nprobe}
+    given = {"k": k, "rescore": rescore, "ef_search": ef_search, "nprobe": nprobe, "rerank": rerank}
     for name, (low, high) in param_bounds(options).items():
         value = given[name]
         if value is not None and not low <= value <= high:
             raise ApiError(422, "invalid_param", f"`{name}` must be between {low} and {high} (got {value})", name)
     if rescore and service.ready and service.searcher().manifest.stash is None:
         raise ApiError(422, "invalid_param", "this index kept no raw-vector stash: `rescore` must be 0", "rescore")
-    params = SearchParams(k=k, ef_search=ef_search, nprobe=nprobe, mode=mode, where=where)
+    params = SearchParams(k=k, ef_search=ef_search, nprobe=nprobe, mode=mode, where=where, rerank=rerank)
     if rescore is not None:  # None: the library's default depth
         params = replace(params, rescore=rescore)
     try:

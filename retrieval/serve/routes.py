@@ -24,6 +24,7 @@ from retrieval.serve.schemas import (
     BODY_ERRORS,
     ERRORS,
     JSON_401,
+    RERANK_TEXT,
     EmbedRequest,
     EmbedResponse,
     InfoResponse,
@@ -110,6 +111,7 @@ def search_routes(api: APIRouter, service: Service) -> None:
         rescore: Annotated[WholeNumberText | None, Query(description="Re-rank this many candidates.")] = None,
         ef_search: Annotated[WholeNumberText | None, Query(description="HNSW search beam width.")] = None,
         nprobe: Annotated[WholeNumberText | None, Query(description="IVF lists probed.")] = None,
+        rerank: Annotated[WholeNumberText | None, Query(description=RERANK_TEXT)] = None,
         mode: Annotated[
             Literal["dense", "lexical", "hybrid"] | None, Query(description="dense, lexical or hybrid.")
         ] = None,
@@ -117,7 +119,7 @@ def search_routes(api: APIRouter, service: Service) -> None:
     ) -> JSONResponse:
         check_query_string(request)
         texts = query_texts([q], "q", options)
-        params = search_params(service, k, rescore, ef_search, nprobe, mode, parse_filter(where, None))
+        params = search_params(service, k, rescore, ef_search, nprobe, mode, parse_filter(where, None), rerank)
         return await run_search(request, texts, params)
 
     @api.post(
@@ -135,7 +137,9 @@ def search_routes(api: APIRouter, service: Service) -> None:
         else:
             texts = query_texts(body.queries or [], "queries", options)
         where = parse_filter(None, body.filter)
-        params = search_params(service, body.k, body.rescore, body.ef_search, body.nprobe, body.mode, where)
+        params = search_params(
+            service, body.k, body.rescore, body.ef_search, body.nprobe, body.mode, where, body.rerank
+        )
         return await run_search(request, texts, params)
 
     openai_routes(api, service, answer, encodes)

@@ -41,6 +41,9 @@ FILTER_TEXT = (
 )
 
 
+RERANK_TEXT = "Binary codes: Hamming candidates re-ranked by the query's floats against the codes' bits (0: off)."
+
+
 class SearchRequest(BaseModel):
     """One query (`query`) or a batch (`queries`); knobs left out take the index's defaults."""
 
@@ -51,6 +54,7 @@ class SearchRequest(BaseModel):
     rescore: WholeNumber | None = Field(None, description="Re-rank this many candidates by the full stashed vectors.")
     ef_search: WholeNumber | None = Field(None, description="HNSW search beam width (efSearch) for this request.")
     nprobe: WholeNumber | None = Field(None, description="IVF lists probed for this request.")
+    rerank: WholeNumber | None = Field(None, description=RERANK_TEXT)
     mode: Literal["dense", "lexical", "hybrid"] | None = Field(
         None, description="dense, lexical or hybrid (default: hybrid where the index has a lexical part)."
     )
@@ -161,6 +165,7 @@ def param_bounds(options: ServeOptions) -> dict[str, tuple[int, int]]:
         "rescore": (0, options.max_rescore),
         "ef_search": (1, options.max_ef_nprobe),
         "nprobe": (1, options.max_ef_nprobe),
+        "rerank": (0, options.max_ef_nprobe),
     }
 
 

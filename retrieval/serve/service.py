@@ -26,7 +26,7 @@ from retrieval.errors import ConfigError, RetrievalError
 from retrieval.indexdir import Identity, IndexDir, Verify, check_verify
 from retrieval.manifest import now
 from retrieval.options import option
-from retrieval.search import MAX_K, Searcher
+from retrieval.search import MAX_K, STASH_READS, Searcher
 from retrieval.serve.autothreads import ThreadChooser
 from retrieval.serve.batching import Batcher, BatchStats
 
@@ -96,6 +96,9 @@ class ServeOptions:
     )
     # Seconds between two looks at the index directory (0: never; POST /reload still works).
     watch_interval: float = option(1.0, "Seconds between looks at the index directory for a new version (0: off).")
+    # Re-scored rows read from the stash by pread rather than maps: the server's resident set stays at what it
+    # allocates (1M binary rows with an int8 stash: docs/benchmarks/codes.md), each read a system call.
+    stash_reads: str = option("map", "How re-scoring reads the stash: map (memory maps, kept resident) or pread.")
     verify: Verify = "full"
 
     def check(self) -> None:
@@ -139,6 +142,9 @@ class ServeOptions:
             raise ConfigError(f"`max_k` must be {limit} (got {self.max_k:,})", "max_k")
         if self.max_rescore < 0:
             raise ConfigError(f"`max_rescore` must be at least 0 (got {self.max_rescore})", "max_rescore")
+        if self.stash_reads not in STASH_READS:
+            choices = " or ".join(STASH_READS)
+            raise ConfigError(f"`stash_reads` must be {choices} (got {self.stash_reads!r})", "stash_reads")
         check_verify(self.verify)
 
 
@@ -345,7 +351,9 @@ class Service:
                 # Not while a torch encoder serves: the setting is process-wide, and this (reload) thread would
                 # change the count under the engine's batches; the engine warms the new encoder at each count.
                 set_torch_threads(1)
-        searcher = Searcher.load(self.directory, encoder=encoder, verify=self.options.verify)
+        searcher = Searcher.load(
+            self.directory, encoder=encoder, verify=self.options.verify, stash_reads=self.options.stash_reads
+        )
         searcher.warm_up()
         self._torch_encoder = searcher.manifest.encoder.kind == "transformers"
         if encoder is None and self._torch_encoder and self.threads is not None and self.batcher.running:
