@@ -639,7 +639,9 @@ def main() -> None:
         "library_default_batch_size": default_batch,
         "reference": f"{REFERENCE}, {max(args.threads)} threads",
         "variants": VARIANTS,
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "settings": {
+            k: (os.path.relpath(v, benchlib.REPO) if isinstance(v, Path) else v) for k, v in vars(args).items()
+        },
         "summary": summary,
         "bucketing_check": checks,
         "quality": quality,
