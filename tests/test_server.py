@@ -1362,6 +1362,141 @@ def test_a_full_queue_is_a_429_that_says_when_to_retry(index: Path) -> None:
         assert client.get("/info").json()["server"]["limits"]["max_queue_ms"] == 30
 
 
+def test_requests_admitted_but_not_yet_queued_count_as_work_ahead(index: Path) -> None:
+    """``admit`` lets a request in before its body is read: until it is submitted, it counts as one query of
+    work ahead of later ones (20 ms a query, 50 ms: two admitted, the third refused). Submitting one with its
+    admission is never refused (it was counted when let in); releasing one that never reached the engine frees
+    its place."""
+    searcher = Searcher.load(index, encoder=SlowEncoder())
+    batcher = Batcher(lambda: searcher, max_batch=2, max_queue_wait=0.05)
+    batcher.start()
+    try:
+        batcher.submit_search(["a", "b"], SearchParams(k=1)).result(10)  # the pace: a full batch measured
+        assert batcher.pace >= 0.02
+        first, second = batcher.admit(), batcher.admit()
+        assert batcher.pending == 2 and batcher.expected_wait() >= 0.04
+        with pytest.raises(Overloaded, match="the limit is 50 ms"):
+            batcher.admit()
+        assert batcher.refused == {"edge": 1, "queue": 0}
+        with pytest.raises(Overloaded):  # one not admitted is checked at submission against the admitted too
+            batcher.submit_search(["unadmitted"], SearchParams(k=1))
+        assert batcher.refused == {"edge": 1, "queue": 1}
+        answer = batcher.submit_search(["admitted"], SearchParams(k=1), admission=first)
+        assert batcher.pending == 1
+        second.release()
+        second.release()  # idempotent
+        assert batcher.pending == 0
+        assert answer.result(10).hits[0]
+        result = answer.result()
+        assert result.waited >= 0 and result.ran >= 0.02  # its batch encoded for 20 ms
+    finally:
+        batcher.stop(timeout=10)
+
+
+def _engine_busy_and_budget_spent(service: Service, client: TestClient) -> tuple[threading.Event, list[Any]]:
+    """The engine's pace learnt (20 ms a query), its thread held, and one query queued: one more is 40 ms."""
+    client.post("/search", json={"query": "pace"})
+    running, release = threading.Event(), threading.Event()
+    service.batcher.call(lambda: (running.set(), release.wait(10)))
+    assert running.wait(10)
+    return release, [service.batcher.submit_search(["waiting"], SearchParams(k=1))]
+
+
+def test_an_overloaded_server_refuses_before_reading_the_body(index: Path) -> None:
+    """The 429 comes before the body is read or parsed (ASGI ``receive`` is never called, and a body that is
+    not even JSON gets 429, not 422), with ``Retry-After``; a request without the API key still gets its 401;
+    /health is never refused; /info and /metrics show the admission state."""
+    options = ServeOptions(watch_interval=0, max_queue_ms=30, max_batch=1)
+    service = Service(index, options, encoder=SlowEncoder())
+    app = create_app(service, api_key="k" * 20)
+    auth = {"Authorization": "Bearer " + "k" * 20}
+    with TestClient(app) as client:
+        wait_for(lambda: client.get("/ready", headers=auth).status_code == 200)
+        release, answers = _engine_busy_and_budget_spent(service, TestClient(app, headers=auth))
+        try:
+            json_type = {**auth, "Content-Type": "application/json"}
+            response = client.post("/search", content=b"{not json", headers=json_type)
+            assert response.status_code == 429 and response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "overloaded" and "the limit is 30 ms" in response.text
+            assert response.headers["x-content-type-options"] == "nosniff"
+            assert client.post("/search", json={"query": "no key"}).status_code == 401
+            assert client.post("/v1/embeddings", json={"model": "m", "input": "x"}, headers=auth).status_code == 429
+            assert client.get("/search", params={"q": "x"}, headers=auth).status_code == 429
+            assert client.get("/health").status_code == 200
+
+            sent: list[dict[str, Any]] = []
+
+            async def receive() -> dict[str, Any]:
+                raise AssertionError("the body was read")
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            scope = {
+                "type": "http",
+                "asgi": {"version": "3.0"},
+                "http_version": "1.1",
+                "method": "POST",
+                "scheme": "http",
+                "path": "/embed",
+                "raw_path": b"/embed",
+                "query_string": b"",
+                "root_path": "",
+                "headers": [(b"host", b"testserver"), (b"authorization", auth["Authorization"].encode())],
+                "client": ("127.0.0.1", 1),
+                "server": ("testserver", 80),
+                "state": {},
+            }
+            client.portal.call(app, scope, receive, send)  # type: ignore[union-attr]
+            assert sent[0]["status"] == 429
+
+            info = client.get("/info", headers=auth).json()["server"]["admission"]
+            assert info["queued_queries"] == 1 and info["admitted_requests"] == 0
+            assert info["pace_ms_per_query"] >= 20 and info["expected_wait_ms"] >= 20 and info["max_queue_ms"] == 30
+            assert info["refused"] == {"edge": 4, "queue": 0}
+            text = client.get("/metrics", headers=auth).text
+            assert "\nretrieval_admission_expected_wait_seconds 0.02" in text
+            assert 'retrieval_errors_total{code="overloaded"} 4' in text
+            assert 'retrieval_requests_total{method="POST",route="/search",status="429"} 1' in text
+        finally:
+            release.set()
+        assert all(a.result(10).hits for a in answers)
+        assert service.batcher.pending == 0
+
+
+def test_answers_say_where_their_time_went(client: TestClient) -> None:
+    """``Server-Timing`` on the engine's routes: the app's time, of which the queue's and the engine's."""
+    timing = client.post("/search", json={"query": QUERY}).headers["server-timing"]
+    parts = dict(part.strip().split(";dur=") for part in timing.split(","))
+    assert set(parts) == {"app", "queue", "engine"}
+    assert float(parts["app"]) >= float(parts["queue"]) + float(parts["engine"]) - 0.5 >= -0.5
+    assert "app;dur=" in client.post("/search", json={}).headers["server-timing"]  # a 422 too: no engine part
+    assert "server-timing" not in client.get("/health").headers
+
+
+def test_embedding_jobs_get_their_token_counts_from_the_engine_thread(index: Path) -> None:
+    encoder = FakeEncoder()
+    searcher = Searcher.load(index, encoder=encoder)
+    seen: list[str] = []
+    original = searcher.token_counts
+
+    def counted(texts: Any) -> list[int]:
+        seen.append(threading.current_thread().name)
+        return original(texts)
+
+    searcher.token_counts = counted  # type: ignore[method-assign]
+    batcher = Batcher(lambda: searcher)
+    batcher.start()
+    try:
+        texts = ["one two three", "four"]
+        result = batcher.submit_embed(texts, count_tokens=True).result(10)
+        assert result.tokens == original(texts) == [3, 1]
+        assert batcher.submit_embed(texts).result(10).tokens is None
+        assert seen == ["retrieval-batcher-0"]
+    finally:
+        batcher.stop(timeout=10)
+
+
 def test_stop_answers_every_queued_job_before_the_engine_ends(index: Path) -> None:
     """Shutdown drains: jobs queued while a batch runs are still answered after stop() was called."""
     searcher = Searcher.load(index, encoder=FakeEncoder())
