@@ -1393,6 +1393,24 @@ def test_requests_admitted_but_not_yet_queued_count_as_work_ahead(index: Path) -
         batcher.stop(timeout=10)
 
 
+def test_the_work_ahead_counts_what_is_left_of_the_running_batch(index: Path) -> None:
+    """A request queued behind a batch that has just begun waits for all of it: the expected wait counts what
+    is left of it at the engine's pace (here 2 queries of 20 ms: about 40 ms, falling as it runs, 0 once done)."""
+    searcher = Searcher.load(index, encoder=SlowEncoder())
+    batcher = Batcher(lambda: searcher, max_batch=2)
+    batcher.start()
+    try:
+        batcher.submit_search(["a", "b"], SearchParams(k=1)).result(10)  # the pace
+        assert batcher.expected_wait() == 0.0
+        running = batcher.submit_search(["c", "d"], SearchParams(k=1))
+        wait_for(lambda: batcher.queued == 0)
+        assert 0.0 < batcher.expected_wait() <= 2 * batcher.pace + 1e-9
+        running.result(10)
+        wait_for(lambda: batcher.expected_wait() == 0.0)
+    finally:
+        batcher.stop(timeout=10)
+
+
 def _engine_busy_and_budget_spent(service: Service, client: TestClient) -> tuple[threading.Event, list[Any]]:
     """The engine's pace learnt (20 ms a query), its thread held, and one query queued: one more is 40 ms."""
     client.post("/search", json={"query": "pace"})

@@ -139,6 +139,7 @@ class Batcher:
         self._pending = 0  # requests admitted (``admit``) and not yet submitted: each one query of work ahead
         self.refused = {"edge": 0, "queue": 0}  # requests refused by ``admit`` / at submission, since the start
         self._per_query = 0.0  # engine seconds per query, a moving average over batches (0: none measured yet)
+        self._running: dict[int, tuple[float, int]] = {}  # per worker thread: its batch's start and queries
         self.current = current
         self.max_batch = max_batch
         self.max_wait = max_wait
@@ -248,9 +249,13 @@ class Batcher:
         return self._queued
 
     def expected_wait(self, more: int = 0) -> float:
-        """Seconds the engine needs for the queries waiting (and the requests admitted, one query each) and
-        ``more``, at the pace of its recent batches."""
-        return (self._queued + self._pending + more) * self._per_query / self.workers
+        """Seconds before the engine is done with the queries waiting (and the requests admitted, one query
+        each) and ``more``, at the pace of its recent batches: what is left of the batches running too. Without
+        them a request accepted behind a full batch that had just begun waited that whole batch beyond the
+        budget (256 clients: queue p99 127 ms at a 100 ms budget)."""
+        now, pace = time.perf_counter(), self._per_query
+        running = sum(max(0.0, queries * pace - (now - began)) for began, queries in list(self._running.values()))
+        return ((self._queued + self._pending + more) * pace + running) / self.workers
 
     def _paced(self, queries: int, seconds: float) -> None:
         """Fold a finished batch into the pace (seconds per query): a moving average over about ten batches, so
@@ -287,7 +292,10 @@ class Batcher:
             jobs = self._take()
             if not jobs:
                 return
-            self._process(jobs)
+            try:
+                self._process(jobs)
+            finally:
+                self._running.pop(threading.get_ident(), None)
 
     def _take(self) -> list[_Job]:
         """The next batch: the first waiting job, then more while they fit, waiting at most max_wait for them, and
@@ -325,6 +333,7 @@ class Batcher:
                 self._cond.wait(left)
             self._queued -= size
             self._last_size = size
+            self._running[threading.get_ident()] = (time.perf_counter(), size)
             return jobs
 
     def _process(self, jobs: list[_Job]) -> None:
