@@ -138,7 +138,10 @@ class Batcher:
         self.max_queue_wait = max_queue_wait
         self._pending = 0  # requests admitted (``admit``) and not yet submitted: each one query of work ahead
         self.refused = {"edge": 0, "queue": 0}  # requests refused by ``admit`` / at submission, since the start
-        self._per_query = 0.0  # engine seconds per query, a moving average over batches (0: none measured yet)
+        # A batch's engine seconds, fitted over recent batches as fixed + per query (``_paced``); 0: none yet.
+        self._fixed = 0.0
+        self._per_query = 0.0
+        self._fit = (0.0, 0.0, 0.0, 0.0, 0.0)  # decayed sums over batches: weight, n, seconds, n * n, n * seconds
         self._running: dict[int, tuple[float, int]] = {}  # per worker thread: its batch's start and queries
         self.current = current
         self.max_batch = max_batch
@@ -187,8 +190,13 @@ class Batcher:
 
     @property
     def pace(self) -> float:
-        """Engine seconds per query, as measured over recent batches (0: none measured yet)."""
-        return self._per_query
+        """Engine seconds per query of a full batch, as measured over recent batches (0: none measured yet)."""
+        return self._fixed / self.max_batch + self._per_query
+
+    @property
+    def batch_cost(self) -> tuple[float, float]:
+        """A batch's engine seconds as fitted over recent batches: (fixed, per query)."""
+        return self._fixed, self._per_query
 
     def submit_search(
         self, texts: Sequence[str], params: SearchParams, admission: Admission | None = None
@@ -253,18 +261,35 @@ class Batcher:
         each) and ``more``, at the pace of its recent batches: what is left of the batches running too. Without
         them a request accepted behind a full batch that had just begun waited that whole batch beyond the
         budget (256 clients: queue p99 127 ms at a 100 ms budget)."""
-        now, pace = time.perf_counter(), self._per_query
-        running = sum(max(0.0, queries * pace - (now - began)) for began, queries in list(self._running.values()))
-        return ((self._queued + self._pending + more) * pace + running) / self.workers
+        now, fixed, per_query = time.perf_counter(), self._fixed, self._per_query
+        running = sum(
+            max(0.0, fixed + queries * per_query - (now - began)) for began, queries in list(self._running.values())
+        )
+        waiting = self._queued + self._pending + more
+        batches = -(-waiting // self.max_batch)  # the batches they take at least
+        return (batches * fixed + waiting * per_query + running) / self.workers
 
     def _paced(self, queries: int, seconds: float) -> None:
-        """Fold a finished batch into the pace (seconds per query): a moving average over about ten batches, so
-        the estimate follows the load (a busier machine, longer texts) within a second or so. Only batches at
-        least half full count: a batch's fixed cost spread over a few queries made the pace several times what
-        the queued queries cost once they are batched, and 4 clients of a busy machine were refused."""
-        if queries and 2 * queries >= self.max_batch:
-            pace = seconds / queries
-            self._per_query = pace if not self._per_query else 0.9 * self._per_query + 0.1 * pace
+        """Fold a finished batch into the cost model: seconds = fixed + per query x queries, a least-squares fit
+        over recent batches (weights decaying by 5% a batch, so it follows the load: a busier machine, longer
+        texts). Batches of one size alone tell only what such a batch costs: all of it is taken as fixed.
+        A single pace per query, learnt from batches at least half full only (a small batch's fixed cost spread
+        over its few queries made it several times what queued queries cost once batched), went stale at 256
+        clients, whose batches under a 100 ms budget held fewer queries than half of ``max_batch``."""
+        if not queries:
+            return
+        w, n, t, nn, nt = (0.95 * x for x in self._fit)
+        w, n, t, nn, nt = w + 1, n + queries, t + seconds, nn + queries * queries, nt + queries * seconds
+        self._fit = (w, n, t, nn, nt)
+        mean_n, mean_t = n / w, t / w
+        spread = nn / w - mean_n * mean_n
+        fixed, per_query = mean_t, 0.0
+        if spread > 0.25:  # sizes that differ: the slope is measured
+            per_query = max(0.0, (nt / w - mean_n * mean_t) / spread)
+            fixed = mean_t - per_query * mean_n
+            if fixed < 0:  # no fixed part measurable: all of it per query
+                fixed, per_query = 0.0, mean_t / mean_n
+        self._fixed, self._per_query = fixed, per_query
 
     # ----- the worker ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -333,7 +358,8 @@ class Batcher:
                 self._cond.wait(left)
             self._queued -= size
             self._last_size = size
-            self._running[threading.get_ident()] = (time.perf_counter(), size)
+            if size:  # a call (``call``) is no batch of the model's
+                self._running[threading.get_ident()] = (time.perf_counter(), size)
             return jobs
 
     def _process(self, jobs: list[_Job]) -> None:
