@@ -27,7 +27,7 @@ from retrieval.indexdir import Identity, IndexDir, Verify, check_verify
 from retrieval.manifest import now
 from retrieval.options import option
 from retrieval.search import MAX_K, Searcher
-from retrieval.serve.autothreads import ThreadChooser
+from retrieval.serve.autothreads import IdleCores, ThreadChooser
 from retrieval.serve.batching import Batcher, BatchStats
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,8 @@ class Service:
         self.reloads = {"ok": 0, "failed": 0}  # loads, the first one included
         self.on_batch = on_batch  # called with each batch's BatchStats (the app's metrics set it)
         self._torch_encoder = False  # the serving version encodes with torch (its thread count is ours to set)
-        self.threads = ThreadChooser(self._set_torch_threads) if options.torch_threads == "auto" else None
+        auto = options.torch_threads == "auto"
+        self.threads = ThreadChooser(self._set_torch_threads, idle=IdleCores()) if auto else None
         self.batcher = Batcher(
             self.searcher,
             max_batch=options.max_batch,
