@@ -237,8 +237,9 @@ def embeddings(index: Path, queries: list[str], seconds: float, log: Path) -> di
         server.stop()
 
 
-def overload(index: Path, queries: list[str], seconds: float, log: Path) -> dict[str, Any]:
-    server = Server(index, log, "--watch-interval", "0")
+def overload(index: Path, queries: list[str], seconds: float, log: Path, budget: float | None) -> dict[str, Any]:
+    options = ["--watch-interval", "0"] + ([] if budget is None else ["--max-queue-ms", str(budget)])
+    server = Server(index, log, *options)
     try:
         server.wait_ready()
 
@@ -292,6 +293,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0, help=f"the {CLIENTS_SEARCH}-client run")
     ap.add_argument("--embed-seconds", type=float, default=20.0, help="each /v1/embeddings level")
     ap.add_argument("--out", default="overload", help="folder under results/")
+    ap.add_argument("--max-queue-ms", type=float, help="the server's admission budget (default: its own default)")
     args = ap.parse_args()
     benchlib.hold_bench_lock()  # timed: never beside another benchmark
     out = benchlib.out_dir(args.out)
@@ -300,7 +302,7 @@ def main() -> None:
     index = args.index or build(args.work, args.rows, args.data)
     queries = load_queries(args.data)
     embed = embeddings(index, queries, args.embed_seconds, log)
-    load = overload(index, queries, args.seconds, log)
+    load = overload(index, queries, args.seconds, log, args.max_queue_ms)
     rows = targets(embed, load)
     shown = index.resolve().relative_to(benchlib.REPO) if index.resolve().is_relative_to(benchlib.REPO) else index
     record = {"machine": machine, "index": str(shown), "embeddings": embed, "overload": load, "targets": rows}
