@@ -327,7 +327,26 @@ def main() -> None:
             + [("errors", "errors")],
         ),
         "",
-        f"POST /search, {CLIENTS_SEARCH} clients for {load['seconds']} s: statuses {load['statuses']}.",
+        f"POST /search, {CLIENTS_SEARCH} clients for {load['seconds']} s: statuses {load['statuses']}; refused "
+        f"by the server {load['admission']['refused']} (edge: before the body was read; late: after waiting "
+        f"longer than {load['admission']['max_queue_ms']:g} ms); {load['ok_per_s']:.0f} answered a second.",
+        "",
+        "Where the time of an accepted request went (ms; the parts' percentiles do not add up to the total's):",
+        "",
+        benchlib.md_table(
+            [{"part": "total (client)", "p50": load["p50_ms"], "p99": load["p99_ms"]}]
+            + [{"part": part, **spread} for part, spread in load["where_ms"].items()],
+            [("part", "part"), ("p50", "p50"), ("p99", "p99"), ("mean", "mean")],
+        ),
+        "",
+        "before_app: the client's measure less the app's (the server's event loop before the request reached the "
+        "app, the network, the generator's own loop); app: the server app's time, of which queue (waiting for the "
+        "engine) and engine (its batch), app_other the rest (parsing, validation, the answer's JSON).",
+        "",
+        f"CPU share of the machine's {benchlib.cpu()['cores']} cores over the {CLIENTS_SEARCH}-client run: the "
+        f"load generator {load['generator_cpu_share']:.1%} (its loop's lag p99 "
+        f"{load['generator_loop_lag_ms']['p99']:.1f} ms), the server {load['server_cpu_share']:.1%}; the rest "
+        "was idle or other processes'.",
     ]
     benchlib.write_md(out / "overload.md", "\n".join(text))
     print("\n".join(text))
