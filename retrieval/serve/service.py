@@ -91,8 +91,8 @@ class ServeOptions:
     # ... and the work ahead, in milliseconds at the engine's recent pace, before new requests get 429 (0: no
     # limit); a request taken after waiting longer than this is refused too (429), not served late. 256
     # closed-loop clients on a 2-core machine queued ~1 s of work each time (p99 ~1 s, no 429) with only the
-    # count. scripts/bench_overload.py, 256 clients, two cores shared with other jobs: p99 of accepted 362 ms
-    # at 100 ms (load average 5-6), 220 ms at 50 ms (load average 2.5-4.5) with more answered (338 vs 298/s).
+    # count. scripts/bench_overload.py, 256 clients, two cores shared with other jobs, two runs back to back:
+    # p99 of accepted 258 ms at 50 ms, 375 ms at 100 ms, with as many answered (319 vs 310 a second).
     max_queue_ms: float = option(
         50.0,
         "Work ahead of a request, in ms at the engine's recent pace, before 429; also the longest a request "
