@@ -1405,6 +1405,20 @@ def test_requests_admitted_but_not_yet_queued_count_as_work_ahead(index: Path) -
         batcher.stop(timeout=10)
 
 
+def test_one_slow_batch_counts_at_most_three_times_what_the_model_said(index: Path) -> None:
+    """A single pathological batch (here 1 s where batches take 20 ms) must not set the cost for the batches
+    after it: it counts as at most 3x the prediction, and a lasting slowdown is followed 3x a batch."""
+    searcher = Searcher.load(index, encoder=SlowEncoder())
+    batcher = Batcher(lambda: searcher)
+    batcher._paced(1, 0.02)
+    batcher._paced(1, 1.0)
+    fixed, _ = batcher.batch_cost
+    assert fixed < 0.06
+    for _ in range(3):
+        batcher._paced(1, 1.0)
+    assert batcher.batch_cost[0] > 0.1  # it keeps being slow: followed
+
+
 def test_the_work_ahead_counts_what_is_left_of_the_running_batch(index: Path) -> None:
     """A request queued behind a batch that has just begun waits for all of it: the expected wait counts what
     is left of it at the engine's pace (here 2 queries of 20 ms: about 40 ms, falling as it runs, 0 once done)."""
@@ -1430,12 +1444,20 @@ def test_a_request_that_waited_longer_than_the_budget_is_refused_not_served_late
     """Admission estimates; when the engine turns out slower than it said, a request taken after waiting longer
     than ``max_queue_wait`` gets ``Overloaded`` (429) instead of a late answer. The one that did not wait so
     long, in the same batch, is answered; with no budget (0) nothing is refused so."""
-    searcher = Searcher.load(index, encoder=FakeEncoder())
-    batcher = Batcher(lambda: searcher, max_batch=8, max_queue_wait=budget)
     running, release = threading.Event(), threading.Event()
+
+    class Blocking(FakeEncoder):
+        def encode(self, texts: Any) -> np.ndarray:
+            if "block" in texts:
+                running.set()
+                release.wait(10)
+            return super().encode(texts)
+
+    searcher = Searcher.load(index, encoder=Blocking())
+    batcher = Batcher(lambda: searcher, max_batch=8, max_queue_wait=budget)
     batcher.start()
     try:
-        batcher.call(lambda: (running.set(), release.wait(10)))
+        blocking = batcher.submit_search(["block"], SearchParams(k=1))  # a batch the engine is slower on
         assert running.wait(10)
         early = batcher.submit_search(["early"], SearchParams(k=1))
         time.sleep(0.08)
@@ -1447,7 +1469,28 @@ def test_a_request_that_waited_longer_than_the_budget_is_refused_not_served_late
                 early.result(10)
         else:
             assert early.result(10).hits[0]
-        assert batcher.refused["late"] == refused
+        assert batcher.refused["late"] == refused and blocking.result(10).hits[0]
+    finally:
+        release.set()
+        batcher.stop(timeout=10)
+
+
+def test_waiting_behind_a_call_or_for_a_batch_to_fill_is_not_lateness(index: Path) -> None:
+    """Time behind the server's own work in the engine (a call: warming a new version) and the engine's own
+    wait for a batch to fill (``max_wait``) are not counted against ``max_queue_wait``."""
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    batcher = Batcher(lambda: searcher, max_batch=8, max_queue_wait=0.02, max_wait=0.05)
+    running, release = threading.Event(), threading.Event()
+    batcher.start()
+    try:
+        batcher.call(lambda: (running.set(), release.wait(10)))
+        assert running.wait(10)
+        behind = batcher.submit_search(["behind a call"], SearchParams(k=1))
+        time.sleep(0.08)
+        release.set()
+        assert behind.result(10).hits[0]
+        assert batcher.submit_search(["alone, waiting 50 ms for company"], SearchParams(k=1)).result(10).hits[0]
+        assert batcher.refused["late"] == 0
     finally:
         release.set()
         batcher.stop(timeout=10)
