@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,7 @@ from retrieval.serve.autothreads import (
     EXPLORE_MAX_S,
     EXPLORE_S,
     SAMPLES,
+    IdleCores,
     ThreadChooser,
     default_choices,
     size_class,
@@ -157,3 +160,30 @@ def test_a_deterministic_policy_keeps_every_core_and_an_injected_one_its_answer(
     assert {machine.batch(chooser, 8) for _ in range(20)} == {4} and machine.applied == [4]
     with timing.use(timing.Policy(answers={"threads": "1"})):
         assert machine.batch(chooser, 8) == 1
+
+
+def test_more_threads_are_tried_only_where_cores_are_idle() -> None:
+    """With no core idle (other processes on them all), two threads are never tried: each try would be a batch
+    at several times the cost. Once a core is idle they are measured and, faster, kept."""
+    machine = Machine({1: 0.010, 2: 0.006})
+    idle = [0.0]
+    chooser = ThreadChooser(machine.applied.append, (1, 2), clock=lambda: machine.now, idle=lambda: idle[0])
+    used = [machine.batch(chooser, 8) for _ in range(200)]
+    assert set(used) == {1} and machine.applied == [1]
+    idle[0] = 1.0
+    used = [machine.batch(chooser, 8) for _ in range(20)]
+    assert used[:SAMPLES] == [2] * SAMPLES and set(used[SAMPLES:]) == {2}
+    idle[0] = 0.0  # in use now: two threads stay choosable, judged by their own timings
+    machine.per_query = {1: 0.020, 2: 0.080}
+    used = [machine.batch(chooser, 8) for _ in range(20)]
+    assert used[-1] == 1
+
+
+def test_idle_cores_are_read_from_proc_stat(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 100 800 0 0 0 0 0 0\n")
+    idle = IdleCores(interval=0.0, path=str(stat))
+    assert idle() is None  # one sample: nothing to compare yet
+    stat.write_text("cpu  150 0 150 900 0 0 0 0 0 0\n")  # 200 jiffies, 100 of them idle: half the cores
+    assert idle() == pytest.approx(0.5 * (os.cpu_count() or 1))
+    assert IdleCores(path=str(tmp_path / "none"))() is None

@@ -1318,6 +1318,7 @@ def test_the_queue_is_bounded_by_the_time_its_work_takes_too(index: Path) -> Non
             for i in range(100):
                 accepted.append(batcher.submit_search([f"q{i}"], SearchParams(k=1)))
         assert 1 <= len(accepted) <= 5 and batcher.expected_wait(1) > 0.1
+        batcher.max_queue_wait = 0  # those taken are answered, however long this took (not refused as late)
         release.set()
         assert all(f.result(10).hits[0] for f in accepted)  # those taken are answered
         wait_for(lambda: batcher.queued == 0)
@@ -1327,16 +1328,23 @@ def test_the_queue_is_bounded_by_the_time_its_work_takes_too(index: Path) -> Non
         batcher.stop(timeout=10)
 
 
-def test_the_pace_is_learnt_from_batches_at_least_half_full(index: Path) -> None:
-    """A batch of 1 of at most 8 costs the whole batch's fixed part: taken as the pace, a few clients on a busy
-    machine were refused. Only a batch at least half full sets the pace."""
+def test_the_cost_of_a_batch_is_fitted_as_a_fixed_part_and_a_part_per_query(index: Path) -> None:
+    """Batches of one size alone tell only what such a batch costs: a batch of 1 (20 ms) sets the fixed part,
+    so 100 queued queries are 13 batches of at most 8, 260 ms, not 100 of 20 ms. Batches of other sizes measure
+    the part per query (here all of it: 20 ms a query, no fixed part)."""
     searcher = Searcher.load(index, encoder=SlowEncoder())
-    batcher = Batcher(lambda: searcher, max_batch=8, max_queue_wait=0.001)
+    seconds: list[float] = []
+    batcher = Batcher(lambda: searcher, max_batch=8, max_queue_wait=0.001, on_batch=lambda b: seconds.append(b.seconds))
     batcher.start()
     try:
         batcher.submit_search(["alone"], SearchParams(k=1)).result(10)
-        assert batcher.expected_wait(100) == 0.0
+        wait_for(lambda: len(seconds) == 1)
+        fixed, per_query = batcher.batch_cost
+        assert fixed == pytest.approx(seconds[0], abs=0.002) and fixed >= 0.02 and per_query == 0.0
+        assert batcher.expected_wait(100) == pytest.approx(13 * fixed)
         batcher.submit_search([f"q{i}" for i in range(4)], SearchParams(k=1)).result(10)
+        fixed, per_query = batcher.batch_cost
+        assert fixed < seconds[0] and per_query >= 0.015  # most of a batch's cost is now per query
         assert batcher.expected_wait(1) >= 0.02  # 20 ms a query
     finally:
         batcher.stop(timeout=10)
@@ -1355,11 +1363,243 @@ def test_a_full_queue_is_a_429_that_says_when_to_retry(index: Path) -> None:
             answers = [service.batcher.submit_search(["waiting"], SearchParams(k=1))]
             response = client.post("/search", json={"query": "one too many"})
         finally:
+            service.batcher.max_queue_wait = 0  # the held query is answered, however long this took
             release.set()
         assert response.status_code == 429 and response.headers["retry-after"] == "1"
         assert response.json()["error"]["code"] == "overloaded" and "the limit is 30 ms" in response.text
         assert all(a.result(10).hits for a in answers)
         assert client.get("/info").json()["server"]["limits"]["max_queue_ms"] == 30
+
+
+def test_requests_admitted_but_not_yet_queued_count_as_work_ahead(index: Path) -> None:
+    """``admit`` lets a request in before its body is read: until it is submitted, it counts as one query of
+    work ahead of later ones (a batch of 2 of at least 40 ms, a budget of 1.5 batches: two admitted, the third
+    refused, whatever the machine's speed). Submitting one with its
+    admission is never refused (it was counted when let in); releasing one that never reached the engine frees
+    its place."""
+    searcher = Searcher.load(index, encoder=SlowEncoder())
+    batcher = Batcher(lambda: searcher, max_batch=2, max_queue_wait=1.0)
+    batcher.start()
+    try:
+        batcher.submit_search(["a", "b"], SearchParams(k=1)).result(10)  # the pace: a full batch measured
+        fixed, _ = batcher.batch_cost
+        assert fixed >= 0.04 and batcher.pace >= 0.02
+        batcher.max_queue_wait = 1.5 * fixed
+        first, second = batcher.admit(), batcher.admit()
+        assert batcher.pending == 2 and batcher.expected_wait() == pytest.approx(fixed)
+        with pytest.raises(Overloaded, match="the limit is"):
+            batcher.admit()
+        assert batcher.refused == {"edge": 1, "queue": 0, "late": 0}
+        with pytest.raises(Overloaded):  # one not admitted is checked at submission against the admitted too
+            batcher.submit_search(["unadmitted"], SearchParams(k=1))
+        assert batcher.refused == {"edge": 1, "queue": 1, "late": 0}
+        answer = batcher.submit_search(["admitted"], SearchParams(k=1), admission=first)
+        assert batcher.pending == 1
+        second.release()
+        second.release()  # idempotent
+        assert batcher.pending == 0
+        assert answer.result(10).hits[0]
+        result = answer.result()
+        assert result.waited >= 0 and result.ran >= 0.02  # its batch encoded for 20 ms
+    finally:
+        batcher.stop(timeout=10)
+
+
+def test_one_slow_batch_counts_at_most_three_times_what_the_model_said(index: Path) -> None:
+    """A single pathological batch (here 1 s where batches take 20 ms) must not set the cost for the batches
+    after it: it counts as at most 3x the prediction, and a lasting slowdown is followed 3x a batch."""
+    searcher = Searcher.load(index, encoder=SlowEncoder())
+    batcher = Batcher(lambda: searcher)
+    batcher._paced(1, 0.02)
+    batcher._paced(1, 1.0)
+    fixed, _ = batcher.batch_cost
+    assert fixed < 0.06
+    for _ in range(3):
+        batcher._paced(1, 1.0)
+    assert batcher.batch_cost[0] > 0.1  # it keeps being slow: followed
+
+
+def test_the_work_ahead_counts_what_is_left_of_the_running_batch(index: Path) -> None:
+    """A request queued behind a batch that has just begun waits for all of it: the expected wait counts what
+    is left of it at the engine's pace (here 2 queries of 20 ms: about 40 ms, falling as it runs, 0 once done)."""
+    searcher = Searcher.load(index, encoder=SlowEncoder())
+    batcher = Batcher(lambda: searcher, max_batch=2)
+    batcher.start()
+    try:
+        batcher.submit_search(["a", "b"], SearchParams(k=1)).result(10)  # the pace
+        assert batcher.expected_wait() == 0.0
+        running = batcher.submit_search(["c", "d"], SearchParams(k=1))
+        wait_for(lambda: batcher.queued == 0)
+        assert 0.0 < batcher.expected_wait() <= 2 * batcher.pace + 1e-9
+        running.result(10)
+        wait_for(lambda: batcher.expected_wait() == 0.0)
+    finally:
+        batcher.stop(timeout=10)
+
+
+@pytest.mark.parametrize(("budget", "refused"), [(0.05, 1), (0.0, 0)])
+def test_a_request_that_waited_longer_than_the_budget_is_refused_not_served_late(
+    index: Path, budget: float, refused: int
+) -> None:
+    """Admission estimates; when the engine turns out slower than it said, a request taken after waiting longer
+    than ``max_queue_wait`` gets ``Overloaded`` (429) instead of a late answer. The one that did not wait so
+    long, in the same batch, is answered; with no budget (0) nothing is refused so."""
+    running, release = threading.Event(), threading.Event()
+
+    class Blocking(FakeEncoder):
+        def encode(self, texts: Any) -> np.ndarray:
+            if "block" in texts:
+                running.set()
+                release.wait(10)
+            return super().encode(texts)
+
+    searcher = Searcher.load(index, encoder=Blocking())
+    batcher = Batcher(lambda: searcher, max_batch=8, max_queue_wait=budget)
+    batcher.start()
+    try:
+        blocking = batcher.submit_search(["block"], SearchParams(k=1))  # a batch the engine is slower on
+        assert running.wait(10)
+        early = batcher.submit_search(["early"], SearchParams(k=1))
+        time.sleep(0.08)
+        late = batcher.submit_search(["late"], SearchParams(k=1))  # both queued: 80 ms and about none
+        release.set()
+        assert late.result(10).hits[0]
+        if refused:
+            with pytest.raises(Overloaded, match="longer than the limit of 50 ms"):
+                early.result(10)
+        else:
+            assert early.result(10).hits[0]
+        assert batcher.refused["late"] == refused and blocking.result(10).hits[0]
+    finally:
+        release.set()
+        batcher.stop(timeout=10)
+
+
+def test_waiting_behind_a_call_or_for_a_batch_to_fill_is_not_lateness(index: Path) -> None:
+    """Time behind the server's own work in the engine (a call: warming a new version) and the engine's own
+    wait for a batch to fill (``max_wait``) are not counted against ``max_queue_wait``."""
+    searcher = Searcher.load(index, encoder=FakeEncoder())
+    batcher = Batcher(lambda: searcher, max_batch=8, max_queue_wait=0.02, max_wait=0.05)
+    running, release = threading.Event(), threading.Event()
+    batcher.start()
+    try:
+        batcher.call(lambda: (running.set(), release.wait(10)))
+        assert running.wait(10)
+        behind = batcher.submit_search(["behind a call"], SearchParams(k=1))
+        time.sleep(0.08)
+        release.set()
+        assert behind.result(10).hits[0]
+        assert batcher.submit_search(["alone, waiting 50 ms for company"], SearchParams(k=1)).result(10).hits[0]
+        assert batcher.refused["late"] == 0
+    finally:
+        release.set()
+        batcher.stop(timeout=10)
+
+
+def _engine_busy_and_budget_spent(service: Service, client: TestClient) -> tuple[threading.Event, list[Any]]:
+    """The engine's pace learnt (20 ms a query), its thread held, and one query queued: one more is 40 ms."""
+    client.post("/search", json={"query": "pace"})
+    running, release = threading.Event(), threading.Event()
+    service.batcher.call(lambda: (running.set(), release.wait(10)))
+    assert running.wait(10)
+    return release, [service.batcher.submit_search(["waiting"], SearchParams(k=1))]
+
+
+def test_an_overloaded_server_refuses_before_reading_the_body(index: Path) -> None:
+    """The 429 comes before the body is read or parsed (ASGI ``receive`` is never called, and a body that is
+    not even JSON gets 429, not 422), with ``Retry-After``; a request without the API key still gets its 401;
+    /health is never refused; /info and /metrics show the admission state."""
+    options = ServeOptions(watch_interval=0, max_queue_ms=30, max_batch=1)
+    service = Service(index, options, encoder=SlowEncoder())
+    app = create_app(service, api_key="k" * 20)
+    auth = {"Authorization": "Bearer " + "k" * 20}
+    with TestClient(app) as client:
+        wait_for(lambda: client.get("/ready", headers=auth).status_code == 200)
+        release, answers = _engine_busy_and_budget_spent(service, TestClient(app, headers=auth))
+        try:
+            json_type = {**auth, "Content-Type": "application/json"}
+            response = client.post("/search", content=b"{not json", headers=json_type)
+            assert response.status_code == 429 and response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "overloaded" and "the limit is 30 ms" in response.text
+            assert response.headers["x-content-type-options"] == "nosniff"
+            assert client.post("/search", json={"query": "no key"}).status_code == 401
+            assert client.post("/v1/embeddings", json={"model": "m", "input": "x"}, headers=auth).status_code == 429
+            assert client.get("/search", params={"q": "x"}, headers=auth).status_code == 429
+            assert client.get("/health").status_code == 200
+
+            sent: list[dict[str, Any]] = []
+
+            async def receive() -> dict[str, Any]:
+                raise AssertionError("the body was read")
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            scope = {
+                "type": "http",
+                "asgi": {"version": "3.0"},
+                "http_version": "1.1",
+                "method": "POST",
+                "scheme": "http",
+                "path": "/embed",
+                "raw_path": b"/embed",
+                "query_string": b"",
+                "root_path": "",
+                "headers": [(b"host", b"testserver"), (b"authorization", auth["Authorization"].encode())],
+                "client": ("127.0.0.1", 1),
+                "server": ("testserver", 80),
+                "state": {},
+            }
+            client.portal.call(app, scope, receive, send)  # type: ignore[union-attr]
+            assert sent[0]["status"] == 429
+
+            info = client.get("/info", headers=auth).json()["server"]["admission"]
+            assert info["queued_queries"] == 1 and info["admitted_requests"] == 0
+            assert info["pace_ms_per_query"] >= 20 and info["expected_wait_ms"] >= 20 and info["max_queue_ms"] == 30
+            assert info["refused"] == {"edge": 4, "queue": 0, "late": 0}
+            text = client.get("/metrics", headers=auth).text
+            wait = next(line for line in text.splitlines() if line.startswith("retrieval_admission_expected_wait_s"))
+            assert float(wait.split()[1]) >= 0.02
+            assert 'retrieval_errors_total{code="overloaded"} 4' in text
+            assert 'retrieval_requests_total{method="POST",route="/search",status="429"} 1' in text
+        finally:
+            service.batcher.max_queue_wait = 0  # the held query is answered, however long this took
+            release.set()
+        assert all(a.result(10).hits for a in answers)
+        assert service.batcher.pending == 0
+
+
+def test_answers_say_where_their_time_went(client: TestClient) -> None:
+    """``Server-Timing`` on the engine's routes: the app's time, of which the queue's and the engine's."""
+    timing = client.post("/search", json={"query": QUERY}).headers["server-timing"]
+    parts = dict(part.strip().split(";dur=") for part in timing.split(","))
+    assert set(parts) == {"app", "queue", "engine"}
+    assert float(parts["app"]) >= float(parts["queue"]) + float(parts["engine"]) - 0.5 >= -0.5
+    assert "app;dur=" in client.post("/search", json={}).headers["server-timing"]  # a 422 too: no engine part
+    assert "server-timing" not in client.get("/health").headers
+
+
+def test_embedding_jobs_get_their_token_counts_from_the_engine_thread(index: Path) -> None:
+    encoder = FakeEncoder()
+    searcher = Searcher.load(index, encoder=encoder)
+    seen: list[str] = []
+    original = searcher.token_counts
+
+    def counted(texts: Any) -> list[int]:
+        seen.append(threading.current_thread().name)
+        return original(texts)
+
+    searcher.token_counts = counted  # type: ignore[method-assign]
+    batcher = Batcher(lambda: searcher)
+    batcher.start()
+    try:
+        texts = ["one two three", "four"]
+        result = batcher.submit_embed(texts, count_tokens=True).result(10)
+        assert result.tokens == original(texts) == [3, 1]
+        assert batcher.submit_embed(texts).result(10).tokens is None
+        assert seen == ["retrieval-batcher-0"]
+    finally:
+        batcher.stop(timeout=10)
 
 
 def test_stop_answers_every_queued_job_before_the_engine_ends(index: Path) -> None:

@@ -34,6 +34,7 @@ from retrieval.errors import ConfigError
 from retrieval.serve.errors import DOCS_ASSETS, install_error_handlers
 from retrieval.serve.metrics import Metrics
 from retrieval.serve.middleware import (
+    Admit,
     HeadAsGet,
     LimitBody,
     LimitHeaders,
@@ -104,6 +105,7 @@ def create_app(service: Service, api_key: str | None = None, manage: bool = True
     app.state.metrics = metrics
     app.add_middleware(HeadAsGet)
     app.add_middleware(LimitBody, max_bytes=options.max_body_bytes)
+    app.add_middleware(Admit, batcher=service.batcher, metrics=metrics)  # before the body is read
     app.add_middleware(RequireHost)
     app.add_middleware(LimitHeaders)  # before anything reads a header
     app.add_middleware(ObserveRequests, metrics=metrics)

@@ -44,16 +44,22 @@ class Stopped(RetrievalError):
 
 @dataclass(frozen=True)
 class SearchResult:
-    """Hits for each query of one job, and which index version answered."""
+    """Hits for each query of one job, which index version answered, the seconds the job waited in the queue
+    and those its batch ran until these hits were ready."""
 
     hits: list[list[Hit]]
     generation: int
+    waited: float = 0.0
+    ran: float = 0.0
 
 
 @dataclass(frozen=True)
 class EmbedResult:
     vectors: np.ndarray  # (n, d) float32: raw encoder output, or in the index's space when transformed
     generation: int
+    waited: float = 0.0
+    ran: float = 0.0
+    tokens: list[int] | None = None  # tokens of each text, counted in the engine thread when the job asked
 
 
 @dataclass
@@ -65,6 +71,27 @@ class _Job:
     dims: int | None = None  # an embedding in the index's space keeping this many directions (``Searcher.project``)
     enqueued: float = field(default_factory=time.perf_counter)
     call: Callable[[], Any] | None = None  # a function to run in an engine thread (``Batcher.call``)
+    count_tokens: bool = False  # an embedding job that wants its texts' token counts (``EmbedResult.tokens``)
+
+
+class Admission:
+    """A request let in by ``Batcher.admit`` before its body was read: counted as one query of work ahead of
+    later requests until it is submitted (``submit_*(..., admission=)``) or ``release``d (it ended without
+    reaching the engine: a validation error, a disconnect). Either is idempotent."""
+
+    __slots__ = ("_batcher", "open")
+
+    def __init__(self, batcher: Batcher):
+        self._batcher, self.open = batcher, True
+
+    def release(self) -> None:
+        with self._batcher._cond:
+            self._close()
+
+    def _close(self) -> None:  # the batcher's lock held
+        if self.open:
+            self.open = False
+            self._batcher._pending -= 1
 
 
 @dataclass(frozen=True)
@@ -109,7 +136,15 @@ class Batcher:
                 "max_batch, max_queue and workers must be positive, max_wait, fill_wait and max_queue_wait non-negative"
             )
         self.max_queue_wait = max_queue_wait
-        self._per_query = 0.0  # engine seconds per query, a moving average over batches (0: none measured yet)
+        self._call_ended = 0.0  # when a call (``call``) last ended: time behind it is not lateness
+        self._pending = 0  # requests admitted (``admit``) and not yet submitted: each one query of work ahead
+        # requests refused by ``admit`` / at submission / when taken after waiting longer than the budget
+        self.refused = {"edge": 0, "queue": 0, "late": 0}
+        # A batch's engine seconds, fitted over recent batches as fixed + per query (``_paced``); 0: none yet.
+        self._fixed = 0.0
+        self._per_query = 0.0
+        self._fit = (0.0, 0.0, 0.0, 0.0, 0.0)  # decayed sums over batches: weight, n, seconds, n * n, n * seconds
+        self._running: dict[int, tuple[float, int]] = {}  # per worker thread: its batch's start and queries
         self.current = current
         self.max_batch = max_batch
         self.max_wait = max_wait
@@ -127,14 +162,61 @@ class Batcher:
         self._threads: list[threading.Thread] = []
 
     # ----- submitting ------------------------------------------------------------------------------------
-    def submit_search(self, texts: Sequence[str], params: SearchParams) -> Future[SearchResult]:
-        return self._submit(_Job(list(texts), params, False, Future()))
+    def admit(self) -> Admission:
+        """Let one more request in, before its body is read, or refuse it (``Overloaded``) when the work ahead of
+        it would already take the engine longer than ``max_queue_wait`` (or exceed ``max_queue``): the queries
+        queued and the requests admitted but not yet submitted, each counted as one query at the engine's pace.
+        Refusing here costs the event loop almost nothing; refusing at submission came after the body was read,
+        parsed and validated, and 256 clients' refusals took the loop that the accepted requests waited for."""
+        with self._cond:
+            if self._stopping:
+                raise Stopped("the server is shutting down")
+            ahead = self._queued + self._pending
+            if ahead and ahead + 1 > self.max_queue:
+                self.refused["edge"] += 1
+                raise Overloaded(f"{ahead} queries are already waiting (the limit is {self.max_queue})")
+            wait = self.expected_wait(1)
+            if ahead and self.max_queue_wait and wait > self.max_queue_wait:
+                self.refused["edge"] += 1
+                raise Overloaded(
+                    f"{ahead} queries are already waiting, about {wait * 1000:.0f} ms of work (the limit is "
+                    f"{self.max_queue_wait * 1000:.0f} ms)"
+                )
+            self._pending += 1
+            return Admission(self)
+
+    @property
+    def pending(self) -> int:
+        """Requests admitted (``admit``) and not yet submitted."""
+        return self._pending
+
+    @property
+    def pace(self) -> float:
+        """Engine seconds per query of a full batch, as measured over recent batches (0: none measured yet)."""
+        return self._fixed / self.max_batch + self._per_query
+
+    @property
+    def batch_cost(self) -> tuple[float, float]:
+        """A batch's engine seconds as fitted over recent batches: (fixed, per query)."""
+        return self._fixed, self._per_query
+
+    def submit_search(
+        self, texts: Sequence[str], params: SearchParams, admission: Admission | None = None
+    ) -> Future[SearchResult]:
+        return self._submit(_Job(list(texts), params, False, Future()), admission)
 
     def submit_embed(
-        self, texts: Sequence[str], transformed: bool = False, dims: int | None = None
+        self,
+        texts: Sequence[str],
+        transformed: bool = False,
+        dims: int | None = None,
+        admission: Admission | None = None,
+        count_tokens: bool = False,
     ) -> Future[EmbedResult]:
-        """Raw vectors, or (``transformed``) in the index's space, its first ``dims`` directions when given."""
-        return self._submit(_Job(list(texts), None, transformed, Future(), dims=dims))
+        """Raw vectors, or (``transformed``) in the index's space, its first ``dims`` directions when given;
+        ``count_tokens``: with each text's token count, counted in the engine thread."""
+        job = _Job(list(texts), None, transformed, Future(), dims=dims, count_tokens=count_tokens)
+        return self._submit(job, admission)
 
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run ``fn`` in an engine thread, before the next batch there: for what must happen in the thread that
@@ -145,18 +227,27 @@ class Batcher:
     def running(self) -> bool:
         return bool(self._threads) and not self._stopping
 
-    def _submit(self, job: _Job) -> Future[Any]:
+    def _submit(self, job: _Job, admission: Admission | None = None) -> Future[Any]:
+        """Queue ``job``. One admitted (``admission``) with one query was counted when it was let in: it is
+        taken. Any other is checked against the limits now, behind the queries queued and the requests admitted."""
         with self._cond:
+            admitted = admission is not None and admission.open
+            if admission is not None:
+                admission._close()
             if self._stopping:
                 raise Stopped("the server is shutting down")
-            if self._queued and self._queued + len(job.texts) > self.max_queue:
-                raise Overloaded(f"{self._queued} queries are already waiting (the limit is {self.max_queue})")
-            wait = self.expected_wait(len(job.texts))
-            if self._queued and self.max_queue_wait and wait > self.max_queue_wait:
-                raise Overloaded(
-                    f"{self._queued} queries are already waiting, about {wait * 1000:.0f} ms of work (the limit is "
-                    f"{self.max_queue_wait * 1000:.0f} ms)"
-                )
+            ahead = self._queued + self._pending
+            if not admitted or len(job.texts) > 1:
+                if ahead and ahead + len(job.texts) > self.max_queue:
+                    self.refused["queue"] += 1
+                    raise Overloaded(f"{ahead} queries are already waiting (the limit is {self.max_queue})")
+                wait = self.expected_wait(len(job.texts))
+                if ahead and self.max_queue_wait and wait > self.max_queue_wait:
+                    self.refused["queue"] += 1
+                    raise Overloaded(
+                        f"{ahead} queries are already waiting, about {wait * 1000:.0f} ms of work (the limit is "
+                        f"{self.max_queue_wait * 1000:.0f} ms)"
+                    )
             self._jobs.append(job)
             self._queued += len(job.texts)
             self._cond.notify()
@@ -168,17 +259,44 @@ class Batcher:
         return self._queued
 
     def expected_wait(self, more: int = 0) -> float:
-        """Seconds the engine needs for the queries waiting and ``more``, at the pace of its recent batches."""
-        return (self._queued + more) * self._per_query / self.workers
+        """Seconds before the engine is done with the queries waiting (and the requests admitted, one query
+        each) and ``more``, at the pace of its recent batches: what is left of the batches running too. Without
+        them a request accepted behind a full batch that had just begun waited that whole batch beyond the
+        budget (256 clients: queue p99 127 ms at a 100 ms budget)."""
+        now, fixed, per_query = time.perf_counter(), self._fixed, self._per_query
+        running = sum(
+            max(0.0, fixed + queries * per_query - (now - began)) for began, queries in list(self._running.values())
+        )
+        waiting = self._queued + self._pending + more
+        batches = -(-waiting // self.max_batch)  # the batches they take at least
+        return (batches * fixed + waiting * per_query + running) / self.workers
 
     def _paced(self, queries: int, seconds: float) -> None:
-        """Fold a finished batch into the pace (seconds per query): a moving average over about ten batches, so
-        the estimate follows the load (a busier machine, longer texts) within a second or so. Only batches at
-        least half full count: a batch's fixed cost spread over a few queries made the pace several times what
-        the queued queries cost once they are batched, and 4 clients of a busy machine were refused."""
-        if queries and 2 * queries >= self.max_batch:
-            pace = seconds / queries
-            self._per_query = pace if not self._per_query else 0.9 * self._per_query + 0.1 * pace
+        """Fold a finished batch into the cost model: seconds = fixed + per query x queries, a least-squares fit
+        over recent batches (weights decaying by 5% a batch, so it follows the load: a busier machine, longer
+        texts). Batches of one size alone tell only what such a batch costs: all of it is taken as fixed.
+        A single pace per query, learnt from batches at least half full only (a small batch's fixed cost spread
+        over its few queries made it several times what queued queries cost once batched), went stale at 256
+        clients, whose batches under a 100 ms budget held fewer queries than half of ``max_batch``."""
+        if not queries:
+            return
+        if self._fit[0]:  # a batch counts at most 3x its queries at a batch of one's cost (a bound above what the
+            # model says for any size): a single 2 s query (a 2,000-character text on a slow encoder) otherwise
+            # set the fixed cost for dozens of batches, and every request with anything ahead of it was refused;
+            # a machine that really slowed is followed, 3x a batch
+            seconds = min(seconds, 3 * queries * (self._fixed + self._per_query))
+        w, n, t, nn, nt = (0.95 * x for x in self._fit)
+        w, n, t, nn, nt = w + 1, n + queries, t + seconds, nn + queries * queries, nt + queries * seconds
+        self._fit = (w, n, t, nn, nt)
+        mean_n, mean_t = n / w, t / w
+        spread = nn / w - mean_n * mean_n
+        fixed, per_query = mean_t, 0.0
+        if spread > 0.25:  # sizes that differ: the slope is measured
+            per_query = max(0.0, (nt / w - mean_n * mean_t) / spread)
+            fixed = mean_t - per_query * mean_n
+            if fixed < 0:  # no fixed part measurable: all of it per query
+                fixed, per_query = 0.0, mean_t / mean_n
+        self._fixed, self._per_query = fixed, per_query
 
     # ----- the worker ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -206,7 +324,10 @@ class Batcher:
             jobs = self._take()
             if not jobs:
                 return
-            self._process(jobs)
+            try:
+                self._process(jobs)
+            finally:
+                self._running.pop(threading.get_ident(), None)
 
     def _take(self) -> list[_Job]:
         """The next batch: the first waiting job, then more while they fit, waiting at most max_wait for them, and
@@ -244,17 +365,23 @@ class Batcher:
                 self._cond.wait(left)
             self._queued -= size
             self._last_size = size
+            if size:  # a call (``call``) is no batch of the model's
+                self._running[threading.get_ident()] = (time.perf_counter(), size)
             return jobs
 
     def _process(self, jobs: list[_Job]) -> None:
         start = time.perf_counter()
         live = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        if self.max_queue_wait:
+            live = self._shed_late(live, start)
         for job in live:
             if job.call is not None:
                 try:
                     job.future.set_result(job.call())
                 except BaseException as err:  # noqa: BLE001 - handed to the caller
                     job.future.set_exception(err)
+                finally:
+                    self._call_ended = time.perf_counter()
         live = [job for job in live if job.call is None]
         if not live:
             return
@@ -284,13 +411,14 @@ class Batcher:
         vectors = {id(job): raw[offsets[i] : offsets[i + 1]] for i, job in enumerate(live)}
         generation = searcher.manifest.generation
         groups: dict[SearchParams, list[_Job]] = {}
+        tokens = self._count_tokens(searcher, [job for job in live if job.count_tokens])
         for job in live:
             if job.params is None:
-                self._embed(searcher, job, vectors[id(job)], generation)
+                self._embed(searcher, job, vectors[id(job)], generation, start, tokens.get(id(job)))
             else:
                 groups.setdefault(job.params, []).append(job)
         for params, group in groups.items():
-            self._search(searcher, params, group, vectors, generation)
+            self._search(searcher, params, group, vectors, generation, start)
         self._paced(len(texts), time.perf_counter() - start)
         if self._on_batch is not None:
             waited = start - min(job.enqueued for job in asked)
@@ -298,6 +426,31 @@ class Batcher:
                 self._on_batch(BatchStats(len(texts), len(asked), waited, time.perf_counter() - start))
             except Exception:  # noqa: BLE001 - a broken hook must not end the worker: every later request would hang
                 log.exception("the batch hook failed")
+
+    def _shed_late(self, jobs: list[_Job], start: float) -> list[_Job]:
+        """Refuse (``Overloaded``, HTTP 429) the requests that waited longer than ``max_queue_wait`` before their
+        batch began, rather than serve them late: admission is an estimate at the engine's recent pace, and when
+        the machine slows (another process takes the cores) the requests already admitted wait longer than it
+        said. 256 clients on two busy cores: p99 of accepted 480 ms at a 100 ms budget, with the queue's p99 at
+        230 ms. The jobs that stay are the rest of the batch."""
+        kept = []
+        # Not lateness: the engine's own waits for a batch to fill, and time behind a call (warming a new index
+        # version): a reload under 3 clients, and 16 requests batched with a 30 ms max_wait, were refused.
+        allowed = self.max_queue_wait + self.max_wait + self.fill_wait
+        for job in jobs:
+            waited = start - max(job.enqueued, self._call_ended)
+            if job.call is None and waited > allowed:
+                with self._cond:
+                    self.refused["late"] += 1
+                job.future.set_exception(
+                    Overloaded(
+                        f"the request waited {waited * 1000:.0f} ms for the engine, longer than the limit of "
+                        f"{allowed * 1000:.0f} ms"
+                    )
+                )
+            else:
+                kept.append(job)
+        return kept
 
     @staticmethod
     def _encode_alone(searcher: Searcher, jobs: list[_Job]) -> tuple[list[_Job], np.ndarray]:
@@ -314,16 +467,55 @@ class Batcher:
         return done, (np.concatenate(vectors) if vectors else np.empty((0, 0), np.float32))
 
     @staticmethod
-    def _embed(searcher: Searcher, job: _Job, raw: np.ndarray, generation: int) -> None:
+    def _count_tokens(searcher: Searcher, jobs: list[_Job]) -> dict[int, list[int]]:
+        """The token counts of the jobs that asked, in one tokenizer call for them all, here in the engine
+        thread: counted by the route handler, each request's tokenizing was another thread's hop and a turn of
+        the event loop. A job whose texts fail to count gets the error (the others are counted alone)."""
+        if not jobs:
+            return {}
+        try:
+            counts = searcher.token_counts([text for job in jobs for text in job.texts])
+        except Exception:  # noqa: BLE001 - counted again one job at a time, below
+            counts = None
+        out, at = {}, 0
+        for job in jobs:
+            if counts is not None:
+                out[id(job)] = counts[at : at + len(job.texts)]
+                at += len(job.texts)
+                continue
+            try:
+                out[id(job)] = searcher.token_counts(job.texts)
+            except Exception as err:  # noqa: BLE001 - handed to the caller
+                job.future.set_exception(err)
+        return out
+
+    @staticmethod
+    def _embed(
+        searcher: Searcher,
+        job: _Job,
+        raw: np.ndarray,
+        generation: int,
+        start: float,
+        tokens: list[int] | None = None,
+    ) -> None:
+        if job.future.done():  # its tokens failed to count
+            return
         try:
             out = searcher.project(raw, job.dims) if job.transformed else raw
-            job.future.set_result(EmbedResult(np.asarray(out, dtype=np.float32), generation))
+            vectors = np.asarray(out, dtype=np.float32)
+            now = time.perf_counter()
+            job.future.set_result(EmbedResult(vectors, generation, start - job.enqueued, now - start, tokens))
         except BaseException as err:  # noqa: BLE001 - handed to the caller
             job.future.set_exception(err)
 
     @staticmethod
     def _search(
-        searcher: Searcher, params: SearchParams, group: list[_Job], vectors: dict[int, np.ndarray], generation: int
+        searcher: Searcher,
+        params: SearchParams,
+        group: list[_Job],
+        vectors: dict[int, np.ndarray],
+        generation: int,
+        start: float,
     ) -> None:
         """One FAISS call for every job of the group (same knobs), its rows handed back job by job."""
         try:
@@ -335,7 +527,7 @@ class Batcher:
             for job in group:
                 job.future.set_exception(err)
             return
-        start = 0
+        at, ran = 0, time.perf_counter() - start
         for job in group:
-            job.future.set_result(SearchResult(hits[start : start + len(job.texts)], generation))
-            start += len(job.texts)
+            job.future.set_result(SearchResult(hits[at : at + len(job.texts)], generation, start - job.enqueued, ran))
+            at += len(job.texts)

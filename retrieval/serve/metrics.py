@@ -31,6 +31,20 @@ class Metrics:
         )
         self.queries = Counter(r, "retrieval_queries_total", "Texts encoded by the engine (searches and embeds).")
         Gauge(r, "retrieval_queue_queries", "Queries waiting for the engine.", lambda: service.batcher.queued)
+        batcher = service.batcher
+        Gauge(
+            r,
+            "retrieval_admission_pending_requests",
+            "Requests admitted to the engine before their body was read, not yet queued.",
+            lambda: batcher.pending,
+        )
+        Gauge(
+            r,
+            "retrieval_admission_expected_wait_seconds",
+            "The engine's work ahead of a new request, at its measured pace (429 beyond --max-queue-ms).",
+            lambda: batcher.expected_wait(),
+        )
+        Gauge(r, "retrieval_engine_pace_seconds", "Engine seconds per query, recent batches.", lambda: batcher.pace)
         Gauge(r, "retrieval_ready", "1 once an index version is loaded and warmed.", lambda: float(service.ready))
         Gauge(r, "retrieval_index_generation", "Generation of the serving index version.", lambda: _generation(service))
         Gauge(r, "retrieval_index_documents", "Documents in the serving index version.", lambda: _documents(service))

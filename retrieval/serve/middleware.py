@@ -1,16 +1,26 @@
 """Pure ASGI middleware: request metrics, HEAD as GET, the Host header HTTP/1.1 requires, the header and body size
-limits, and the security headers of every response."""
+limits, admission to the engine before a body is read, and the security headers of every response."""
 
 from __future__ import annotations
 
+import hmac
 import time
 
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from retrieval.serve.batching import Batcher, Overloaded, Stopped
 from retrieval.serve.errors import DOC_ROUTES, DOCS_ASSETS, HTTP_METHODS, SECURITY_HEADERS, error_response
 from retrieval.serve.metrics import Metrics
+
+# The routes whose requests the engine answers: admitted (``Admit``) before their body is read.
+ENGINE_ROUTES = frozenset(
+    {("GET", "/search"), ("HEAD", "/search"), ("POST", "/search"), ("POST", "/embed"), ("POST", "/v1/embeddings")}
+)
+ROUTE_KEY = "retrieval.route"  # the scope key naming the route of a request answered before routing (metrics)
+ADMISSION_KEY = "retrieval.admission"  # ... holding the request's ``Admission``, for the handler's submission
+TIMING_KEY = "retrieval.timing"  # ... where the handler leaves (seconds queued, seconds in the engine)
 
 
 class ObserveRequests:
@@ -88,6 +98,8 @@ def route_label(scope: Scope) -> str:
     route = scope.get("route")  # set by FastAPI's routes; /openapi.json is Starlette's, and a mount sets none
     if getattr(route, "path", None):
         return str(route.path)  # type: ignore[union-attr]
+    if ROUTE_KEY in scope:  # refused before routing (``Admit``): one of ENGINE_ROUTES
+        return str(scope[ROUTE_KEY])
     if scope["path"] in DOC_ROUTES:
         return str(scope["path"])
     return DOCS_ASSETS if scope["path"].startswith(DOCS_ASSETS + "/") else "unmatched"
@@ -171,3 +183,59 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, secured)
+
+
+class Admit:
+    """Pure ASGI middleware: a request for the engine (``ENGINE_ROUTES``) is admitted (``Batcher.admit``) before
+    its body is read, or refused at once with 429 and ``Retry-After`` when the work already ahead of it exceeds
+    the server's budget (``--max-queue-ms``); a request without the API key the server needs passes on to its
+    401. An admitted request counts as work ahead of later ones until its handler submits it to the engine.
+
+    Its answers carry ``Server-Timing`` (``app``: from here to the answer; ``queue`` and ``engine``: the seconds
+    the handler reports under ``TIMING_KEY``), so a client can tell where the time of a request went, and what
+    came before the app (the server's event loop, the network) as its own measure less ``app``."""
+
+    def __init__(self, app: ASGIApp, batcher: Batcher, metrics: Metrics):
+        self.app, self.batcher, self.metrics = app, batcher, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (scope["method"], scope["path"]) not in ENGINE_ROUTES or not _keyed(scope):
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        try:
+            admission = self.batcher.admit()
+        except (Overloaded, Stopped) as err:
+            scope[ROUTE_KEY] = scope["path"]
+            if isinstance(err, Overloaded):
+                code, message, status = "overloaded", f"{err}; retry shortly", 429
+            else:
+                code, message, status = "shutting_down", str(err), 503
+            self.metrics.errors.inc({"code": code})
+            await error_response(status, code, message)(scope, receive, send)
+            return
+        scope[ADMISSION_KEY] = admission
+
+        async def timed(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                parts = [f"app;dur={(time.perf_counter() - start) * 1000:.2f}"]
+                waited, ran = scope.get(TIMING_KEY, (None, None))
+                if waited is not None:
+                    parts += [f"queue;dur={waited * 1000:.2f}", f"engine;dur={ran * 1000:.2f}"]
+                MutableHeaders(scope=message).append("Server-Timing", ", ".join(parts))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed)
+        finally:
+            admission.release()  # nothing if the handler submitted it
+
+
+def _keyed(scope: Scope) -> bool:
+    """The request carries the API key the server needs (or it needs none)."""
+    key: bytes | None = scope["app"].state.api_key if "app" in scope else None
+    if key is None:
+        return True
+    given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+    scheme, _, token = given.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)

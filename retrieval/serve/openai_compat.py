@@ -18,11 +18,11 @@ from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from retrieval.serve.errors import ApiError
+from retrieval.serve.middleware import ADMISSION_KEY
 from retrieval.serve.requests import query_texts
 from retrieval.serve.schemas import BODY_ERRORS, ERRORS, WholeNumber
 from retrieval.serve.service import Service
@@ -152,10 +152,16 @@ def openai_routes(
         encodes()
         model = served_model(service)
         check_dimensions(service, body.dimensions)
-        future = service.batcher.submit_embed(texts, transformed=body.dimensions is not None, dims=body.dimensions)
+        future = service.batcher.submit_embed(
+            texts,
+            transformed=body.dimensions is not None,
+            dims=body.dimensions,
+            admission=request.scope.get(ADMISSION_KEY),
+            count_tokens=True,  # in the engine thread, with the batch: not another thread's hop from here
+        )
         result = await answer(request, future)
         vectors = result.vectors if body.dimensions is not None else l2_normalize(result.vectors)
-        tokens = sum(await run_in_threadpool(service.searcher().token_counts, texts))
+        tokens = sum(result.tokens or ())
         data = [
             {"object": "embedding", "index": i, "embedding": vector}
             for i, vector in enumerate(encoded(vectors, body.encoding_format))

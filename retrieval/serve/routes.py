@@ -18,6 +18,7 @@ from retrieval.options import described, values
 from retrieval.search import SearchParams
 from retrieval.serve.errors import ApiError, client_closed, shutting_down
 from retrieval.serve.metrics import Metrics
+from retrieval.serve.middleware import ADMISSION_KEY, TIMING_KEY
 from retrieval.serve.openai_compat import openai_routes
 from retrieval.serve.requests import check_query_string, disconnected, parse_filter, query_texts, search_params
 from retrieval.serve.schemas import (
@@ -68,7 +69,10 @@ def search_routes(api: APIRouter, service: Service) -> None:
         if not waiting.done():
             waiting.cancel()  # cancels ``future`` too: wrap_future passes a cancellation on to what it wraps
             raise client_closed()
-        return waiting.result()
+        result = waiting.result()
+        if hasattr(result, "waited"):  # for the answer's Server-Timing (middleware.Admit)
+            request.scope[TIMING_KEY] = (result.waited, getattr(result, "ran", 0.0))
+        return result
 
     def encodes() -> None:
         """Refuse texts for an index built from vectors (and 503 before queueing when nothing is loaded yet)."""
@@ -78,7 +82,8 @@ def search_routes(api: APIRouter, service: Service) -> None:
     async def run_search(request: Request, texts: list[str], params: SearchParams) -> JSONResponse:
         start = time.perf_counter()
         encodes()
-        result = await answer(request, service.batcher.submit_search(texts, params))
+        admission = request.scope.get(ADMISSION_KEY)
+        result = await answer(request, service.batcher.submit_search(texts, params, admission=admission))
         results = [
             {"hits": [{"rank": h.rank, "id": h.id, "score": h.score, "text": h.text, "title": h.title} for h in hits]}
             for hits in result.hits
@@ -153,7 +158,8 @@ def search_routes(api: APIRouter, service: Service) -> None:
     async def embed(request: Request, body: EmbedRequest) -> JSONResponse:
         texts = query_texts([body.inputs] if isinstance(body.inputs, str) else body.inputs, "inputs", options)
         encodes()
-        result = await answer(request, service.batcher.submit_embed(texts, body.transformed))
+        admission = request.scope.get(ADMISSION_KEY)
+        result = await answer(request, service.batcher.submit_embed(texts, body.transformed, admission=admission))
         vectors = result.vectors
         return JSONResponse(
             {
@@ -255,6 +261,7 @@ def describe(service: Service) -> dict[str, Any]:
             "engine_workers": options.engine_workers,
             "cpus": os.cpu_count(),
         },
+        "admission": admission_state(service),
     }
     searcher = service.serving  # while stopping too: the version draining what is in flight
     if searcher is None:
@@ -287,6 +294,21 @@ def describe(service: Service) -> dict[str, Any]:
         "columns": [{"name": name, "type": kind} for name, kind in m.columns.items()],
     }
     return {"ready": service.ready, "index": index, "server": server}
+
+
+def admission_state(service: Service) -> dict[str, Any]:
+    """What admission to the engine sees now: the queries queued, the requests admitted and not yet submitted,
+    the engine's measured pace, the work ahead of a new request in ms at that pace against the budget, and the
+    requests refused so far (``edge``: before their body was read; ``queue``: at submission)."""
+    batcher = service.batcher
+    return {
+        "queued_queries": batcher.queued,
+        "admitted_requests": batcher.pending,
+        "pace_ms_per_query": round(batcher.pace * 1000, 3),
+        "expected_wait_ms": round(batcher.expected_wait() * 1000, 3),
+        "max_queue_ms": service.options.max_queue_ms,
+        "refused": dict(batcher.refused),
+    }
 
 
 def grouped(options: ServeOptions, group: str) -> dict[str, Any]:
