@@ -10,11 +10,9 @@ threshold (its median over the training rows) are learned when the index is trai
 queries get the same bits as the documents.
 
 Hamming distance throws away the query's magnitudes too. Re-ranking a deeper list of Hamming candidates by the
-query's floats against the documents' bits (``asymmetric``, read from the codes FAISS holds) gained 2-4 points of
-nDCG@10 over Hamming distance at 48 bytes (docs/benchmarks/codes.md); ``rerank`` candidates are re-ranked so by
-default. Each bit is read back as a level, not as +-1: the mean of its rotated coordinate over the training rows
-on that side of the threshold (the 1-bit quantiser of least squared error for those rows), so a candidate's score
-estimates the cosine the float index would rank by.
+query's rotated floats against the documents' +-1 bits (``asymmetric``, read from the codes FAISS holds) gained
+2-4 points of nDCG@10 over Hamming distance at 48 bytes (docs/benchmarks/codes.md); ``rerank`` candidates are
+re-ranked so by default.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ ROTATION_SEED = 1234
 MAGIC = b"PK"  # a binary index file is an .npz archive; a FAISS float index file never starts so
 # +-1 for each of a byte's 8 bits, in np.packbits' order (the first dimension in the highest bit)
 SIGNS = (np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32) * 2 - 1).T.copy()
-BITS = (SIGNS + 1) / 2  # the same bits as 0 / 1
 QUERY_CHUNK = 64  # queries whose byte tables are made at once in an asymmetric re-rank (64 x 48 x 256 floats)
 
 
@@ -48,8 +45,8 @@ class BinaryIndex:
 
     ``search`` returns scores, not Hamming distances: ``cos(pi h / bits)``, the angle a Hamming distance ``h``
     estimates (Charikar's SimHash), so higher is better as for the inner-product indexes; or, when ``rerank``
-    (the attribute, or the call's) exceeds k, the inner product of the query and that many Hamming candidates
-    read back from their bits (``asymmetric``). The stash re-scores the candidates by default
+    (the attribute, or the call's) exceeds k, the cosine between the query's rotated floats and the +-1 bits of
+    that many Hamming candidates (``asymmetric``). The stash re-scores the candidates by default
     (``RescoreRecord``)."""
 
     def __init__(
@@ -60,7 +57,6 @@ class BinaryIndex:
         matrix: np.ndarray | None = None,
         thresholds: np.ndarray | None = None,
         rerank: int = 0,
-        levels: np.ndarray | None = None,
     ):
         self.binary = binary
         self.rotation = rotation
@@ -68,9 +64,6 @@ class BinaryIndex:
         self.matrix = matrix  # (d, d) float32 orthogonal, learned (ITQ) or drawn (random) by train
         # (d,) float32: each rotated coordinate's median over the training rows (zeros in files written before)
         self.thresholds = thresholds
-        # (2, d) float32: each rotated coordinate (less its threshold) read back for a clear and a set bit, its mean
-        # over the training rows on that side (None in files written before: bits read as -1 / +1)
-        self.levels = levels
         self.rerank = rerank  # Hamming candidates re-ranked asymmetrically by default (0: Hamming only)
         self._lists: tuple[Any, ...] | None = None  # an IVF index's codes by row (``codes_of``), made on first use
 
@@ -119,7 +112,6 @@ class BinaryIndex:
             self.matrix = fit_rotation(sample - self.centre, self.rotation)
             # a bit set for half the rows carries the most; the mean splits a skewed coordinate unevenly
             self.thresholds = np.median((sample - self.centre) @ self.matrix, axis=0).astype(np.float32)
-            self.levels = fit_levels(self.rotated(sample))
         if not self.binary.is_trained:
             self.binary.train(self.codes(sample))
 
@@ -149,49 +141,28 @@ class BinaryIndex:
         return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
 
     def asymmetric(self, vectors: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """(n, m) scores of each query's candidate ``rows`` (n, m; -1: none, scored -inf).
+        """(n, m) scores of each query's candidate ``rows`` (n, m; -1: none, scored -inf): the cosine between the
+        query's ``rotated`` floats r and a row's +-1 bits b, ``r . b / (|r| sqrt(d))``.
 
-        With ``levels``: the cosine of the query and each row read back from its bits, ``q . x^ / |x^|``, where
-        ``x^`` rotated is the centre and thresholds plus each bit's level (the rotation is orthogonal, so this is
-        the cosine in the kernel's space, an estimate of the score the float index ranks by: its rows are unit
-        vectors). Without (files written before levels): the cosine between the query's ``rotated`` floats r and
-        the row's +-1 bits b, ``r . b / (|r| sqrt(d))``.
-
-        Each query's weights are cut into bytes' worth of 8 coordinates and a table made of each byte value's
-        partial sum (d/8 x 256 floats), so a candidate costs d/8 lookups rather than unpacking its bits."""
-        assert self.matrix is not None and self.centre is not None, "a binary index is trained before use"
-        queries = np.atleast_2d(np.asarray(vectors, dtype=np.float32))
+        Each query's r is cut into bytes' worth of 8 coordinates and a table made of each byte value's partial
+        sum (d/8 x 256 floats), so a candidate costs d/8 lookups rather than unpacking its bits."""
+        rotated = self.rotated(np.atleast_2d(vectors))
         n, m = rows.shape
         size = self.code_size
         found = rows >= 0
         codes = np.zeros((n, m, size), dtype=np.uint8)
         codes[found] = self.codes_of(rows[found])
-        if self.levels is not None:
-            turned = queries @ self.matrix  # the query rotated, not centred
-            shift = self.centre @ self.matrix + (0 if self.thresholds is None else self.thresholds)
-            low, step = shift + self.levels[0], self.levels[1] - self.levels[0]  # a row's x^ = low + bits * step
-            weights, table_of = turned * step, BITS
-            offsets = turned @ low  # every bit clear
-            # |x^|^2 of each candidate, by the same tables: sum(low^2) + the set bits' (2 low step + step^2)
-            squares = ((2 * low + step) * step).reshape(size, 8) @ BITS
-            lengths = float(low @ low) + squares[np.arange(size)[None, None, :], codes].sum(axis=2)
-            lengths = np.sqrt(np.maximum(lengths, 1e-12)).astype(np.float32)
-        else:
-            weights, table_of = self.rotated(queries), SIGNS
-            norms = np.linalg.norm(weights, axis=1) * np.sqrt(self.d)
-            norms[norms == 0] = 1.0  # a query on every threshold: every score 0, not NaN
-            weights, offsets = weights / norms[:, None], np.zeros(n, dtype=np.float32)
-            lengths = np.ones((n, m), dtype=np.float32)
+        norms = np.linalg.norm(rotated, axis=1) * np.sqrt(self.d)
+        norms[norms == 0] = 1.0  # a query on every threshold: every score 0, not NaN
         scores = np.empty((n, m), dtype=np.float32)
         byte = np.arange(size)
         for start in range(0, n, QUERY_CHUNK):
-            chunk = weights[start : start + QUERY_CHUNK].reshape(-1, size, 8)
-            tables = chunk @ table_of  # (queries, d/8, 256): the partial sum of each byte value
+            chunk = rotated[start : start + QUERY_CHUNK].reshape(-1, size, 8)
+            tables = chunk @ SIGNS  # (queries, d/8, 256): the partial sum of each byte value
             picked = tables[
                 np.arange(len(chunk))[:, None, None], byte[None, None, :], codes[start : start + len(chunk)]
             ]
-            scores[start : start + len(chunk)] = picked.sum(axis=2) + offsets[start : start + len(chunk), None]
-        scores /= lengths
+            scores[start : start + len(chunk)] = picked.sum(axis=2) / norms[start : start + len(chunk), None]
         scores[~found] = -np.inf
         return scores
 
@@ -253,16 +224,14 @@ class BinaryIndex:
 
         assert self.matrix is not None and self.centre is not None
         buffer = io.BytesIO()
-        arrays: dict[str, np.ndarray] = {
-            "binary": faiss.serialize_index_binary(self.binary),
-            "centre": self.centre,
-            "matrix": self.matrix,
-            "thresholds": np.zeros(self.d, np.float32) if self.thresholds is None else self.thresholds,
-            "rotation": np.array(self.rotation),
-        }
-        if self.levels is not None:
-            arrays["levels"] = self.levels
-        np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy types **kwds with allow_pickle
+        np.savez(
+            buffer,
+            binary=faiss.serialize_index_binary(self.binary),
+            centre=self.centre,
+            matrix=self.matrix,
+            thresholds=np.zeros(self.d, np.float32) if self.thresholds is None else self.thresholds,
+            rotation=np.array(self.rotation),
+        )
         return buffer.getvalue()
 
     def save(self, path: Path) -> None:
@@ -277,8 +246,6 @@ class BinaryIndex:
                 binary = faiss.deserialize_index_binary(np.ascontiguousarray(saved["binary"]))
                 rotation, centre, matrix = str(saved["rotation"]), saved["centre"], saved["matrix"]
                 thresholds = saved["thresholds"] if "thresholds" in saved else None  # older files: zero
-                # files written before levels read their bits as +-1; levels belong with the thresholds they are of
-                levels = saved["levels"] if "levels" in saved and thresholds is not None else None
         except (OSError, ValueError, KeyError, RuntimeError, zipfile.BadZipFile) as err:
             raise IndexDirError(f"cannot read binary index {name}: it is corrupt; rebuild with --overwrite") from err
         d = int(binary.d)
@@ -287,12 +254,10 @@ class BinaryIndex:
             or centre.shape != (d,)
             or matrix.shape != (d, d)
             or (thresholds is not None and thresholds.shape != (d,))
-            or (levels is not None and levels.shape != (2, d))
         ):
             raise IndexDirError(f"binary index {name} does not hold a {d}-bit rotation; rebuild with --overwrite")
         shift = None if thresholds is None else thresholds.astype(np.float32)
-        level = None if levels is None else levels.astype(np.float32)
-        return cls(binary, rotation, centre.astype(np.float32), matrix.astype(np.float32), shift, levels=level)
+        return cls(binary, rotation, centre.astype(np.float32), matrix.astype(np.float32), shift)
 
     @classmethod
     def load(cls, path: Path) -> BinaryIndex:
@@ -302,19 +267,6 @@ class BinaryIndex:
 def is_binary_file(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(len(MAGIC)) == MAGIC
-
-
-def fit_levels(shifted: np.ndarray) -> np.ndarray:
-    """(2, d) float32: each coordinate of ``shifted`` (rows rotated, less their thresholds) read back for a clear bit
-    (the mean of the rows at or below 0) and a set one (the mean above). A side no row takes mirrors the other."""
-    x = np.asarray(shifted, dtype=np.float64)
-    above = x > 0
-    count = above.sum(axis=0)
-    high = np.where(above, x, 0).sum(axis=0) / np.maximum(count, 1)
-    low = np.where(above, 0, x).sum(axis=0) / np.maximum(len(x) - count, 1)
-    high = np.where(count > 0, high, -low)
-    low = np.where(count < len(x), low, -high)
-    return np.stack([low, high]).astype(np.float32)
 
 
 def fit_rotation(centred: np.ndarray, method: str) -> np.ndarray:

@@ -370,69 +370,29 @@ def test_asymmetric_rerank_against_a_float64_reference(kind: str) -> None:
     assert isinstance(index, BinaryIndex) and index.rerank == 400  # the spec's default
     index.train(docs)
     index.add(docs)
-    centre, matrix, thresholds, levels = (
-        np.asarray(a, dtype=np.float64) for a in (index.centre, index.matrix, index.thresholds, index.levels)
+    centre, matrix, thresholds = (
+        np.asarray(a, dtype=np.float64) for a in (index.centre, index.matrix, index.thresholds)
     )
     np.testing.assert_allclose(thresholds, np.median((docs - centre) @ matrix, axis=0), atol=1e-5)
-    shifted = (docs.astype(np.float64) - centre) @ matrix - thresholds
-    set_bits = shifted > 0
-    # each bit's levels: the mean of its coordinate over the training rows on either side of the threshold
-    below = np.array([shifted[~set_bits[:, j], j].mean() for j in range(32)])
-    above = np.array([shifted[set_bits[:, j], j].mean() for j in range(32)])
-    np.testing.assert_allclose(levels, np.stack([below, above]), atol=1e-5)
-    # a row read back from its bits, in the kernel's space (the rotation is orthogonal), and its cosine to a query
-    read_back = (np.where(set_bits, above, below) + thresholds + centre @ matrix) @ matrix.T
-    reference = queries.astype(np.float64) @ read_back.T / np.linalg.norm(read_back, axis=1)
+    bits = np.where((docs.astype(np.float64) - centre) @ matrix - thresholds > 0, 1.0, -1.0)
+    rotated = (queries.astype(np.float64) - centre) @ matrix - thresholds
+    reference = rotated @ bits.T / (np.linalg.norm(rotated, axis=1, keepdims=True) * np.sqrt(32))
     _, hamming = index.search(queries, 100, rerank=0)
     scores, rows = index.search(queries, 10, rerank=100)
-    # the same 100 Hamming candidates, ranked by the float64 cosine of the query and the rows read back; float32
+    # the same 100 Hamming candidates, ranked by the float64 cosine of the rotated query and the +-1 bits; float32
     # sums of 32 products of unit-scale floats: 1e-5
     expected = np.take_along_axis(reference, hamming, axis=1)
     np.testing.assert_allclose(scores, -np.sort(-expected, axis=1)[:, :10], atol=1e-5)
     np.testing.assert_allclose(scores, np.take_along_axis(reference, rows, axis=1), atol=1e-5)
     assert all(set(r) <= set(h) for r, h in zip(rows, hamming, strict=True))
     # Hamming distance alone: the SimHash cosine of the distance, as before
-    bits = np.where(set_bits, 1.0, -1.0)
-    rotated = (queries.astype(np.float64) - centre) @ matrix - thresholds
     h_scores, h_rows = index.search(queries, 10, rerank=0)
     distances = (bits[h_rows] != np.where(rotated > 0, 1.0, -1.0)[:, None, :]).sum(axis=2)
     np.testing.assert_allclose(h_scores, np.cos(np.pi * distances / 32), atol=1e-6)
-    # without levels (an index file written before them): the rotated query against the +-1 bits
-    index.levels = None
-    signs = rotated @ bits.T / (np.linalg.norm(rotated, axis=1, keepdims=True) * np.sqrt(32))
-    scores, rows = index.search(queries, 10, rerank=100)
-    np.testing.assert_allclose(scores, np.take_along_axis(signs, rows, axis=1), atol=1e-5)
     # fewer candidates than k: all k re-ranked; more asked than rows: every row, -1 never scored
     assert index.search(queries, 20, rerank=5)[1].shape == (30, 20)
     scores, rows = index.search(queries[:2], 10, rerank=5000)
     assert (rows >= 0).all() and np.isfinite(scores).all()
-
-
-def test_levels_estimate_the_float_score_better_than_signs() -> None:
-    """Rows read back at their levels score closer to the exact cosine, and in its order more nearly, than +-1 bits
-    do, on anisotropic rows (the rotated coordinates' spreads differ, which +-1 ignores). Measured: mean absolute
-    error 0.081 against 0.111, correlation 0.886 against 0.847."""
-    docs, queries = _anisotropic(2000, 32, 21), _anisotropic(50, 32, 22)
-    index = create_index(IndexSpec("flat", codes="binary"), 32, len(docs))
-    index.train(docs)
-    index.add(docs)
-    every = np.tile(np.arange(len(docs)), (len(queries), 1))
-    exact = queries @ docs.T
-    with_levels = index.asymmetric(queries, every)
-    levels, index.levels = index.levels, None
-    with_signs = index.asymmetric(queries, every)
-    index.levels = levels
-    errors = [float(np.abs(s - exact).mean()) for s in (with_levels, with_signs)]
-    assert errors[0] < 0.8 * errors[1]
-    correlation = [np.corrcoef(s.ravel(), exact.ravel())[0, 1] for s in (with_levels, with_signs)]
-    assert correlation[0] > correlation[1] + 0.02
-
-
-def test_a_side_no_training_row_takes_mirrors_the_other() -> None:
-    from retrieval.codes import fit_levels
-
-    shifted = np.array([[1.0, -2.0, 0.5], [3.0, -4.0, -0.5]])
-    np.testing.assert_allclose(fit_levels(shifted), [[-2.0, -3.0, -0.5], [2.0, 3.0, 0.5]])
 
 
 def test_codes_are_read_from_faiss_after_adding_and_merging() -> None:
@@ -462,11 +422,10 @@ def test_a_binary_index_saved_before_thresholds_reads_with_zero_thresholds(tmp_p
     docs = _anisotropic(300, 16, 14)
     index = create_index(IndexSpec("flat", codes="binary"), 16, len(docs))
     index.train(docs)
-    index.thresholds = None  # as an index trained before medians: bits at zero after centring, read as +-1
-    index.levels = None
+    index.thresholds = None  # as an index trained before medians: bits at zero after centring
     index.add(docs)
     with np.load(io.BytesIO(index.to_bytes())) as saved:  # the file as an older retrieval wrote it
-        older = {key: saved[key] for key in saved.files if key not in ("thresholds", "levels")}
+        older = {key: saved[key] for key in saved.files if key != "thresholds"}
     buffer = io.BytesIO()
     np.savez(buffer, **older)
     loaded = BinaryIndex.from_bytes(buffer.getvalue())
