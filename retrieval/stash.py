@@ -544,9 +544,7 @@ class VectorStash:
         if pread:
             return self._read_by_pread(np.asarray(rows, dtype=np.int64), pooling)
         rows = np.asarray(rows, dtype=np.int64)
-        starts = np.cumsum([0] + [p.rows for p in self._parts])
-        if len(rows) and (rows.min() < 0 or rows.max() >= starts[-1]):
-            raise IndexError(f"stash rows must be in [0, {starts[-1]})")
+        starts = self._part_starts(rows)
         out = np.empty((len(rows), self.dim), dtype=np.float32)
         numbers = np.searchsorted(starts, rows, side="right") - 1
         for number in np.unique(numbers):
@@ -554,14 +552,19 @@ class VectorStash:
             out[inside_part] = self._decoded(pooling, int(number), rows[inside_part] - starts[number], keep)
         return out
 
+    def _part_starts(self, rows: np.ndarray) -> np.ndarray:
+        """Each part's first global row (and the total last), once ``rows`` are checked to be in range."""
+        starts = np.cumsum([0] + [p.rows for p in self._parts])
+        if len(rows) and (rows.min() < 0 or rows.max() >= starts[-1]):
+            raise IndexError(f"stash rows must be in [0, {starts[-1]})")
+        return starts
+
     def _read_by_pread(self, rows: np.ndarray, pooling: str) -> np.ndarray:
         """Rows as stored, read by ``os.preadv`` in ascending order (a run of consecutive rows of one part in one
         call), nothing mapped: the page cache holds them, not this process; then decoded at once. Re-scoring reads
         100-400 random rows of a stash of hundreds of parts, nearly a part each: work per part (a mask, a sort, a
         decode) cost ~30 us a row in Python at 1M rows, several times the system calls."""
-        starts = np.cumsum([0] + [p.rows for p in self._parts])
-        if len(rows) and (rows.min() < 0 or rows.max() >= starts[-1]):
-            raise IndexError(f"stash rows must be in [0, {starts[-1]})")
+        starts = self._part_starts(rows)
         if not len(rows):
             return np.empty((0, self.dim), dtype=np.float32)
         order = np.argsort(rows, kind="stable")
@@ -586,9 +589,10 @@ class VectorStash:
             first = last
         if self.dtype == "int8":
             parts, inverse = np.unique(numbers, return_inverse=True)
-            coded = [self._scale(pooling, int(number)) for number in parts.tolist()]
-            scales = np.stack([c[0] for c in coded if c is not None])
-            norms = [None if c is None else c[1] for c in coded]  # None: a format-3 part, codes of the vectors
+            coded = [self._scale(pooling, number) for number in parts.tolist()]
+            assert all(coded), "an int8 stash has a scale for every part"
+            scales = np.stack([c[0] for c in coded if c])
+            norms = [c[1] if c else None for c in coded]  # None: a format-3 part, codes of the vectors
             pairs = zip(inverse.tolist(), local.tolist(), strict=True)
             lengths = np.fromiter(
                 (1.0 if norms[at] is None else norms[at][row] for at, row in pairs), dtype=np.float32, count=len(rows)
