@@ -18,6 +18,7 @@ re-ranked so by default.
 from __future__ import annotations
 
 import io
+import itertools
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -131,12 +132,13 @@ class BinaryIndex:
         ``max(k, rerank)`` by Hamming distance (``rerank`` None: this index's)."""
         depth = self.rerank if rerank is None else rerank
         wide = max(k, min(depth, self.ntotal)) if depth else k
-        distances, rows = self.binary.search(self.codes(vectors), wide, params=params)
+        rotated = self.rotated(vectors)
+        distances, rows = self.binary.search(np.packbits(rotated > 0, axis=1), wide, params=params)
         if not depth:
             scores = np.cos(np.pi * distances.astype(np.float32) / self.d).astype(np.float32)
             scores[rows < 0] = -np.inf
             return scores, rows
-        scores = self.asymmetric(vectors, rows)
+        scores = self._asymmetric(rotated, rows)
         order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
         return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
 
@@ -146,7 +148,9 @@ class BinaryIndex:
 
         Each query's r is cut into bytes' worth of 8 coordinates and a table made of each byte value's partial
         sum (d/8 x 256 floats), so a candidate costs d/8 lookups rather than unpacking its bits."""
-        rotated = self.rotated(np.atleast_2d(vectors))
+        return self._asymmetric(self.rotated(np.atleast_2d(vectors)), rows)
+
+    def _asymmetric(self, rotated: np.ndarray, rows: np.ndarray) -> np.ndarray:
         n, m = rows.shape
         size = self.code_size
         found = rows >= 0
@@ -205,12 +209,13 @@ class BinaryIndex:
                 where[held] = (number << 32) | np.arange(len(held), dtype=np.int64)
             self._lists = (where, codes)
         where, codes = self._lists
-        place = where[rows]
+        order = np.argsort(where[rows], kind="stable")  # the rows grouped by list: one slice per list, no masks
+        place = where[rows[order]]
         number, offset = place >> 32, place & 0xFFFFFFFF
+        bounds = [0, *(np.flatnonzero(np.diff(number)) + 1).tolist(), len(rows)]
         out = np.empty((len(rows), self.code_size), dtype=np.uint8)
-        for list_no in np.unique(number):
-            hit = number == list_no
-            out[hit] = codes[list_no][offset[hit]]
+        for start, stop in itertools.pairwise(bounds):
+            out[order[start:stop]] = codes[number[start]][offset[start:stop]]
         return out
 
     def reset(self) -> None:

@@ -91,6 +91,21 @@ def dequantize(codes: np.ndarray, scale: np.ndarray, norms: np.ndarray | None = 
 
 
 @dataclass(frozen=True)
+class PreadTable:
+    """What ``pread`` re-scoring needs of every part of one pooling, as arrays: the part count it was made for,
+    each part's first global row (and the total last), its kept descriptor and where its rows start in the file,
+    the stored dtype; an int8 stash's scales (2, parts, d) and every row's length (1 in a format-3 part)."""
+
+    parts: int
+    starts: np.ndarray
+    descriptors: np.ndarray
+    offsets: np.ndarray
+    dtype: np.dtype
+    scales: np.ndarray | None
+    lengths: np.ndarray | None
+
+
+@dataclass(frozen=True)
 class Part:
     """One written part: its rows, its files (pooling -> .npy name, and the docs .parquet), their checksums."""
 
@@ -132,6 +147,7 @@ class VectorStash:
         self._maps: dict[tuple[str, int], np.ndarray] = {}
         self._scales: dict[tuple[str, int], tuple[np.ndarray, np.ndarray | None]] = {}
         self._files: dict[tuple[str, int], tuple[int, int, np.dtype]] = {}  # pread: descriptor, data offset, dtype
+        self._tables: dict[str, PreadTable] = {}  # pread: every part's file and scale at once, per pooling
         self._maps_lock = threading.Lock()
 
     # ----- creation and opening -----------------------------------------------------------------------
@@ -361,6 +377,11 @@ class VectorStash:
         with self._maps_lock:
             self._maps = {key: array for key, array in self._maps.items() if key[1] < first}
             self._scales = {key: scale for key, scale in self._scales.items() if key[1] < first}
+            stale = [descriptor for key, (descriptor, *_) in self._files.items() if key[1] >= first]
+            self._files = {key: opened for key, opened in self._files.items() if key[1] < first}
+            self._tables = {}
+        for descriptor in stale:  # a number at or past ``first`` names the merged part from now on
+            os.close(descriptor)
         self._parts[first:] = [part]
         self._save_state()
         for old in merged:
@@ -446,6 +467,12 @@ class VectorStash:
         with self._maps_lock:
             if key in self._scales:
                 return self._scales[key]
+        coded = self._read_scale(pooling, number)
+        with self._maps_lock:
+            return self._scales.setdefault(key, coded)
+
+    def _read_scale(self, pooling: str, number: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Part ``number``'s int8 scale and row lengths, read from its files (not kept)."""
         part = self._parts[number]
         name, norms_name = part.scales.get(pooling), part.norms.get(pooling)
         try:
@@ -455,9 +482,7 @@ class VectorStash:
             raise IndexDirError(f"cannot read stash part {name}: {err}; rebuild the index") from err
         if scale is None or scale.shape != (2, self.dim) or (norms is not None and norms.shape != (part.rows,)):
             raise IndexDirError(f"stash part {part.docs} has no valid int8 scale; rebuild the index")
-        coded = (scale.astype(np.float32), None if norms is None else norms.astype(np.float32))
-        with self._maps_lock:
-            return self._scales.setdefault(key, coded)
+        return scale.astype(np.float32), None if norms is None else norms.astype(np.float32)
 
     def _decoded(self, pooling: str, number: int, rows: Any = slice(None), keep: bool = False) -> np.ndarray:
         """float32 rows of part ``number`` (all, a slice or an index array), decoded where the stash is int8."""
@@ -521,7 +546,7 @@ class VectorStash:
     def close(self) -> None:
         """Close the descriptors ``pread`` reads keep open (maps close when dropped)."""
         with self._maps_lock:
-            files, self._files = list(self._files.values()), {}
+            files, self._files, self._tables = list(self._files.values()), {}, {}
         for descriptor, *_ in files:
             os.close(descriptor)
 
@@ -559,45 +584,67 @@ class VectorStash:
             raise IndexError(f"stash rows must be in [0, {starts[-1]})")
         return starts
 
+    def _pread_table(self, pooling: str) -> PreadTable:
+        """Every part's descriptor, data offset and (int8) scale and row lengths, gathered once per pooling (and
+        again when parts are added or merged), so that a read does no work per part in Python."""
+        with self._maps_lock:
+            table = self._tables.get(pooling)
+        if table is not None and table.parts == len(self._parts):
+            return table
+        opened = [self._opened(pooling, number) for number in range(len(self._parts))]
+        dtypes = {dtype for *_, dtype in opened}
+        if len(dtypes) > 1:
+            raise IndexDirError(f"the stash's parts hold {pooling} vectors as {sorted(map(str, dtypes))}; rebuild")
+        scales = lengths = None
+        if self.dtype == "int8":
+            coded = [self._read_scale(pooling, number) for number in range(len(self._parts))]
+            scales = np.stack([scale for scale, _ in coded], axis=1)  # (2, parts, d)
+            lengths = np.concatenate(
+                [
+                    np.ones(part.rows, np.float32) if norms is None else norms
+                    for part, (_, norms) in zip(self._parts, coded, strict=True)
+                ]
+                or [np.zeros(0, np.float32)]
+            )
+        table = PreadTable(
+            len(self._parts),
+            np.cumsum([0] + [part.rows for part in self._parts]),
+            np.array([descriptor for descriptor, *_ in opened], dtype=np.int64),
+            np.array([offset for _, offset, _ in opened], dtype=np.int64),
+            dtypes.pop() if dtypes else np.dtype(np.float32),
+            scales,
+            lengths,
+        )
+        with self._maps_lock:
+            self._tables[pooling] = table
+        return table
+
     def _read_by_pread(self, rows: np.ndarray, pooling: str) -> np.ndarray:
         """Rows as stored, read by ``os.preadv`` in ascending order (a run of consecutive rows of one part in one
         call), nothing mapped: the page cache holds them, not this process; then decoded at once. Re-scoring reads
-        100-400 random rows of a stash of hundreds of parts, nearly a part each: work per part (a mask, a sort, a
-        decode) cost ~30 us a row in Python at 1M rows, several times the system calls."""
+        100-400 random rows of a stash of hundreds of parts, nearly a part each: every step but the system call is
+        done on arrays (``_pread_table``); per part in Python, the work cost several times the system calls."""
         starts = self._part_starts(rows)
         if not len(rows):
             return np.empty((0, self.dim), dtype=np.float32)
+        table = self._pread_table(pooling)
         order = np.argsort(rows, kind="stable")
         ordered = rows[order]
         numbers = np.searchsorted(starts, ordered, side="right") - 1
-        local = ordered - starts[numbers]
-        breaks = np.flatnonzero((np.diff(ordered) != 1) | (np.diff(numbers) != 0)) + 1
-        dtype = self._opened(pooling, int(numbers[0]))[2]
-        size = self.dim * dtype.itemsize
-        stored = np.empty((len(rows), self.dim), dtype=dtype)
+        size = self.dim * table.dtype.itemsize
+        firsts = np.flatnonzero(np.concatenate([[True], (np.diff(ordered) != 1) | (np.diff(numbers) != 0)]))
+        runs = numbers[firsts]
+        where = table.offsets[runs] + (ordered[firsts] - starts[runs]) * size
+        stored = np.empty((len(rows), self.dim), dtype=table.dtype)
         buffer = stored.data.cast("B")
-        first = 0
-        for last, number, row in zip(
-            [*breaks.tolist(), len(ordered)], numbers[[0, *breaks]].tolist(), local[[0, *breaks]].tolist(), strict=True
-        ):
-            descriptor, offset, stored_as = self._opened(pooling, number)
-            if stored_as != dtype:
-                raise IndexDirError(f"stash part {self._parts[number].vectors[pooling]} is not {dtype}; rebuild")
-            read = os.preadv(descriptor, [buffer[first * size : last * size]], offset + row * size)
-            if read != (last - first) * size:
-                raise IndexDirError(f"stash part {self._parts[number].vectors[pooling]} is truncated; rebuild")
-            first = last
-        if self.dtype == "int8":
-            parts, inverse = np.unique(numbers, return_inverse=True)
-            coded = [self._scale(pooling, number) for number in parts.tolist()]
-            assert all(coded), "an int8 stash has a scale for every part"
-            scales = np.stack([c[0] for c in coded if c])
-            norms = [c[1] if c else None for c in coded]  # None: a format-3 part, codes of the vectors
-            pairs = zip(inverse.tolist(), local.tolist(), strict=True)
-            lengths = np.fromiter(
-                (1.0 if norms[at] is None else norms[at][row] for at, row in pairs), dtype=np.float32, count=len(rows)
-            )
-            decoded = dequantize(stored, scales[inverse].transpose(1, 0, 2), lengths)
+        bounds = (firsts * size).tolist() + [len(rows) * size]
+        for at, (descriptor, offset) in enumerate(zip(table.descriptors[runs].tolist(), where.tolist(), strict=True)):
+            span = buffer[bounds[at] : bounds[at + 1]]
+            if os.preadv(descriptor, [span], offset) != len(span):
+                name = self._parts[int(runs[at])].vectors[pooling]
+                raise IndexDirError(f"stash part {name} is truncated; rebuild")
+        if table.scales is not None and table.lengths is not None:
+            decoded = dequantize(stored, table.scales[:, numbers], table.lengths[ordered])
         else:
             decoded = stored.astype(np.float32)
         out = np.empty_like(decoded)

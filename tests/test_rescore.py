@@ -330,6 +330,18 @@ def test_rows_read_by_pread_are_the_mapped_rows_exactly(tmp_path: Path, dtype: s
     assert opened.read_rows(np.zeros(0, dtype=np.int64), pread=True).shape == (0, 12)
     with pytest.raises(IndexError):
         opened.read_rows(np.array([81]), pread=True)
+    # parts appended, then the short tail merged into one part, under the reader that has read them all before
+    block = rng.normal(size=(5, 12)).astype(np.float32)
+    opened.append({"mean": block}, [str(i) for i in range(5)], [""] * 5)
+    assert np.abs(opened.read_rows(np.arange(81, 86), pread=True) - block).max() <= 2 / 255 * np.abs(block).sum(1).max()
+    before = opened.read_rows(np.arange(86), pread=True)
+    opened.merge_tail(40)  # the last three parts (1 + 33 + 5 rows) written again as one
+    assert len(opened.parts) == 3
+    merged = VectorStash.open(tmp_path / "s")
+    np.testing.assert_array_equal(opened.read_rows(np.arange(86), pread=True), merged.read_rows(np.arange(86)))
+    # int8 codes the merged rows again on their own ranges: within a step (2/255 of a row's length) of before
+    step = 2 / 255 * np.linalg.norm(before, axis=1, keepdims=True) if dtype == "int8" else 1e-6
+    assert (np.abs(opened.read_rows(np.arange(86), pread=True) - before) <= step + 1e-6).all()
     opened.close()
 
 
