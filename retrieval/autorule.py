@@ -1,6 +1,6 @@
 """The rule by which label-free tuning (`tune --auto`) moves an index away from its current setting: only on
-evidence that holds on every kind of pseudo-query, with confidence, by a margin, and never to a kernel that centres
-the vectors where the current setting does not; otherwise it keeps what it has.
+evidence that holds on every kind of pseudo-query, with confidence, by a margin, never to a kernel that centres the
+vectors where the current setting does not, nor to one that whitens more strongly; otherwise it keeps what it has.
 
 Pseudo-queries are made from the documents themselves (``pseudo``), so each kind rewards what it shares with
 its documents (a sentence: their words and style); real queries share less. A candidate qualifies if, on each of
@@ -11,7 +11,9 @@ gentlest is taken (``prefer``): no whitening, then more dimensions, then a small
 orders them; the size of a pseudo-query gain says little about the real one (the strongest whitenings win
 pseudo-queries by the most and lose real queries the most). A kernel that centres (subtracts the documents' mean)
 is not a candidate from an uncentred setting unless ``centre``: pseudo-queries share the documents' mean and real
-queries do not, so they cannot judge it. The full-dimension re-scorer is decided the same way, against the
+queries do not, so they cannot judge it. Nor is a kernel with a larger gamma than the current one (than
+``DEFAULT_GAMMA`` where it does not whiten) unless ``stronger``: pseudo-queries share their documents' words, and
+reward stronger whitening than real queries can use. The full-dimension re-scorer is decided the same way, against the
 current scorer (raw cosine unless ``tune`` chose otherwise before), with its own margin. The constants were
 chosen by leave-one-collection-out over four IR collections and two models (scripts/loo_tune.py,
 docs/benchmarks/tuning.md).
@@ -26,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.whitening import TransformSpec
+from retrieval.whitening import DEFAULT_GAMMA, TransformSpec
 
 # What scripts/loo_tune.py chose on all four collections and both models (the best worst case of its grid, then the
 # most demanding bar; 14 of 16 cases meet every target, the other two lose under 1.1%): a mean gain of 0.5% on every
@@ -41,6 +43,10 @@ Z = 0.0  # the point estimate: at every kind's 99% bound SciFact's real gain (+0
 KINDS_REQUIRED: int | None = None  # every kind
 PREFERENCES = ("gentlest", "strongest")
 PREFER = "gentlest"
+# Never a kernel that whitens more strongly than the current one (or than DEFAULT_GAMMA from raw vectors): every move
+# of the grid that lost real queries beyond the targets raised gamma (CISI from --dim 128 to gamma 0.5, NPL's to
+# 0.5 and 1), and pseudo-queries, sharing their documents' words, reward stronger whitening than real queries use
+STRONGER = False
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,9 @@ class AutoRule:
     required kind (``scorer_margin`` for the re-scorer); ``z``: the one-sided normal quantile of that bound
     (1.645: 95%); ``kinds``: how many kinds must agree (None: every kind measured); ``prefer``: of the
     candidates that qualify, the "gentlest" or the "strongest" (the highest bound on its weakest required kind);
-    ``centre``: whether a kernel that centres may replace a setting that does not."""
+    ``centre``: whether a kernel that centres may replace a setting that does not; ``stronger``: whether a kernel
+    may whiten more strongly (a larger gamma) than the current setting does, or than ``DEFAULT_GAMMA`` from a
+    setting that does not whiten."""
 
     margin: float = MARGIN
     scorer_margin: float = SCORER_MARGIN
@@ -57,6 +65,7 @@ class AutoRule:
     kinds: int | None = KINDS_REQUIRED
     prefer: str = PREFER
     centre: bool = False
+    stronger: bool = STRONGER
 
     def __post_init__(self) -> None:
         if self.prefer not in PREFERENCES:
@@ -104,6 +113,7 @@ class Verdict:
     rule: AutoRule
     qualified: int = 0  # candidates that cleared the bar (the chosen one among them)
     refused: int = 0  # candidates not measured against it because they centre and it does not
+    capped: int = 0  # candidates not measured against it because they whiten more strongly than the rule allows
 
     @property
     def kept(self) -> bool:
@@ -123,12 +133,19 @@ class Verdict:
         sure = "on average" if self.rule.z == 0 else f"at {self.rule.confidence:.0%} confidence"
         bar = f"by more than {margin:.1%} {sure} on {every} ({', '.join(kinds)})"
         evidence = ", ".join(e.text() for e in self.evidence)
-        refused = ""
+        why = []
         if self.refused:
-            refused = (
-                f" ({self.refused} that centre the vectors were not considered: pseudo-queries, drawn from the "
-                "documents, share their mean and real queries do not)"
+            why.append(
+                f"{self.refused} that centre the vectors were not considered: pseudo-queries, drawn from the "
+                "documents, share their mean and real queries do not"
             )
+        if self.capped:
+            ceiling = max(strength(self.current), DEFAULT_GAMMA)
+            why.append(
+                f"{self.capped} that whiten more strongly than gamma {ceiling:g} were not considered: pseudo-queries "
+                "share their documents' words and reward stronger whitening than real queries can use"
+            )
+        refused = f" ({'; '.join(why)})" if why else ""
         if self.challenger is None:
             out = [f"{self.what}: kept {self.current.label}: no candidate may replace it{refused}"]
         elif self.kept:
@@ -140,7 +157,7 @@ class Verdict:
                 which = f"the surest of {self.qualified} that"
             out = [
                 f"{self.what}: {self.current.label} -> {self.chosen.label}: {which} beat the current setting {bar}: "
-                f"{evidence}; sure at {self.confidence:.1%} on its weakest kind"
+                f"{evidence}; sure at {self.confidence:.1%} on its weakest kind{refused}"
             ]
         out.append("  best on each kind alone: " + ", ".join(f"{k}: {s.label}" for k, s in self.winners))
         return out
@@ -156,6 +173,7 @@ class Verdict:
             "winners": {k: s.label for k, s in self.winners},
             "qualified": self.qualified,
             "refused": self.refused,
+            "capped": self.capped,
         }
 
 
@@ -207,10 +225,20 @@ def gentleness(spec: TransformSpec) -> tuple[bool, int, float]:
     return (bool(spec.whiten), -(spec.dim or 0), spec.gamma or 0.0)
 
 
-def eligible(spec: TransformSpec, current: TransformSpec, rule: AutoRule) -> bool:
-    """Whether ``rule`` lets ``spec`` replace ``current`` at all: a kernel that centres replaces one that does not
-    only with ``rule.centre``."""
-    return spec != current and (rule.centre or not spec.center or bool(current.center))
+def strength(spec: TransformSpec) -> float:
+    """How strongly ``spec`` whitens: its gamma (0 for raw vectors and a plain rotation)."""
+    return float(spec.gamma or 0.0) if spec.whiten else 0.0
+
+
+def centres(spec: TransformSpec, current: TransformSpec, rule: AutoRule) -> bool:
+    """Whether ``spec`` is refused as a kernel that centres where ``current`` does not (unless ``rule.centre``)."""
+    return not rule.centre and bool(spec.center) and not current.center
+
+
+def stronger(spec: TransformSpec, current: TransformSpec, rule: AutoRule) -> bool:
+    """Whether ``spec`` is refused as whitening more strongly than ``current``, or than the default gamma where
+    ``current`` does not whiten (unless ``rule.stronger``)."""
+    return not rule.stronger and strength(spec) > max(strength(current), DEFAULT_GAMMA) + 1e-9
 
 
 def verdict(
@@ -227,10 +255,15 @@ def verdict(
             raise ValueError(f"{kind}: the current setting {current.label} was not measured")
     need = rule.required(len(kinds))
     measured: list[tuple[float, TransformSpec, tuple[Evidence, ...]]] = []
-    refused = 0
+    refused = capped = 0
     for spec in dict.fromkeys(pool):
-        if not eligible(spec, current, rule):
-            refused += spec != current
+        if spec == current:
+            continue
+        if centres(spec, current, rule):
+            refused += 1
+            continue
+        if stronger(spec, current, rule):
+            capped += 1
             continue
         found = tuple(evidence(k, scores[k][current], scores[k][spec], rule.z) for k in kinds)
         lows = sorted((e.low for e in found), reverse=True)
@@ -244,9 +277,9 @@ def verdict(
         taken = max(measured, key=lambda m: m[0])
     winners = tuple((k, max(dict.fromkeys([current, *pool]), key=lambda s: float(scores[k][s].mean()))) for k in kinds)
     if taken is None:
-        return Verdict(what, current, current, None, (), winners, rule, 0, refused)
+        return Verdict(what, current, current, None, (), winners, rule, 0, refused, capped)
     chosen = taken[1] if qualified else current
-    return Verdict(what, current, chosen, taken[1], taken[2], winners, rule, len(qualified), refused)
+    return Verdict(what, current, chosen, taken[1], taken[2], winners, rule, len(qualified), refused, capped)
 
 
 def decide(

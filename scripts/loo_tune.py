@@ -56,8 +56,9 @@ ZS = (0.0, 1.0, 1.645, 2.326)
 KINDS_REQUIRED = (None, 2)  # every kind, or two of the three
 PREFERENCES = ("gentlest", "strongest")
 CENTRE = (False, True)
+STRONGER = (False, True)  # whether a kernel may whiten more strongly than the start (or the default gamma)
 # the rule shipped before the gentlest / no-centring choice: 20% at 99% on every kind, the strongest candidate
-PREVIOUS_RULE = AutoRule(0.2, 0.2, 2.326, None, "strongest", True)
+PREVIOUS_RULE = AutoRule(0.2, 0.2, 2.326, None, "strongest", True, True)
 
 
 def main() -> None:
@@ -174,7 +175,7 @@ def key(spec: TransformSpec) -> str:
 
 # ----- the rules ----------------------------------------------------------------------------------------------
 def rules() -> list[AutoRule]:
-    grid = itertools.product(MARGINS, SCORER_MARGINS, ZS, KINDS_REQUIRED, PREFERENCES, CENTRE)
+    grid = itertools.product(MARGINS, SCORER_MARGINS, ZS, KINDS_REQUIRED, PREFERENCES, CENTRE, STRONGER)
     return [AutoRule(*values) for values in grid]
 
 
@@ -249,9 +250,17 @@ def slack(row: dict[str, Any]) -> float:
 
 
 def caution(rule: AutoRule) -> tuple[float, ...]:
-    """Larger: harder to move: no centring, the gentlest candidate, every kind required (a rule that takes what one
-    kind says loses repeats the issue's failure), then the margins and z."""
-    return (not rule.centre, rule.prefer == "gentlest", rule.kinds is None, rule.margin, rule.scorer_margin, rule.z)
+    """Larger: harder to move: no centring, no stronger whitening, the gentlest candidate, every kind required (a
+    rule that takes what one kind says loses repeats the issue's failure), then the margins and z."""
+    return (
+        not rule.centre,
+        not rule.stronger,
+        rule.prefer == "gentlest",
+        rule.kinds is None,
+        rule.margin,
+        rule.scorer_margin,
+        rule.z,
+    )
 
 
 def principled(rule: AutoRule) -> bool:
@@ -355,7 +364,8 @@ OBJECTIVES = {
 def _rule(rule: dict[str, Any]) -> str:
     return (
         f"margin {rule['margin']:.1%}, re-scorer margin {rule['scorer_margin']:.1%}, z {rule['z']}, "
-        f"kinds {rule['kinds'] or 'all'}, {rule['prefer']}, {'centring allowed' if rule['centre'] else 'no centring'}"
+        f"kinds {rule['kinds'] or 'all'}, {rule['prefer']}, {'centring allowed' if rule['centre'] else 'no centring'}, "
+        f"{'any gamma' if rule.get('stronger', True) else 'no stronger whitening'}"
     )
 
 

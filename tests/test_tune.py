@@ -447,7 +447,10 @@ def test_tune_auto_measures_every_kind_encoding_only_their_documents(auto_index)
     grid = [c.resolve(32) for c in candidates(["mean"], [32, 8], [0.0, 1.0], 32)]
 
     rows = encoder.rows
-    result = tune_auto(directory, 40, 3, (test, test_qrels), ["mean"], [32, 8], [0.0, 1.0], encoder=encoder)
+    any_gamma = AutoRule(stronger=True)  # this grid's only reduced kernels are gamma 0 and 1
+    result = tune_auto(
+        directory, 40, 3, (test, test_qrels), ["mean"], [32, 8], [0.0, 1.0], encoder=encoder, rule=any_gamma
+    )
 
     # 40 queries of each kind, the 40 + 40 documents without their query ("keywords" keeps its documents as
     # indexed), the 3 test queries: nothing else
@@ -493,11 +496,14 @@ def test_tune_auto_measures_every_kind_encoding_only_their_documents(auto_index)
     assert result.scorer is not None and result.scorer.candidate == decision.scorer.chosen == raw_spec(32)
     assert not decision.kept and decision.transform.confidence > 0.9  # on its weakest kind of the three
     assert result.to_dict()["decision"]["transform"]["chosen"] == "mean k=8 g=1 uncentred"
+    # the shipped rule does not take a gamma above the default from raw vectors: k=8 g=0 is the only candidate left
+    shipped = decide(result.kind_scores, decision.transform.current, decision.scorer.current, 32)
+    assert shipped.kept and shipped.transform.capped == 1 and shipped.transform.challenger == grid[3]
 
 
 def test_tune_auto_keeps_the_current_setting_without_enough_evidence(auto_index) -> None:
     directory, encoder = auto_index
-    cautious = AutoRule(margin=10.0, scorer_margin=10.0)  # no candidate gains 1000% on every kind
+    cautious = AutoRule(margin=10.0, scorer_margin=10.0, stronger=True)  # none gains 1000% on every kind
     result = tune_auto(directory, 40, 3, None, ["mean"], [32, 8], [0.0, 1.0], encoder=encoder, rule=cautious)
     raw = Candidate("mean", 32, None).resolve(32)
     assert result.decision is not None and result.decision.kept
@@ -561,7 +567,7 @@ def test_a_candidate_that_wins_on_one_kind_and_loses_on_another_is_not_taken() -
 
 def test_a_candidate_that_wins_on_every_kind_by_the_margin_is_taken_and_the_scorer_needs_its_own() -> None:
     # the strongest of those that qualify, and centring allowed: the margins alone decide here
-    rule = AutoRule(margin=0.01, scorer_margin=0.02, z=1.645, prefer="strongest", centre=True)
+    rule = AutoRule(margin=0.01, scorer_margin=0.02, z=1.645, prefer="strongest", centre=True, stronger=True)
     gains = {STRONG: {k: 0.04 for k in KINDS}, FULL: {k: 0.015 for k in KINDS}}  # the scorer: under its 2%
     decision = decide(kind_scores(gains), CURRENT, RAW, D, rule)
     assert decision.transform.chosen == STRONG and not decision.transform.kept
@@ -571,21 +577,22 @@ def test_a_candidate_that_wins_on_every_kind_by_the_margin_is_taken_and_the_scor
     assert decision.transform.lines()[0].startswith("transform: mean k=8 g=0.3 uncentred -> mean k=8 g=1 uncentred")
     gains[FULL] = {k: 0.05 for k in KINDS}
     assert decide(kind_scores(gains), CURRENT, RAW, D, rule).scorer.chosen == FULL
-    assert decide(kind_scores(gains), CURRENT, RAW, D).transform.chosen == STRONG  # the shipped bar: 2% on 2 kinds
+    assert decide(kind_scores(gains), CURRENT, RAW, D, AutoRule(stronger=True)).transform.chosen == STRONG
+    assert decide(kind_scores(gains), CURRENT, RAW, D).kept  # shipped: STRONG whitens more, FULL centres
     assert decide(kind_scores(gains), CURRENT, RAW, D).scorer.kept  # FULL centres: not a candidate by default
 
 
 def test_the_margin_confidence_and_kinds_required_of_the_rule() -> None:
     small = kind_scores({STRONG: {k: 0.006 for k in KINDS}}, spread=0.005)  # +0.6% on every kind, surely
-    assert decide(small, CURRENT, RAW, D, AutoRule(margin=0.01)).kept  # under the 1% margin
-    assert decide(small, CURRENT, RAW, D, AutoRule(margin=0.002)).transform.chosen == STRONG
+    assert decide(small, CURRENT, RAW, D, AutoRule(margin=0.01, stronger=True)).kept  # under the 1% margin
+    assert decide(small, CURRENT, RAW, D, AutoRule(margin=0.002, stronger=True)).transform.chosen == STRONG
     # +3% on every kind, but on 30 queries that differ by +-0.06: the 95% bound (+3% - 3.7%) is under the margin
     noisy = kind_scores({STRONG: {k: 0.03 for k in KINDS}}, n=30, spread=0.06)
-    assert decide(noisy, CURRENT, RAW, D, AutoRule(margin=0.01, z=1.645)).kept
-    assert decide(noisy, CURRENT, RAW, D, AutoRule(margin=0.01, z=0.0)).transform.chosen == STRONG
+    assert decide(noisy, CURRENT, RAW, D, AutoRule(margin=0.01, z=1.645, stronger=True)).kept
+    assert decide(noisy, CURRENT, RAW, D, AutoRule(margin=0.01, z=0.0, stronger=True)).transform.chosen == STRONG
     two = kind_scores({STRONG: {"sentence": 0.05, "half": 0.05, "keywords": -0.01}})
-    assert decide(two, CURRENT, RAW, D, AutoRule(margin=0.01)).kept
-    assert decide(two, CURRENT, RAW, D, AutoRule(margin=0.01, kinds=2)).transform.chosen == STRONG
+    assert decide(two, CURRENT, RAW, D, AutoRule(margin=0.01, stronger=True)).kept
+    assert decide(two, CURRENT, RAW, D, AutoRule(margin=0.01, kinds=2, stronger=True)).transform.chosen == STRONG
     with pytest.raises(ValueError, match="the current setting mean k=4 g=0.3 uncentred was not measured"):
         decide(two, TransformSpec(dim=4, pooling="mean").resolve(D), RAW, D)
 
@@ -596,7 +603,7 @@ def test_of_the_candidates_that_qualify_the_gentlest_is_taken_not_the_strongest(
     gentlest (more dimensions, then a smaller gamma) is taken, the strongest only when asked for."""
     mild = MID
     gains = {STRONG: {k: 0.15 for k in KINDS}, mild: {k: 0.05 for k in KINDS}}
-    rule = AutoRule(margin=0.01, scorer_margin=0.01, z=2.326)
+    rule = AutoRule(margin=0.01, scorer_margin=0.01, z=2.326, stronger=True)
     decision = decide(kind_scores(gains), CURRENT, RAW, D, rule)
     assert decision.transform.chosen == mild and decision.transform.qualified == 2
     assert [e.gain for e in decision.transform.evidence] == pytest.approx([0.05] * 3, rel=0.03)
@@ -641,6 +648,38 @@ def test_a_kernel_that_centres_never_replaces_one_that_does_not_unless_allowed()
         for k, per in scores.items()
     }
     assert decide(scores, centred, RAW, D, rule).transform.chosen == FULL
+
+
+def test_a_kernel_that_whitens_more_strongly_than_the_current_one_is_not_a_candidate_unless_allowed() -> None:
+    """Pseudo-queries share their documents' words and reward stronger whitening than real queries can use: from
+    ``--dim`` d/3 at gamma 0.3, CISI's pseudo-queries took gamma 0.5 (real queries as served: -0.7%) and NPL's
+    full whitening (-15% before re-scoring). A larger gamma than the current one (or than the default, from a
+    setting that does not whiten) is not measured against it; gentler moves, and more dimensions, still are."""
+    half = Candidate("mean", 8, 0.5).resolve(D)
+    gains = {STRONG: {k: 0.15 for k in KINDS}, half: {k: 0.1 for k in KINDS}, MID: {k: 0.02 for k in KINDS}}
+    rule = AutoRule(margin=0.01, scorer_margin=0.01, z=0.0, stronger=False)
+    decision = decide(kind_scores(gains), CURRENT, RAW, D, rule)
+    assert decision.transform.chosen == MID and decision.transform.capped == 2 and decision.transform.qualified == 1
+    assert decision.transform.lines()[0].endswith(
+        "(2 that whiten more strongly than gamma 0.3 were not considered: pseudo-queries share their documents' "
+        "words and reward stronger whitening than real queries can use)"
+    )
+    assert decision.to_dict()["transform"]["capped"] == 2
+    allowed = decide(kind_scores(gains), CURRENT, RAW, D, dataclasses.replace(rule, stronger=True))
+    assert allowed.transform.chosen == MID and allowed.transform.qualified == 3  # the gentlest of three still
+    assert decide(kind_scores({STRONG: gains[STRONG]}), CURRENT, RAW, D, rule).kept
+    # from an index that whitens fully, every gamma up to 1 is measured; from raw vectors, up to the default only
+    scores = kind_scores(gains)
+    swapped = {
+        k: {(STRONG if s == CURRENT else CURRENT if s == STRONG else s): v for s, v in per.items()}
+        for k, per in scores.items()
+    }
+    assert decide(swapped, STRONG, RAW, D, rule).transform.capped == 0
+    from_raw = {
+        k: {(RAW if s == CURRENT else CURRENT if s == RAW else s): v for s, v in per.items()}
+        for k, per in scores.items()
+    }
+    assert decide(from_raw, RAW, RAW, D, rule).transform.capped == 2
 
 
 def test_tune_auto_refuses_poolings_without_the_current_one(tmp_path: Path) -> None:

@@ -153,7 +153,8 @@ def tune(
             help="No qrels: measure on pseudo-queries made from the index's own documents (a sentence taken "
             "out, its rarest words, its first half; the rest of the document the one relevant hit) and keep the "
             "index's current setting unless a candidate beats it on every kind by a margin (then the gentlest "
-            "such; never a centring kernel for an uncentred index)."
+            "such; never a centring kernel for an uncentred index, nor a larger gamma than the index's, or than "
+            "the default from raw vectors)."
         ),
     ] = False,
     auto_queries: Annotated[int, typer.Option(help="--auto: how many pseudo-queries of each kind.")] = AUTO_QUERIES,
