@@ -624,10 +624,12 @@ class VectorStash:
         call), nothing mapped: the page cache holds them, not this process; then decoded at once. Re-scoring reads
         100-400 random rows of a stash of hundreds of parts, nearly a part each: every step but the system call is
         done on arrays (``_pread_table``); per part in Python, the work cost several times the system calls."""
-        starts = self._part_starts(rows)
+        table = self._pread_table(pooling)
+        starts = table.starts
         if not len(rows):
             return np.empty((0, self.dim), dtype=np.float32)
-        table = self._pread_table(pooling)
+        if rows.min() < 0 or rows.max() >= starts[-1]:
+            raise IndexError(f"stash rows must be in [0, {starts[-1]})")
         order = np.argsort(rows, kind="stable")
         ordered = rows[order]
         numbers = np.searchsorted(starts, ordered, side="right") - 1
