@@ -90,6 +90,13 @@ def dequantize(codes: np.ndarray, scale: np.ndarray, norms: np.ndarray | None = 
     return decoded.astype(np.float32, copy=False)
 
 
+def in_range(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``starts`` (each part's first global row, and the total last), once ``rows`` are checked to be in range."""
+    if len(rows) and (rows.min() < 0 or rows.max() >= starts[-1]):
+        raise IndexError(f"stash rows must be in [0, {starts[-1]})")
+    return starts
+
+
 @dataclass(frozen=True)
 class PreadTable:
     """What ``pread`` re-scoring needs of every part of one pooling, as arrays: the part count it was made for,
@@ -569,20 +576,13 @@ class VectorStash:
         if pread:
             return self._read_by_pread(np.asarray(rows, dtype=np.int64), pooling)
         rows = np.asarray(rows, dtype=np.int64)
-        starts = self._part_starts(rows)
+        starts = in_range(rows, np.cumsum([0] + [p.rows for p in self._parts]))
         out = np.empty((len(rows), self.dim), dtype=np.float32)
         numbers = np.searchsorted(starts, rows, side="right") - 1
         for number in np.unique(numbers):
             inside_part = numbers == number  # np.asarray: index the plain array, not the memmap subclass
             out[inside_part] = self._decoded(pooling, int(number), rows[inside_part] - starts[number], keep)
         return out
-
-    def _part_starts(self, rows: np.ndarray) -> np.ndarray:
-        """Each part's first global row (and the total last), once ``rows`` are checked to be in range."""
-        starts = np.cumsum([0] + [p.rows for p in self._parts])
-        if len(rows) and (rows.min() < 0 or rows.max() >= starts[-1]):
-            raise IndexError(f"stash rows must be in [0, {starts[-1]})")
-        return starts
 
     def _pread_table(self, pooling: str) -> PreadTable:
         """Every part's descriptor, data offset and (int8) scale and row lengths, gathered once per pooling (and
@@ -625,11 +625,9 @@ class VectorStash:
         100-400 random rows of a stash of hundreds of parts, nearly a part each: every step but the system call is
         done on arrays (``_pread_table``); per part in Python, the work cost several times the system calls."""
         table = self._pread_table(pooling)
-        starts = table.starts
+        starts = in_range(rows, table.starts)
         if not len(rows):
             return np.empty((0, self.dim), dtype=np.float32)
-        if rows.min() < 0 or rows.max() >= starts[-1]:
-            raise IndexError(f"stash rows must be in [0, {starts[-1]})")
         order = np.argsort(rows, kind="stable")
         ordered = rows[order]
         numbers = np.searchsorted(starts, ordered, side="right") - 1
