@@ -133,12 +133,17 @@ class BinaryIndex:
         depth = self.rerank if rerank is None else rerank
         wide = max(k, min(depth, self.ntotal)) if depth else k
         rotated = self.rotated(vectors)
-        distances, rows = self.binary.search(np.packbits(rotated > 0, axis=1), wide, params=params)
-        if not depth:
-            scores = np.cos(np.pi * distances.astype(np.float32) / self.d).astype(np.float32)
-            scores[rows < 0] = -np.inf
-            return scores, rows
-        scores = self._asymmetric(rotated, rows)
+        packed = np.packbits(rotated > 0, axis=1)
+        if depth and self._reconstructs(params):
+            rows, codes = self._search_and_reconstruct(packed, wide)
+            scores = self._scores(rotated, codes, rows >= 0)
+        else:
+            distances, rows = self.binary.search(packed, wide, params=params)
+            if not depth:
+                scores = np.cos(np.pi * distances.astype(np.float32) / self.d).astype(np.float32)
+                scores[rows < 0] = -np.inf
+                return scores, rows
+            scores = self._asymmetric(rotated, rows)
         order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
         return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
 
@@ -150,12 +155,46 @@ class BinaryIndex:
         sum (d/8 x 256 floats), so a candidate costs d/8 lookups rather than unpacking its bits."""
         return self._asymmetric(self.rotated(np.atleast_2d(vectors)), rows)
 
+    def _reconstructs(self, params: Any) -> bool:
+        """Whether a search with ``params`` can take its candidates' codes from FAISS's own search: an IVF index
+        searched at its own ``nprobe``, every row eligible (FAISS's search_and_reconstruct takes no parameters)."""
+        import faiss
+
+        if not isinstance(self.binary, faiss.IndexBinaryIVF):
+            return False
+        if params is None:
+            return True
+        plain = isinstance(params, faiss.SearchParametersIVF) and params.sel is None and not params.max_codes
+        return plain and int(params.nprobe) == int(self.binary.nprobe)
+
+    def _search_and_reconstruct(self, packed: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows (n, k), their codes (n, k, d / 8)) of the best ``k`` by Hamming distance: the codes copied out of
+        the lists during the search, where a search then ``codes_of`` gathers them again list by list (0.39 ms
+        against 0.54 ms a query at 1M rows, nprobe 32, k 400; ties at the k-th distance may differ)."""
+        import faiss
+
+        n = len(packed)
+        packed = np.ascontiguousarray(packed)
+        distances = np.empty((n, k), dtype=np.int32)
+        rows = np.empty((n, k), dtype=np.int64)
+        codes = np.zeros((n, k, self.code_size), dtype=np.uint8)
+        self.binary.search_and_reconstruct(
+            n, faiss.swig_ptr(packed), k, faiss.swig_ptr(distances), faiss.swig_ptr(rows), faiss.swig_ptr(codes)
+        )
+        codes[rows < 0] = 0
+        return rows, codes
+
     def _asymmetric(self, rotated: np.ndarray, rows: np.ndarray) -> np.ndarray:
         n, m = rows.shape
-        size = self.code_size
         found = rows >= 0
-        codes = np.zeros((n, m, size), dtype=np.uint8)
+        codes = np.zeros((n, m, self.code_size), dtype=np.uint8)
         codes[found] = self.codes_of(rows[found])
+        return self._scores(rotated, codes, found)
+
+    def _scores(self, rotated: np.ndarray, codes: np.ndarray, found: np.ndarray) -> np.ndarray:
+        """``asymmetric``'s scores of (n, m) candidates from their packed ``codes`` (n, m, d / 8); -inf where not
+        ``found``."""
+        n, m, size = codes.shape
         norms = np.linalg.norm(rotated, axis=1) * np.sqrt(self.d)
         norms[norms == 0] = 1.0  # a query on every threshold: every score 0, not NaN
         scores = np.empty((n, m), dtype=np.float32)

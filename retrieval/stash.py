@@ -620,7 +620,7 @@ class VectorStash:
         return table
 
     def _read_by_pread(self, rows: np.ndarray, pooling: str) -> np.ndarray:
-        """Rows as stored, read by ``os.preadv`` in ascending order (a run of consecutive rows of one part in one
+        """Rows as stored, read by ``os.pread`` in ascending order (a run of consecutive rows of one part in one
         call), nothing mapped: the page cache holds them, not this process; then decoded at once. Re-scoring reads
         100-400 random rows of a stash of hundreds of parts, nearly a part each: every step but the system call is
         done on arrays (``_pread_table``); per part in Python, the work cost several times the system calls."""
@@ -635,14 +635,19 @@ class VectorStash:
         firsts = np.flatnonzero(np.concatenate([[True], (np.diff(ordered) != 1) | (np.diff(numbers) != 0)]))
         runs = numbers[firsts]
         where = table.offsets[runs] + (ordered[firsts] - starts[runs]) * size
-        stored = np.empty((len(rows), self.dim), dtype=table.dtype)
-        buffer = stored.data.cast("B")
-        bounds = (firsts * size).tolist() + [len(rows) * size]
-        for at, (descriptor, offset) in enumerate(zip(table.descriptors[runs].tolist(), where.tolist(), strict=True)):
-            span = buffer[bounds[at] : bounds[at + 1]]
-            if os.preadv(descriptor, [span], offset) != len(span):
+        lengths = (np.diff(np.append(firsts, len(rows))) * size).tolist()
+        # os.pread's bytes, joined once: a third faster than os.preadv into slices of one buffer (100 rows)
+        chunks = [
+            os.pread(descriptor, length, offset)
+            for descriptor, length, offset in zip(
+                table.descriptors[runs].tolist(), lengths, where.tolist(), strict=True
+            )
+        ]
+        for at, (chunk, length) in enumerate(zip(chunks, lengths, strict=True)):
+            if len(chunk) != length:
                 name = self._parts[int(runs[at])].vectors[pooling]
                 raise IndexDirError(f"stash part {name} is truncated; rebuild")
+        stored = np.frombuffer(b"".join(chunks), dtype=table.dtype).reshape(len(rows), self.dim)
         if table.scales is not None and table.lengths is not None:
             decoded = dequantize(stored, table.scales[:, numbers], table.lengths[ordered])
         else:

@@ -532,3 +532,28 @@ def test_the_service_takes_rerank_and_reads_the_stash_by_pread(built: tuple[Path
         assert refused.status_code == 422 and "rerank" in refused.text
     with pytest.raises(ConfigError, match="stash_reads"):
         ServeOptions(stash_reads="mapped").check()
+
+
+def test_ivf_rerank_takes_the_codes_from_the_search_itself_only_at_its_own_knobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import faiss
+
+    docs, queries = _anisotropic(900, 32, 14), _anisotropic(20, 32, 15)
+    index = create_index(IndexSpec("ivf", codes="binary", nlist=8, nprobe=3), 32, len(docs))
+    assert isinstance(index, BinaryIndex)
+    index.train(docs)
+    index.add(docs)
+    index.binary.nprobe = 3  # as a loaded index's, from its manifest
+    own = faiss.SearchParametersIVF(nprobe=3)
+    wider = faiss.SearchParametersIVF(nprobe=5)
+    selector = faiss.IDSelectorRange(0, 300)
+    kept = faiss.SearchParametersIVF(nprobe=3, sel=selector)
+    assert index._reconstructs(None) and index._reconstructs(own)
+    assert not index._reconstructs(wider) and not index._reconstructs(kept)
+    fast = index.search(queries, 10, params=own, rerank=200)
+    monkeypatch.setattr(BinaryIndex, "_reconstructs", lambda self, params: False)
+    gathered = index.search(queries, 10, params=own, rerank=200)
+    # the same scores (the rows may differ only among ties at the 200th Hamming distance or the 10th score)
+    np.testing.assert_allclose(fast[0], gathered[0], atol=1e-6)
+    assert np.mean(fast[1] == gathered[1]) > 0.95
