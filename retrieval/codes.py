@@ -177,11 +177,10 @@ class BinaryIndex:
         packed = np.ascontiguousarray(packed)
         distances = np.empty((n, k), dtype=np.int32)
         rows = np.empty((n, k), dtype=np.int64)
-        codes = np.zeros((n, k, self.code_size), dtype=np.uint8)
+        codes = np.empty((n, k, self.code_size), dtype=np.uint8)  # a -1 row's bytes: FAISS's filler, scored -inf
         self.binary.search_and_reconstruct(
             n, faiss.swig_ptr(packed), k, faiss.swig_ptr(distances), faiss.swig_ptr(rows), faiss.swig_ptr(codes)
         )
-        codes[rows < 0] = 0
         return rows, codes
 
     def _asymmetric(self, rotated: np.ndarray, rows: np.ndarray) -> np.ndarray:

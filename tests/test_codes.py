@@ -557,3 +557,7 @@ def test_ivf_rerank_takes_the_codes_from_the_search_itself_only_at_its_own_knobs
     # the same scores (the rows may differ only among ties at the 200th Hamming distance or the 10th score)
     np.testing.assert_allclose(fast[0], gathered[0], atol=1e-6)
     assert np.mean(fast[1] == gathered[1]) > 0.95
+    # more asked than 3 of 8 lists hold: the rows past them are -1 and score -inf, the found ones stay finite
+    monkeypatch.undo()
+    scores, rows = index.search(queries, 800, params=own, rerank=800)
+    assert (rows == -1).any() and np.isneginf(scores[rows < 0]).all() and np.isfinite(scores[rows >= 0]).all()
