@@ -181,7 +181,9 @@ class Searcher:
         ``prefault``: also make the pages of the files that requests read a few rows of at a time (the stash when
         this index re-scores, the docs) resident now, when they take at most ``PREFAULT_SHARE`` of the memory
         available: a server then starts at the memory it will keep, and no early request waits on page faults.
-        Returns the bytes made resident."""
+        A stash read by pread is not made resident in this process (that is what pread is for): the kernel is
+        asked to bring it into the page cache instead, so that early re-scoring reads do not wait on the disk.
+        Returns the bytes made resident in this process."""
         warm = getattr(self.encoder, "warm_up", None)
         if warm is not None:
             warm()
@@ -201,6 +203,11 @@ class Searcher:
                 log.info("%s: %d MiB of docs and stash made resident", self.directory, touched >> 20)
             else:
                 log.info("%s: %d MiB of docs and stash left to load on demand", self.directory, size >> 20)
+            if parts and not rescored and self.manifest.rescoring.depth > 0:  # read by pread
+                cached = sum(part.nbytes for part in parts)
+                if available is not None and cached <= PREFAULT_SHARE * available:
+                    self.stash().cache(self.manifest.transform.pooling)
+                    log.info("%s: %d MiB of stash asked into the page cache", self.directory, cached >> 20)
         if self.encoder is not None:
             self.search("warm-up query")
         return touched
@@ -450,8 +457,12 @@ def rescore(
     -1 rows (fewer candidates than asked) score -inf and stay last."""
     queries = scorer.transform(raw, product=product)
     found = rows >= 0
-    scores = np.full(rows.shape, -np.inf, dtype=np.float32)
-    vectors = scorer.transform(stash.read_rows(rows[found], pooling, pread=pread), product=product)
-    scores[found] = np.einsum("ij,ij->i", vectors, np.repeat(queries, found.sum(axis=1), axis=0))
+    if found.all():  # every query's candidates all found (the rule): one product per query, no masks
+        vectors = scorer.transform(stash.read_rows(rows.ravel(), pooling, pread=pread), product=product)
+        scores = np.matmul(vectors.reshape(*rows.shape, -1), queries[:, :, None])[:, :, 0]
+    else:
+        scores = np.full(rows.shape, -np.inf, dtype=np.float32)
+        vectors = scorer.transform(stash.read_rows(rows[found], pooling, pread=pread), product=product)
+        scores[found] = np.einsum("ij,ij->i", vectors, np.repeat(queries, found.sum(axis=1), axis=0))
     order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)

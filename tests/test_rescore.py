@@ -345,6 +345,27 @@ def test_rows_read_by_pread_are_the_mapped_rows_exactly(tmp_path: Path, dtype: s
     opened.close()
 
 
+def test_a_part_cut_short_under_a_pread_reader_is_named(tmp_path: Path) -> None:
+    from retrieval.errors import IndexDirError
+    from retrieval.stash import VectorStash
+
+    rng = np.random.default_rng(6)
+    stash = VectorStash.create(tmp_path / "s", 12, ["mean"], "float32")
+    for size in (10, 10, 10):
+        stash.append(
+            {"mean": rng.normal(size=(size, 12)).astype(np.float32)}, [str(i) for i in range(size)], [""] * size
+        )
+    opened = VectorStash.open(tmp_path / "s")
+    assert opened.read_rows(np.array([3, 15, 29]), pread=True).shape == (3, 12)  # descriptors kept
+    name = opened.parts[1].vectors["mean"]
+    part = tmp_path / "s" / name
+    part.write_bytes(part.read_bytes()[: -12 * 4 * 3])  # its last three rows gone
+    assert opened.read_rows(np.array([3, 15, 29]), pread=True).shape == (3, 12)  # rows before the cut still read
+    with pytest.raises(IndexDirError, match=f"stash part {name} is truncated; rebuild"):
+        opened.read_rows(np.array([3, 19, 29]), pread=True)
+    opened.close()
+
+
 def test_a_searcher_rescoring_by_pread_answers_as_by_maps_and_maps_no_stash(reduced: Path) -> None:
     raw = queries(6)
     mapped = Searcher.load(reduced, encoder=FakeEncoder())

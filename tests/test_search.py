@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -424,6 +425,39 @@ def test_warm_up_makes_docs_and_stash_resident_within_its_budget(tmp_path: Path,
 
     monkeypatch.setattr(retrieval.search, "available_memory", lambda: 1 << 20)  # 1 MiB free: over the share
     assert Searcher.load(tmp_path / "idx", encoder=FakeEncoder()).warm_up() == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise")
+def test_warm_up_of_a_pread_reader_asks_the_stash_into_the_page_cache_not_the_process(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A stash read by pread stays out of the process (that is the point of pread), but its first reads went to
+    the disk: warm-up asks the kernel to read every part into the page cache (POSIX_FADV_WILLNEED on the whole of
+    each part's rows), and the process's resident memory does not grow by it; not over the memory share."""
+    import retrieval.search
+
+    corpus = write_corpus(tmp_path / "corpus.parquet", n=3000)
+    build_index(CorpusSpec(corpus), FakeEncoder(), tmp_path / "idx", TransformSpec(dim=4))
+    searcher = Searcher.load(tmp_path / "idx", encoder=FakeEncoder(), stash_reads="pread")
+    stash = searcher.stash()
+    pooling = searcher.manifest.transform.pooling
+    parts = [stash.root / part.vectors[pooling] for part in stash.parts]
+    advised: list[tuple[int, int, int, int]] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda *args: (advised.append(args), real(*args))[1])
+    searcher.warm_up()
+    assert {advice for *_, advice in advised} == {os.POSIX_FADV_WILLNEED}
+    assert len({fd for fd, *_ in advised}) == len(parts)  # each part once
+    sizes = sorted(length for _, _, length, _ in advised)
+    assert sizes == sorted(part.rows * stash.dim * 4 for part in stash.parts)  # every row, float32
+    for (_, offset, length, _), path in zip(advised, parts, strict=True):
+        assert offset + length == path.stat().st_size  # the rows run to the file's end, after the npy header
+    if Path("/proc/self/smaps").is_file():
+        assert sum(mapped_rss_kib(p.resolve()) for p in parts) == 0  # nothing of it in the process
+    advised.clear()
+    monkeypatch.setattr(retrieval.search, "available_memory", lambda: 1 << 10)  # over the share: left alone
+    Searcher.load(tmp_path / "idx", encoder=FakeEncoder(), stash_reads="pread").warm_up()
+    assert advised == []
 
 
 def test_warm_up_leaves_the_stash_alone_when_the_index_does_not_rescore(tmp_path: Path) -> None:
