@@ -91,7 +91,10 @@ def measure(args: argparse.Namespace) -> None:
     searcher = Searcher.load(args.index, verify="quick", stash_reads=args.stash_reads)
     loaded = memory(args.index)
     params = SearchParams(k=10, mode="dense", rescore=args.rescore, rerank=args.rerank)
-    searcher.search_vectors(queries[:1], params)  # warm-up: the stash's maps opened
+    # a served index's warm-up: maps opened; the docs made resident; a stash read by pread asked into the page
+    # cache (its first reads otherwise went to the disk); a mapped one made resident when it fits the share
+    searcher.warm_up()
+    searcher.search_vectors(queries[:1], params)
     times, found = [], []
     for query in queries:
         started = time.perf_counter()
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace) -> None:
         rows.append(row)
         print({k: v for k, v in row.items() if k != "memory"}, flush=True)
     record = {"machine": info, "corpus": str(args.corpus_label), "queries": len(queries), "results": rows}
-    name = "codes-scale-untimed" if args.untimed else "codes-scale"
+    name = args.name + ("-untimed" if args.untimed else "")
     benchlib.write_json(out / f"{name}.json", record)
     times = () if args.untimed else ("p50 ms", "p99 ms")
     columns = [(k, k) for k in ("kind", "index", "rows", "bytes per row", "stash reads", "rerank", "rescore")]
@@ -220,6 +223,7 @@ def main() -> None:
     parser.add_argument("--rerank", type=int, help="measure: Hamming candidates re-ranked asymmetrically")
     parser.add_argument("--rescore", type=int, help="measure: candidates re-scored from the stash")
     parser.add_argument("--out", type=Path, help="measure: where its JSON goes")
+    parser.add_argument("--name", default="codes-scale", help="run: the result files' name in results/codes-scale")
     args = parser.parse_args()
     {"build": build, "run": run, "measure": measure}[args.part](args)
 
