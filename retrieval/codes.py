@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from retrieval.errors import IndexDirError
+from retrieval.scan import best_k
 
 ROTATIONS = ("itq", "random")
 ITQ_ITERATIONS = 50  # as FAISS's ITQMatrix; the probe in the notes saw no gain past it
@@ -142,8 +143,7 @@ class BinaryIndex:
                 scores[rows < 0] = -np.inf
                 return scores, rows
             scores = self._asymmetric(rotated, rows)
-        order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-        return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
+        return best_k(scores, rows, k)
 
     def asymmetric(self, vectors: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """(n, m) scores of each query's candidate ``rows`` (n, m; -1: none, scored -inf): the cosine between the

@@ -28,7 +28,7 @@ from retrieval.fusion import MODES, FusionSpec, check_mode, fuse
 from retrieval.index import FaissProduct, flat_vectors, list_count, one_query_twin, search_parameters
 from retrieval.indexdir import Loaded, Verify, load
 from retrieval.options import option
-from retrieval.scan import FlatScan
+from retrieval.scan import FlatScan, best_k
 from retrieval.stash import VectorStash
 from retrieval.text import blank, valid_unicode
 from retrieval.whitening import RawTransform, Whitening, l2_normalize
@@ -464,5 +464,4 @@ def rescore(
         scores = np.full(rows.shape, -np.inf, dtype=np.float32)
         vectors = scorer.transform(stash.read_rows(rows[found], pooling, pread=pread), product=product)
         scores[found] = np.einsum("ij,ij->i", vectors, np.repeat(queries, found.sum(axis=1), axis=0))
-    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
+    return best_k(scores, rows, k)

@@ -48,8 +48,10 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
     (squares of entries above ~1e19 overflow: every such row came out 0; below ~1e-19 they underflow) are
     normalised again in float64; the others, every embedding, stay on the float32 path."""
     x = np.asarray(x, dtype=np.float32)
-    with np.errstate(over="ignore", under="ignore"):
-        norms = np.linalg.norm(x, axis=-1, keepdims=True)
+    with np.errstate(over="ignore", under="ignore"):  # np.linalg.norm's own sum of squares, without its checks
+        norms = np.sqrt(np.add.reduce(x * x, axis=-1, keepdims=True))
+    if norms.size and norms.min() > NORM_FLOOR and norms.max() < np.inf:  # NaN fails both: the slow path
+        return x / norms
     odd = ~((norms > NORM_FLOOR) & (norms < np.inf))  # zero, underflowed, overflowed (or NaN)
     if not odd.any():
         return x / norms
