@@ -134,6 +134,17 @@ class Docs:
             out.append(str(self._texts.chunk(chunk)[offset].as_py()))
         return out
 
+    def records(self, rows: Sequence[int]) -> list[tuple[str, str, str | None]]:
+        """(id, text, title) of each row (title None without a title column): one lookup a row, for hits."""
+        out = []
+        for row in rows:
+            chunk, offset = self._locate(int(row))
+            title = None if self._titles is None else self._titles.chunk(chunk)[offset].as_py()
+            out.append(
+                (str(self._ids.chunk(chunk)[offset].as_py()), str(self._texts.chunk(chunk)[offset].as_py()), title)
+            )
+        return out
+
     def titles(self, rows: Sequence[int]) -> list[str | None] | None:
         """The rows' titles (None for a row without one); None for an index built without a title column."""
         if self._titles is None:

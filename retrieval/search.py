@@ -418,12 +418,10 @@ class Searcher:
         out = []
         for score_row, row_ids in zip(scores, rows, strict=True):
             keep = [int(r) for r in row_ids if r >= 0]
-            texts = self.docs.texts(keep)
-            titles = self.docs.titles(keep) or [None] * len(keep)
             out.append(
                 [
-                    Hit(rank=i + 1, id=self.docs.id(r), score=float(s), text=t, row=r, title=h)
-                    for i, (r, s, t, h) in enumerate(zip(keep, score_row, texts, titles, strict=False))
+                    Hit(rank=i + 1, id=d, score=float(s), text=t, row=r, title=h)
+                    for i, (r, s, (d, t, h)) in enumerate(zip(keep, score_row, self.docs.records(keep), strict=False))
                 ]
             )
         return out

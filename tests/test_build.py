@@ -302,11 +302,14 @@ def test_hits_carry_the_title_apart_and_add_and_remove_keep_it(tmp_path: Path) -
     docs = Docs(out / "docs.arrow")
     expected = [f"Title {i}" for i in range(30) if i != 3] + ["New 0", None, None]
     assert list(docs.ids)[-3:] == ["t0", "u0", "u1"] and docs.titles(range(len(docs))) == expected
+    rows = [31, 0, 29, 30, 5]  # across the parts add and remove wrote: hits' one lookup a row agrees with each column's
+    assert docs.records(rows) == list(zip([docs.id(r) for r in rows], docs.texts(rows), docs.titles(rows), strict=True))
     hit = Searcher.load(out, encoder=FakeEncoder()).search("New 0 document number 0 about topic 0")[0]
     assert (hit.id, hit.title) == ("t0", "New 0")
 
     build_index(CorpusSpec(path), FakeEncoder(), tmp_path / "plain", TransformSpec(dim=4))
     assert Docs(tmp_path / "plain" / "docs.arrow").titles([0, 1]) is None
+    assert [title for *_, title in Docs(tmp_path / "plain" / "docs.arrow").records([0, 1])] == [None, None]
     assert Searcher.load(tmp_path / "plain", encoder=FakeEncoder()).search("document number 4")[0].title is None
 
 
