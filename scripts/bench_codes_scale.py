@@ -80,6 +80,16 @@ def memory(directory: Path) -> dict[str, float]:
     return {"process": status["VmRSS"], "anonymous": status["RssAnon"], "index files mapped": mapped}
 
 
+def disk_read() -> int:
+    """Bytes this process has had read from storage (``/proc/self/io``; page-cache hits are not counted): stash
+    rows the page cache no longer held (a host that reclaims idle page cache evicts them between queries)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key == "read_bytes":
+            return int(value)
+    return 0
+
+
 def measure(args: argparse.Namespace) -> None:
     """One index in this fresh process: memory at each step, p50 of single queries, the rows found."""
     import faiss  # noqa: F401  (imported before the first reading: its library is not the index)
@@ -96,11 +106,13 @@ def measure(args: argparse.Namespace) -> None:
     searcher.warm_up()
     searcher.search_vectors(queries[:1], params)
     times, found = [], []
+    read_before = disk_read()
     for query in queries:
         started = time.perf_counter()
         hits = searcher.search_vectors(query[None], params)[0]
         times.append(time.perf_counter() - started)
         found.append([h.row for h in hits] + [-1] * (10 - len(hits)))
+    read_during = disk_read() - read_before
     after = memory(args.index)
     manifest = searcher.manifest
     result = {
@@ -113,6 +125,7 @@ def measure(args: argparse.Namespace) -> None:
         "search": manifest.index.search,
         "p50 ms": float(np.median(times)) * 1e3,
         "p99 ms": float(np.percentile(times, 99)) * 1e3,
+        "disk MiB read by the queries": read_during / 2**20,
         "memory MiB": {"imports": before, "loaded": loaded, "after queries": after},
         "found": found,
     }
@@ -188,7 +201,7 @@ def run(args: argparse.Namespace) -> None:
     benchlib.write_json(out / f"{name}.json", record)
     times = () if args.untimed else ("p50 ms", "p99 ms")
     columns = [(k, k) for k in ("kind", "index", "rows", "bytes per row", "stash reads", "rerank", "rescore")]
-    columns += [(k, k) for k in ("recall@10", *times)]
+    columns += [(k, k) for k in ("recall@10", *times, "disk MiB read by the queries")]
     columns += [(k, k) for k in ("RSS after imports", "RSS loaded", "index RSS loaded", "RSS after queries")]
     columns += [(k, k) for k in ("index anon after queries", "index files mapped after queries")]
     text = [
