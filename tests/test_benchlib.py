@@ -126,3 +126,26 @@ def test_a_timing_script_takes_the_lock_after_its_arguments(tmp_path: Path) -> N
     finally:
         holder.kill()
         holder.wait(10)
+
+
+def test_the_openvino_probe_without_its_packages_says_how_to_set_them_up() -> None:
+    """openvino and nncf are no dependencies of the project: the probe stops in one line naming the venv that
+    holds them, before it reads data or takes the lock, and writes no result."""
+    import importlib.util
+
+    if importlib.util.find_spec("openvino") and importlib.util.find_spec("nncf"):
+        pytest.skip("openvino and nncf are installed here")
+    results = sorted((ROOT / "results" / "encode").glob("openvino*"))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "probe_openvino.py"), "--out", "results/encode/openvino-test"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert (
+        len(lines) == 1 and "openvino and nncf are needed" in lines[0] and ".venv-openvino/bin/pip install" in lines[0]
+    )
+    assert sorted((ROOT / "results" / "encode").glob("openvino*")) == results
