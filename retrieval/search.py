@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.codes import BinaryIndex
+from retrieval.codes import BinaryIndex, best_k
 from retrieval.encode.spec import Encoder
 from retrieval.encode.transformer import from_info
 from retrieval.errors import ConfigError, IndexDirError
@@ -28,7 +28,7 @@ from retrieval.fusion import MODES, FusionSpec, check_mode, fuse
 from retrieval.index import FaissProduct, flat_vectors, list_count, one_query_twin, search_parameters
 from retrieval.indexdir import Loaded, Verify, load
 from retrieval.options import option
-from retrieval.scan import FlatScan, best_k
+from retrieval.scan import FlatScan
 from retrieval.stash import VectorStash
 from retrieval.text import blank, valid_unicode
 from retrieval.whitening import RawTransform, Whitening, l2_normalize
