@@ -115,14 +115,20 @@ def progress_bars() -> Iterator[Callable[[str, int, int], None]]:
 def sigterm_exits() -> Iterator[None]:
     """SIGTERM ends the command as Ctrl-C does, unwinding it: what it started is stopped on the way out, a
     writer's lock and unfinished work directory are removed (a build's encoded parts stay, for --resume), and
-    the same line says so; the exit status is 143."""
+    the same line says so; the exit status is 143. A signal whose exception Python swallowed (raised inside a
+    weakref callback or a finaliser, such as the import system's module-lock callbacks: printed as "Exception
+    ignored", and the build ran on to exit 0) still ends the command, as soon as it returns."""
+    received: list[int] = []
 
     def exit_143(signum: int, frame: Any) -> None:
+        received.append(signum)
         raise Terminated
 
     previous = signal.signal(signal.SIGTERM, exit_143)
     try:
         yield
+        if received:
+            raise Terminated
     finally:
         signal.signal(signal.SIGTERM, previous)
 
