@@ -322,3 +322,9 @@ def test_a_sigterm_python_swallowed_still_ends_the_command() -> None:
         finished.append(kept() is None)
     assert finished == [True]  # the work ran on past the signal; the end of the block raised it
     assert signal.getsignal(signal.SIGTERM) == before  # the handler it replaced, back
+    with sigterm_exits():  # caught on purpose (a graceful shutdown): the command's own outcome stands
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except Terminated:
+            pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import signal
+import sys
 import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -115,22 +116,30 @@ def progress_bars() -> Iterator[Callable[[str, int, int], None]]:
 def sigterm_exits() -> Iterator[None]:
     """SIGTERM ends the command as Ctrl-C does, unwinding it: what it started is stopped on the way out, a
     writer's lock and unfinished work directory are removed (a build's encoded parts stay, for --resume), and
-    the same line says so; the exit status is 143. A signal whose exception Python swallowed (raised inside a
-    weakref callback or a finaliser, such as the import system's module-lock callbacks: printed as "Exception
-    ignored", and the build ran on to exit 0) still ends the command, as soon as it returns."""
-    received: list[int] = []
+    the same line says so; the exit status is 143. A signal whose exception Python dropped (raised inside a
+    weakref callback or a finaliser, such as the import system's module-lock callbacks: reported to
+    ``sys.unraisablehook`` as "Exception ignored", and a build ran on to exit 0) still ends the command as soon as
+    its work returns; one that code caught on purpose (a graceful shutdown) does not."""
+    dropped: list[bool] = []
+    previous_hook = sys.unraisablehook
 
     def exit_143(signum: int, frame: Any) -> None:
-        received.append(signum)
         raise Terminated
 
+    def unraisable(report: Any) -> None:
+        if isinstance(report.exc_value, Terminated):
+            dropped.append(True)
+        previous_hook(report)
+
     previous = signal.signal(signal.SIGTERM, exit_143)
+    sys.unraisablehook = unraisable
     try:
         yield
-        if received:
+        if dropped:
             raise Terminated
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = previous_hook
 
 
 def choice(name: str, value: str | None, allowed: Sequence[str]) -> None:
