@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from retrieval.encode.inplace import gelu_in_place
+
 log = logging.getLogger(__name__)
 
 # SmoothQuant's migration strength: 0 leaves activations as they are, 1 moves all their range into the weights.
@@ -276,27 +278,5 @@ def quantise(model: Any, observed: Observed, torch: Any, layer: type | None = No
             per_token = full not in group_of  # per tensor only where a group shares the input (SCHEME)
             smooth = (activation_range**SMOOTHING / weight_range ** (1 - SMOOTHING)).clamp(min=1e-5)
             setattr(parent, attribute, layer(linear, smooth, per_token, shared.get(id(group_of.get(full)))))
-    _gelu_in_place(quantised, layer, torch)
+    gelu_in_place(quantised, layer, torch)  # the copied model's blocks, if it came without
     return quantised.eval()
-
-
-def _gelu_in_place(model: Any, layer: type, torch: Any) -> int:
-    """A feed-forward block's exact GELU applied in place on its int8 layer's output (a tensor of its own, made
-    by that layer's product): a new (tokens x 4d) tensor took its page faults again on every batch (GELU 5.6
-    against 2.0 ms a layer at 7,700 tokens, oneDNN capped at AVX512_CORE_VNNI). The same function, bit for bit.
-    Returns how many blocks it changed."""
-
-    class GeluInPlace(torch.nn.Module):  # type: ignore[misc, name-defined]
-        def forward(self, x: Any) -> Any:
-            return torch.ops.aten.gelu_(x)
-
-    changed = 0
-    for module in model.modules():
-        act, dense = getattr(module, "intermediate_act_fn", None), getattr(module, "dense", None)
-        exact = (isinstance(act, torch.nn.GELU) and act.approximate == "none") or (
-            type(act).__name__ == "GELUActivation" and getattr(act, "act", None) is torch.nn.functional.gelu
-        )
-        if exact and isinstance(dense, layer):
-            module.intermediate_act_fn = GeluInPlace()
-            changed += 1
-    return changed

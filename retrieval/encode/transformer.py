@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from retrieval.encode import attention, int8, precision, tracing
+from retrieval.encode.inplace import gelu_in_place
 from retrieval.encode.models import default_max_length, load_pretrained, weights_sha256
 from retrieval.encode.pooling import masked_mean, pool, pool_one
 from retrieval.encode.precision import (
@@ -92,6 +93,7 @@ class TransformerEncoder:
 
         self.name = model
         self.folder, self.tokenizer, self.model = load_pretrained(model)
+        gelu_in_place(self.model, torch.nn.Linear, torch)  # every copy made of it (bf16, int8) inherits it
         self.pooling = pooling
         # A tokenizer without a saved maximum reports ~1e30: never go past the model's position embeddings
         # (RoBERTa and MPNet start counting positions after their padding index).
