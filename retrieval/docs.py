@@ -128,11 +128,7 @@ class Docs:
         return str(self._ids.chunk(chunk)[offset].as_py())
 
     def texts(self, rows: Sequence[int]) -> list[str]:
-        out = []
-        for row in rows:
-            chunk, offset = self._locate(int(row))
-            out.append(str(self._texts.chunk(chunk)[offset].as_py()))
-        return out
+        return [text for _, text, _ in self.records(rows)]
 
     def records(self, rows: Sequence[int]) -> list[tuple[str, str, str | None]]:
         """(id, text, title) of each row (title None without a title column): one lookup a row, for hits."""
@@ -147,13 +143,7 @@ class Docs:
 
     def titles(self, rows: Sequence[int]) -> list[str | None] | None:
         """The rows' titles (None for a row without one); None for an index built without a title column."""
-        if self._titles is None:
-            return None
-        out = []
-        for row in rows:
-            chunk, offset = self._locate(int(row))
-            out.append(self._titles.chunk(chunk)[offset].as_py())
-        return out
+        return None if self._titles is None else [title for *_, title in self.records(rows)]
 
     def count_in(self, ids: Collection[str]) -> int:
         """How many rows have one of ``ids`` (one vectorised pass over the mapped ids, none turned into Python)."""

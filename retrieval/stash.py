@@ -561,10 +561,10 @@ class VectorStash:
             return 0
         size = 0
         table = self._pread_table(pooling)
-        for number, (descriptor, offset) in enumerate(
-            zip(table.descriptors.tolist(), table.offsets.tolist(), strict=True)
+        for part, descriptor, offset in zip(
+            self._parts, table.descriptors.tolist(), table.offsets.tolist(), strict=True
         ):
-            length = self._parts[number].rows * self.dim * table.dtype.itemsize
+            length = part.rows * self.dim * table.dtype.itemsize
             advise(descriptor, offset, length, os.POSIX_FADV_WILLNEED)
             size += length
         return size

@@ -50,11 +50,9 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float32)
     with np.errstate(over="ignore", under="ignore"):  # np.linalg.norm's own sum of squares, without its checks
         norms = np.sqrt(np.add.reduce(x * x, axis=-1, keepdims=True))
-    if norms.size and norms.min() > NORM_FLOOR and norms.max() < np.inf:  # NaN fails both: the slow path
+    if not norms.size or (norms.min() > NORM_FLOOR and norms.max() < np.inf):  # NaN fails both: the slow path
         return x / norms
-    odd = ~((norms > NORM_FLOOR) & (norms < np.inf))  # zero, underflowed, overflowed (or NaN)
-    if not odd.any():
-        return x / norms
+    odd = ~((norms > NORM_FLOOR) & (norms < np.inf))  # zero, underflowed, overflowed (or NaN): at least one row
     rows = x.reshape(-1, x.shape[-1])
     out = rows / np.where(odd, np.float32(1), norms).reshape(-1, 1)
     odd = odd.reshape(-1)

@@ -13,7 +13,8 @@ from typing import Any
 def gelu_in_place(model: Any, layer: type, torch: Any) -> int:
     """Each feed-forward block's exact GELU applied in place on its up projection's output, where that projection is
     a ``layer`` (a linear layer: its output is a tensor of its own, which nothing else reads). The same function,
-    bit for bit. Returns how many blocks it changed."""
+    bit for bit. Copies of the model keep it (the encoder's bf16 cast, its int8 quantisation, whose layers also
+    return tensors of their own). Returns how many blocks it changed."""
 
     class GeluInPlace(torch.nn.Module):  # type: ignore[misc, name-defined]
         def forward(self, x: Any) -> Any:

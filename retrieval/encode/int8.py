@@ -24,8 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from retrieval.encode.inplace import gelu_in_place
-
 log = logging.getLogger(__name__)
 
 # SmoothQuant's migration strength: 0 leaves activations as they are, 1 moves all their range into the weights.
@@ -278,5 +276,4 @@ def quantise(model: Any, observed: Observed, torch: Any, layer: type | None = No
             per_token = full not in group_of  # per tensor only where a group shares the input (SCHEME)
             smooth = (activation_range**SMOOTHING / weight_range ** (1 - SMOOTHING)).clamp(min=1e-5)
             setattr(parent, attribute, layer(linear, smooth, per_token, shared.get(id(group_of.get(full)))))
-    gelu_in_place(quantised, layer, torch)  # the copied model's blocks, if it came without
     return quantised.eval()
