@@ -297,13 +297,24 @@ class LexicalIndex:
             terms = [term for term in self.analyzer.terms(query) if term in self._vocab]
             if not terms:
                 continue
-            found, score = self._bm25.retrieve(
-                [terms], k=k, weight_mask=weights, show_progress=False, n_threads=0, sorted=True
-            )
-            hit = score[0] > 0  # no shared term, or filtered out (its score multiplied by 0)
-            count = int(hit.sum())
-            scores[i, :count], rows[i, :count] = score[0][hit], found[0][hit]
+            found, score = top_positive(self._bm25.get_scores(terms, weight_mask=weights), k)
+            scores[i, : len(found)], rows[i, : len(found)] = score, found
         return scores, rows
+
+
+def top_positive(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, scores) of the ``k`` best positive ``scores``, best first, ties lower row first; zero is no shared
+    term, or filtered out (a score multiplied by 0). The selection runs over the positive scores alone: most of a
+    query's scores are zero, and numpy's ``argpartition`` over an array mostly of one value is 25x slower than
+    over distinct values (100k documents: 15 ms a query against 0.6 ms), the cost of every hybrid search."""
+    rows = np.flatnonzero(scores > 0)
+    values = scores[rows]
+    if len(rows) > k:
+        kth = np.partition(values, len(values) - k)[len(values) - k]
+        keep = values >= kth  # ties at the k-th score: all of them, cut below in row order
+        rows, values = rows[keep], values[keep]
+    order = np.lexsort((rows, -values))[:k]
+    return rows[order], values[order].astype(np.float32, copy=False)
 
 
 def iter_texts(tables: Iterable[Any]) -> Iterable[list[str]]:

@@ -28,6 +28,7 @@ from retrieval.lexical import (
     bm25_matrix,
     save,
     take_rows,
+    top_positive,
 )
 from retrieval.whitening import TransformSpec
 
@@ -108,6 +109,24 @@ def test_saved_index_searches_like_bm25s_and_obeys_a_mask(tmp_path: Path) -> Non
     full_scores, full_rows = index.search(queries[:1], k=80)
     expected = [r for r in full_rows[0] if r >= 0 and mask[r]]
     assert sorted(found) == sorted(expected)
+
+
+def test_top_positive_is_a_full_sort_of_the_positive_scores() -> None:
+    """The k best positive scores, best first, ties lower row first: against a stable full sort, on scores that
+    are mostly zero (as a query's BM25 scores are) and rich in ties at the k-th place."""
+    rng = np.random.default_rng(3)
+    for n, k, positive in [(1000, 10, 0.05), (1000, 50, 0.05), (200, 10, 0.02), (5000, 100, 0.5), (30, 10, 1.0)]:
+        scores = np.zeros(n, dtype=np.float32)
+        hit = rng.random(n) < positive
+        scores[hit] = rng.integers(1, 6, hit.sum()).astype(np.float32) / 4  # five values: ties everywhere
+        rows, values = top_positive(scores, k)
+        order = np.lexsort((np.arange(n), -scores))  # score descending, then row ascending
+        want = [r for r in order if scores[r] > 0][:k]
+        assert rows.tolist() == want
+        np.testing.assert_array_equal(values, scores[want])
+        assert values.dtype == np.float32
+    none, empty = top_positive(np.zeros(10, dtype=np.float32), 3)
+    assert len(none) == len(empty) == 0
 
 
 def test_take_rows_keeps_the_counts_of_the_rows_kept() -> None:
