@@ -13,6 +13,9 @@ and kills the server at the end. Nothing is sent anywhere but 127.0.0.1; every l
     python scripts/bench_serve.py --phases load,reload
     python scripts/bench_serve.py --phases report                    # merges the phases' JSON: md + png
     python scripts/bench_serve.py --phases load --kinds flat --code ../old-checkout --out results/serve/before
+    # int8 indexes of their own, on a CPU without bf16 (emulated: oneDNN capped below bf16)
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI python scripts/bench_serve.py --precision int8 \
+        --phases build,load,reload,report --out results/serve/load-int8-vnni-no-bf16
 
 Queries are real: SciFact test claims and STS-B test sentences. Results go to results/serve/. The script holds the
 benchmark lock (``benchlib.bench_lock``) while it runs, so no other benchmark times anything beside it.
@@ -126,7 +129,8 @@ def load_queries() -> list[str]:
 async def _clients(
     url: str, queries: list[str], clients: int, seconds: float, k: int, seed: int, until: Any = None
 ) -> dict[str, Any]:
-    """Closed-loop clients for ``seconds``; with ``until``, on past that until ``until()`` is true (at most 10 min)."""
+    """Closed-loop clients for ``seconds``; with ``until``, on past that until ``until()`` is true (at most 10 min).
+    A refused request (429, 503) counts as an error, and its client waits the answer's Retry-After first."""
     import aiohttp
 
     latencies: list[float] = []
@@ -150,14 +154,19 @@ async def _clients(
         while time.perf_counter() < deadline:
             body = {"query": rng.choice(queries), "k": k}
             start = time.perf_counter()
+            retry = 0.0
             try:
                 async with session.post(url + "/search", json=body) as response:
                     await response.read()
                     status = str(response.status)
+                    if response.status in (429, 503):  # as HTTP clients do: wait the Retry-After the refusal gives
+                        retry = float(response.headers.get("Retry-After") or 1)
             except (aiohttp.ClientError, asyncio.TimeoutError) as err:
                 status = type(err).__name__
             latencies.append(time.perf_counter() - start) if status == "200" else None
             statuses[status] = statuses.get(status, 0) + 1
+            if retry:  # a refused client retrying at once makes thousands of requests a second on the same cores
+                await asyncio.sleep(min(retry, max(0.0, deadline - time.perf_counter())))
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         started = time.perf_counter()
@@ -215,9 +224,15 @@ def sample_corpus(args: argparse.Namespace, n: int = 100_000, added: int = 1_000
         pq.write_table(table.take(np.sort(rows[n + i * added : n + (i + 1) * added])), path)
 
 
+def index_dir(args: argparse.Namespace, kind: str) -> Path:
+    """The index directory of ``kind`` (flat, hnsw, reload) for ``--precision``: the library's default precision
+    in ``serve-KIND``, another in ``serve-KIND-PRECISION``."""
+    return args.work / (f"serve-{kind}" if args.precision == "auto" else f"serve-{kind}-{args.precision}")
+
+
 def build(args: argparse.Namespace) -> dict[str, Any]:
     """The flat index (encoded once) and an HNSW index refitted from its stash (no re-encoding)."""
-    flat, hnsw = args.work / "serve-flat", args.work / "serve-hnsw"
+    flat, hnsw = index_dir(args, "flat"), index_dir(args, "hnsw")
     sample_corpus(args)
     run = [sys.executable, "-m", "retrieval"]
     env = benchlib.retrieval_env()
@@ -226,14 +241,14 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         subprocess.run(
             [*run, "index", str(args.corpus), "--id-column", "id", "--title-column", "title"]
-            + ["--dim", "128", "--out", str(flat)],
+            + ["--dim", "128", "--precision", args.precision, "--out", str(flat)],
             check=True,
             env=env,
         )
         timings["flat_s"] = time.perf_counter() - start
     if not (hnsw / "manifest.json").is_file():
         start = time.perf_counter()
-        tmp = args.work / "serve-hnsw.tmp"
+        tmp = hnsw.with_name(hnsw.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(flat, tmp)
         subprocess.run([*run, "refit", str(tmp), "--index-type", "hnsw"], check=True, env=env)
@@ -249,7 +264,7 @@ def gil(args: argparse.Namespace) -> dict[str, Any]:
     from retrieval.serve.service import set_torch_threads
 
     set_torch_threads(1)
-    searcher = Searcher.load(args.work / "serve-flat", verify="none")
+    searcher = Searcher.load(index_dir(args, "flat"), verify="none")
     searcher.warm_up()
     encoder: Any = searcher.encoder
     batch = load_queries()[:32]
@@ -301,7 +316,7 @@ def sweep(args: argparse.Namespace, configs: list[dict[str, Any]], log: Path) ->
     rows = []
     for config in configs:
         options = [f"--{key.replace('_', '-')}={value}" for key, value in config["server"].items()]
-        server = Server(args.work / f"serve-{args.sweep_kind}", log, "--watch-interval", "0", *options)
+        server = Server(index_dir(args, args.sweep_kind), log, "--watch-interval", "0", *options)
         try:
             server.wait_ready()
             for clients in config["clients"]:
@@ -359,7 +374,7 @@ def load(args: argparse.Namespace, log: Path) -> dict[str, Any]:
     queries = load_queries()
     out: dict[str, Any] = {"seconds_each": args.seconds, "kinds": {}}
     for kind in args.kinds.split(","):
-        server = Server(args.work / f"serve-{kind}", log, "--watch-interval", "0")
+        server = Server(index_dir(args, kind), log, "--watch-interval", "0")
         try:
             server.wait_ready()
             rss_start, anon_start = server.rss_mib(), server.rss_mib("RssAnon")
@@ -377,7 +392,10 @@ def load(args: argparse.Namespace, log: Path) -> dict[str, Any]:
                 "rss_end_mib": server.rss_mib(),
                 "anon_start_mib": anon_start,
                 "anon_end_mib": server.rss_mib("RssAnon"),
-                "index": {k: info["index"][k] for k in ("n", "d", "k", "index_kind", "factory", "model")},
+                "index": {
+                    k: info["index"][k]
+                    for k in ("n", "d", "dim", "index_kind", "factory", "model", "precision", "default_mode")
+                },
                 "server": info["server"]["batching"] | info["server"]["threads"],
             }
         finally:
@@ -388,9 +406,9 @@ def load(args: argparse.Namespace, log: Path) -> dict[str, Any]:
 def reload(args: argparse.Namespace, log: Path) -> dict[str, Any]:
     """16 clients while `retrieval add` publishes twice (at 10 s and 30 s, or when the first is done): at least
     ``seconds``, and on until the server serves the second publish plus 5 s; then added documents are looked up."""
-    index = args.work / "serve-reload"
+    index = index_dir(args, "reload")
     shutil.rmtree(index, ignore_errors=True)
-    shutil.copytree(args.work / "serve-flat", index)
+    shutil.copytree(index_dir(args, "flat"), index)
     adds = [args.work / "serve-add-1.parquet", args.work / "serve-add-2.parquet"]
     queries = load_queries()
     server = Server(index, log, "--watch-interval", "1")
@@ -499,6 +517,14 @@ def report(out: Path) -> None:
             f"{merged['load']['machine']['loadavg_at_start']}, at end {merged['load']['loadavg_at_end']}.",
             "",
         ]
+        for kind, part in load_part["kinds"].items():
+            served = part.get("index") or {}
+            if served:
+                lines += [
+                    f"- {kind}: {served['n']:,} documents, {served['d']} -> {served['dim']} dims, encoder "
+                    f"{served['model']} in {served['precision']}, searches in {served['default_mode']} mode"
+                ]
+        lines += [""]
         rows = [row for kind in load_part["kinds"].values() for row in kind.get("rows", [])]
         lines += [
             benchlib.md_table(
@@ -690,6 +716,12 @@ def main() -> None:
         type=lambda text: [int(n) for n in text.split(",")],
         default=list(CLIENTS),
         help="the load phase's concurrency levels (default 1,4,16,64; the targets need 1, 16 and 64)",
+    )
+    ap.add_argument(
+        "--precision",
+        default="auto",
+        choices=("auto", "fp32", "bf16", "int8"),
+        help="the served indexes' encoder precision (`retrieval index --precision`); not auto: indexes of their own",
     )
     ap.add_argument("--sweep-kind", default="flat", choices=("flat", "hnsw"), help="index the sweeps serve")
     ap.add_argument("--code", type=Path, default=None, help="run this checkout's server (default: this one)")

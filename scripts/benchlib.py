@@ -34,6 +34,7 @@ RESULTS = REPO / "results"
 LOADAVG_AT_START = [round(x, 2) for x in os.getloadavg()]
 # Benchmarks that time something hold this lock, so two never overlap (one file, named by this variable).
 LOCK_ENV = "RETRIEVAL_BENCH_LOCK"
+ISA_CAP_ENV = "ONEDNN_MAX_CPU_ISA"  # caps oneDNN's instruction set: how a CPU without bf16 (or AMX) is emulated
 # Set while a process holds that lock, so the processes it starts (a script's own workers) do not wait for it.
 _HELD_ENV = "RETRIEVAL_BENCH_LOCK_HELD"
 
@@ -84,6 +85,8 @@ def cpu() -> dict[str, Any]:
         "bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
         "vnni": bool({"avx512_vnni", "avx_vnni"} & flags),
         "amx": bool({"amx_tile", "amx_bf16", "amx_int8"} & flags),
+        # oneDNN (torch's bf16 and int8 products) held below the CPU's instruction set: another CPU emulated
+        "onednn_isa_cap": os.environ.get(ISA_CAP_ENV) or None,
     }
 
 
@@ -103,10 +106,16 @@ def git_revision() -> dict[str, Any]:
 
 
 def exact_command() -> str:
-    """The command line as it was typed: the interpreter's name, the script as given, every argument."""
+    """The command line as it was typed: the interpreter's name, the script as given, every argument (after the
+    oneDNN instruction-set cap, where one is set)."""
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
     argv[0] = Path(argv[0]).name  # "python3", not the interpreter's absolute path
-    return shlex.join(argv)
+    return _isa_prefix() + shlex.join(argv)
+
+
+def _isa_prefix() -> str:
+    cap = os.environ.get(ISA_CAP_ENV)
+    return f"{ISA_CAP_ENV}={shlex.quote(cap)} " if cap else ""
 
 
 def provenance() -> dict[str, Any]:
@@ -133,7 +142,12 @@ def provenance_md(record: dict[str, Any]) -> str:
             "## Provenance",
             "",
             f"- CPU: {c['model']}, {c['cores']} cores ({c['usable_cores']} usable); bf16: {yes[c['bf16']]}, "
-            f"VNNI: {yes[c['vnni']]}, AMX: {yes[c['amx']]}",
+            f"VNNI: {yes[c['vnni']]}, AMX: {yes[c['amx']]}"
+            + (
+                f"; oneDNN capped at {c['onednn_isa_cap']} (a CPU without what lies above it)"
+                if c.get("onednn_isa_cap")
+                else ""
+            ),
             f"- Revision: {revision}",
             f"- Load average (1/5/15 min): {record['loadavg_at_start']} at start, {record['loadavg_at_end']} at end",
             f"- Command: `{record['command']}`",
@@ -404,4 +418,4 @@ def machine_md(info: dict[str, Any]) -> str:
 
 def command_line() -> str:
     """The command as a reader reruns it from the repository's root (the exact one is in the provenance)."""
-    return shlex.join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
+    return _isa_prefix() + shlex.join(["python", os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])

@@ -20,13 +20,15 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import benchlib  # noqa: E402
 
 
-def test_a_json_result_records_cpu_revision_load_and_command(tmp_path: Path) -> None:
+def test_a_json_result_records_cpu_revision_load_and_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(benchlib.ISA_CAP_ENV, raising=False)
     path = tmp_path / "r.json"
     benchlib.write_json(path, {"rows": [1, 2]})
     record = json.loads(path.read_text())
     assert record["rows"] == [1, 2]
     prov = record["provenance"]
-    assert set(prov["cpu"]) == {"model", "cores", "usable_cores", "bf16", "vnni", "amx"}
+    assert set(prov["cpu"]) == {"model", "cores", "usable_cores", "bf16", "vnni", "amx", "onednn_isa_cap"}
+    assert prov["cpu"]["onednn_isa_cap"] is None
     assert all(isinstance(prov["cpu"][k], bool) for k in ("bf16", "vnni", "amx"))
     assert prov["cpu"]["cores"] >= 1 and prov["cpu"]["model"]
     revision = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
@@ -149,3 +151,16 @@ def test_the_openvino_probe_without_its_packages_says_how_to_set_them_up() -> No
         len(lines) == 1 and "openvino and nncf are needed" in lines[0] and ".venv-openvino/bin/pip install" in lines[0]
     )
     assert sorted((ROOT / "results" / "encode").glob("openvino*")) == results
+
+
+def test_an_emulated_cpu_says_so_in_every_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN capped below the CPU's instruction set (how a CPU without bf16 is emulated): the cap is in the
+    provenance, in its markdown, and in front of both commands, so a rerun emulates the same CPU."""
+    monkeypatch.setenv(benchlib.ISA_CAP_ENV, "AVX512_CORE_VNNI")
+    benchlib.write_json(tmp_path / "r.json", {})
+    prov = json.loads((tmp_path / "r.json").read_text())["provenance"]
+    assert prov["cpu"]["onednn_isa_cap"] == "AVX512_CORE_VNNI"
+    assert prov["command"].startswith("ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI ")
+    assert benchlib.command_line().startswith("ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI python ")
+    benchlib.write_md(tmp_path / "r.md", "# A table\n")
+    assert "oneDNN capped at AVX512_CORE_VNNI" in (tmp_path / "r.md").read_text()
