@@ -254,7 +254,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         subprocess.run([*run, "refit", str(tmp), "--index-type", "hnsw"], check=True, env=env)
         tmp.rename(hnsw)
         timings["hnsw_s"] = time.perf_counter() - start
-    return {"flat": str(flat), "hnsw": str(hnsw), **timings}
+    return {"flat": os.path.relpath(flat, benchlib.REPO), "hnsw": os.path.relpath(hnsw, benchlib.REPO), **timings}
 
 
 def gil(args: argparse.Namespace) -> dict[str, Any]:
