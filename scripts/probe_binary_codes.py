@@ -9,6 +9,7 @@ against the documents' +-1 bits); and 4-bit codes of whitened d/4 dimensions (FA
 nDCG@10 x100 of the codes alone (no re-scoring), exact flat search in numpy.
 
     python scripts/probe_binary_codes.py --models all-MiniLM-L6-v2
+    python scripts/probe_binary_codes.py --gammas 0,0.1,0.2,0.3 --out DIR    # other whitening strengths
 
 Writes results/codes/binary-probe.json and binary-probe.md.
 """
@@ -53,7 +54,7 @@ def projection(centred: np.ndarray, bits: int) -> np.ndarray:
     return matrix
 
 
-def measure(data: dict[str, Any]) -> dict[str, float]:
+def measure(data: dict[str, Any], gammas: tuple[float, ...] = GAMMAS) -> dict[str, float]:
     docs, queries = data["docs"], data["raw"]
     d = docs.shape[1]
 
@@ -69,7 +70,7 @@ def measure(data: dict[str, Any]) -> dict[str, float]:
     out["raw ITQ bits, Hamming"] = score(signs(rotated_queries) @ signs(rotated_docs).T)
     out["raw ITQ bits, asymmetric"] = score(rotated_queries @ signs(rotated_docs).T)
     moments = data["stash"].moments()
-    for gamma in GAMMAS:
+    for gamma in gammas:
         for k in (d, d // 2):
             transform = TransformSpec(dim=k, whiten=True, gamma=gamma).fit(moments)
             whitened, whitened_queries = transform.transform(docs), transform.transform(queries)
@@ -98,6 +99,12 @@ def main() -> None:
     parser.add_argument("--stashes", type=Path, default=basket.WORK / "codes", help="as bench_codes.py's")
     parser.add_argument("--data", type=Path, default=basket.DATA, help="the shared evaluation data")
     parser.add_argument("--out", type=Path, default=benchlib.RESULTS / "codes")
+    parser.add_argument(
+        "--gammas",
+        type=lambda text: tuple(float(g) for g in text.split(",")),
+        default=GAMMAS,
+        help="whitening strengths of the whitened codes (0: the PCA rotation alone)",
+    )
     args = parser.parse_args()
     info = benchlib.machine()
     benchlib.print_machine(info)
@@ -105,7 +112,7 @@ def main() -> None:
     for model in args.models:
         for name in TASKS:
             print(f"{model} {name}...", file=sys.stderr, flush=True)
-            found = measure(bench_codes.collection(name, model, args.stashes, args.data))
+            found = measure(bench_codes.collection(name, model, args.stashes, args.data), args.gammas)
             rows += [{"model": model, "set": name, "variant": v, "ndcg": x} for v, x in found.items()]
     table = []
     for model in args.models:
