@@ -364,7 +364,7 @@ def bf16_native() -> bool:
     without bf16 emulated by ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI`` would time bf16 emulated, for hours)."""
     from retrieval.encode.precision import cpu_supports_bf16
 
-    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    capped = os.environ.get(benchlib.ISA_CAP_ENV, "").upper()
     return cpu_supports_bf16() and capped in ("", "ALL", "AVX512_CORE_BF16", "AVX512_CORE_AMX", "AVX10_1_512_AMX")
 
 
@@ -628,8 +628,8 @@ def main() -> None:
     )
     if args.precision == "int8" and not bf16_native():  # int8 against fp32 alone: kept beside the bf16 CPU's run
         stem += "_no_bf16"
-    if os.environ.get("ONEDNN_MAX_CPU_ISA"):  # a CPU emulated by capping oneDNN's instruction set
-        stem += "_isa_" + os.environ["ONEDNN_MAX_CPU_ISA"].lower()
+    if os.environ.get(benchlib.ISA_CAP_ENV):  # a CPU emulated by capping oneDNN's instruction set
+        stem += "_isa_" + os.environ[benchlib.ISA_CAP_ENV].lower()
     data = {
         "command": benchlib.command_line(),
         "machine": info,
@@ -645,7 +645,7 @@ def main() -> None:
         "summary": summary,
         "bucketing_check": checks,
         "quality": quality,
-        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+        "onednn_max_cpu_isa": os.environ.get(benchlib.ISA_CAP_ENV),
         "gemm_gflops": gemm,
         "memory": memory,
         "rows": rows,
@@ -726,9 +726,9 @@ def main() -> None:
             benchlib.machine_md(info)
             + f"\n- Load average at end: {info['loadavg_at_end']}"
             + (
-                f"\n- **Emulated CPU**: oneDNN capped at `ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}` "
+                f"\n- **Emulated CPU**: oneDNN capped at `ONEDNN_MAX_CPU_ISA={os.environ[benchlib.ISA_CAP_ENV]}` "
                 "(torch's matrix products; tokenisation and numpy are not capped): a CPU without native bf16 or AMX"
-                if os.environ.get("ONEDNN_MAX_CPU_ISA")
+                if os.environ.get(benchlib.ISA_CAP_ENV)
                 else ""
             ),
             "## Summary (target: >= 3x sentence-transformers with min cosine >= 0.999 on every pooling)",

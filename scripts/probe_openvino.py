@@ -208,10 +208,10 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=bench_encode.DATA, help="the shared evaluation data")
     p.add_argument("--out", type=Path, default=None, help="output path without suffix (default: results/encode/)")
     args = p.parse_args()
-    if args.cap_isa and os.environ.get("ONEDNN_MAX_CPU_ISA") != args.cap_isa:  # before torch or openvino loads
-        env = {**os.environ, "ONEDNN_MAX_CPU_ISA": args.cap_isa, "OV_CPU_MAX_ISA": args.cap_isa}
+    if args.cap_isa and os.environ.get(benchlib.ISA_CAP_ENV) != args.cap_isa:  # before torch or openvino loads
+        env = {**os.environ, benchlib.ISA_CAP_ENV: args.cap_isa, "OV_CPU_MAX_ISA": args.cap_isa}
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-    capped = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    capped = os.environ.get(benchlib.ISA_CAP_ENV)
     try:
         import nncf
         import openvino as ov
