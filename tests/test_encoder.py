@@ -19,7 +19,13 @@ from retrieval.encode import models as models_module  # noqa: E402
 from retrieval.encode import precision as precision_module  # noqa: E402
 from retrieval.encode import transformer as encoder_module  # noqa: E402
 from retrieval.encode.models import INSTALL_DEFAULT  # noqa: E402
-from retrieval.encode.shapes import narrowest_rows, pack_rows, padded_length, shape_batches  # noqa: E402
+from retrieval.encode.shapes import (  # noqa: E402
+    narrowest_rows,
+    pack_rows,
+    pack_widths,
+    padded_length,
+    shape_batches,
+)
 from retrieval.encode.spec import Encoder, EncoderInfo, MultiPoolingEncoder  # noqa: E402
 from retrieval.encode.transformer import TransformerEncoder, from_info  # noqa: E402
 from retrieval.errors import ConfigError, ModelError  # noqa: E402
@@ -578,6 +584,53 @@ def test_rows_of_one_forward_pass_are_evened_out() -> None:
         assert sorted(i for row in rows for i in row) == list(range(len(lengths))) and len(rows) <= len(wide)
         widest = max(sum(lengths[i] for i in row) for row in rows)
         assert widest <= max(sum(lengths[i] for i in row) for row in wide)
+
+
+def test_many_short_texts_take_the_narrowest_rows_that_hold_two_of_them() -> None:
+    """Each text goes to the narrowest width at least twice its length; a width with fewer than ``least`` tokens of
+    texts joins the next wider (a few queries keep one pass of wide rows); every text exactly once."""
+    lengths = [10] * 120 + [20] * 60 + [40] * 3  # 1,200 / 1,200 / 120 tokens
+    classes = pack_widths(lengths, 256, (32, 64, 128), least=1024)
+    assert [(width, len(members)) for width, members in classes] == [(32, 120), (64, 60), (256, 3)]
+    assert all(2 * lengths[i] <= width for width, members in classes[:2] for i in members)
+    few = pack_widths([10] * 16 + [20] * 4, 256, (32, 64, 128), least=1024)  # 16 queries: one width, as before
+    assert [(width, len(members)) for width, members in few] == [(256, 20)]
+    assert pack_widths([10] * 200, 256, (), least=1) == [(256, list(range(200)))]  # no widths: rows of capacity
+    assert [w for w, _ in pack_widths([5] * 300, 48, (32, 64, 128), least=1024)] == [32]  # never past capacity
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        lengths = [int(n) for n in rng.integers(1, 65, size=rng.integers(1, 400))]
+        classes = pack_widths(lengths, 256, (32, 64, 128), least=int(rng.integers(1, 2000)))
+        assert sorted(i for _, members in classes for i in members) == list(range(len(lengths)))
+        assert all(lengths[i] <= width for width, members in classes for i in members)
+        assert [w for w, _ in classes] == sorted({w for w, _ in classes})
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_widths([300], 256)
+
+
+def test_many_short_texts_in_narrow_rows_get_the_vectors_they_get_alone(
+    tiny_bert: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Enough short texts for rows of their own width (``PACK_WIDTH_TOKENS`` lowered so a test needs few): they
+    run in rows narrower than ``PACK_TOKENS`` and every text's vector is still its single forward pass's."""
+    monkeypatch.setattr(encoder_module, "PACK_WIDTH_TOKENS", 40)
+    texts = [*[f"topic {i}" for i in range(12)], *[f"document number {i} about topic {i % 3}" for i in range(12)]]
+    enc = TransformerEncoder(str(tiny_bert), max_length=48, batch_size=4, precision="fp32")
+    widths: list[int] = []
+    forward = enc._forward
+    enc._forward = lambda batch, hidden: widths.append(int(batch["input_ids"].shape[1])) or forward(batch, hidden)
+    got = enc.encode_poolings(texts, POOLS)
+    assert enc.packing is True and widths and max(widths) <= 32  # rows of 32, not of the capacity (48)
+    for pooling in POOLS:
+        want = np.stack([reference(enc, t)[pooling] for t in texts])
+        np.testing.assert_allclose(got[pooling], want, atol=ATOL)
+    wide = TransformerEncoder(str(tiny_bert), max_length=48, batch_size=4, precision="fp32")
+    wide.pack_widths = ()
+    widths.clear()
+    forward_wide = wide._forward
+    wide._forward = lambda batch, hidden: widths.append(int(batch["input_ids"].shape[1])) or forward_wide(batch, hidden)
+    wide.encode(texts)
+    assert max(widths) > 32  # without the widths, the same texts fill rows of up to 48 (the capacity here)
 
 
 @pytest.mark.parametrize("pooling", POOLS)

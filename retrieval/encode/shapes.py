@@ -1,5 +1,5 @@
 """The shapes of the encoder's forward passes: length-sorted batches of a bounded set of shapes (``shape_batches``,
-``padded_length``), and short texts packed several to a row (``pack_rows``, ``narrowest_rows``)."""
+``padded_length``), and short texts packed several to a row (``pack_rows``, ``narrowest_rows``, ``pack_widths``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,16 @@ LENGTH_STEPS = 8
 # squared, which bounds PACK_TOKENS.
 PACK_TOKENS = 256
 PACK_MAX_TOKENS = 64
+# Many short texts (a corpus of sentences, titles or questions) are packed in rows narrower than PACK_TOKENS: each
+# text in rows of the narrowest of PACK_WIDTHS that holds two of it (``pack_widths``). A row's attention costs each
+# of its tokens in proportion to the row's width, so 13-token sentences in rows of 256 spent ~20x the attention they
+# need: 31% of an int8 forward pass over 300 STS-B sentences (MiniLM, 2 threads, oneDNN capped at AVX512_CORE_VNNI).
+# A width gets rows of its own only for at least PACK_WIDTH_TOKENS tokens of texts; fewer join the next wider, so a
+# few queries keep one forward pass of wide rows: each pass has a fixed cost, and 16 queries in two or three passes
+# of narrow rows were 0.66-0.89x as fast as in one. scripts/bench_packing.py measures both layouts in one run
+# (docs/benchmarks/packing.md).
+PACK_WIDTHS = (32, 64, 128)
+PACK_WIDTH_TOKENS = 1024
 # The most padded tokens in one forward pass (``shape_batches``): 16 rows of 256 tokens, not 32. A batch's
 # intermediate activations (tokens x 1,536 floats for MiniLM's feed-forward block) stay below glibc's largest mmap
 # threshold (32 MB), so each pass reuses freed heap memory instead of mapping fresh pages and faulting them in:
@@ -44,6 +54,31 @@ def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
             rows.append([i])
             room.append(capacity - n)
     return sorted(rows, key=lambda row: -sum(lengths[i] for i in row))
+
+
+def pack_widths(
+    lengths: Sequence[int], capacity: int, widths: Sequence[int] = PACK_WIDTHS, least: int = PACK_WIDTH_TOKENS
+) -> list[tuple[int, list[int]]]:
+    """Indices of ``lengths`` (each at most ``capacity``) by the width of the rows they are packed in, narrowest
+    first: each in the narrowest of ``widths`` (below ``capacity``) at least twice its length, else ``capacity``;
+    a width's texts of fewer than ``least`` tokens in all join the next wider. ``widths`` empty: one width,
+    ``capacity``, for every text."""
+    usable = sorted(w for w in set(widths) if w < capacity) + [capacity]
+    by_width: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n > capacity:
+            raise ValueError(f"a text of {n} tokens does not fit a row of {capacity}")
+        by_width.setdefault(next(w for w in usable if 2 * n <= w or w == capacity), []).append(i)
+    out: list[tuple[int, list[int]]] = []
+    carried: list[int] = []
+    for width in usable:
+        members = carried + by_width.get(width, [])
+        if members and (width == capacity or sum(lengths[i] for i in members) >= least):
+            out.append((width, members))
+            carried = []
+        else:
+            carried = members
+    return out
 
 
 def narrowest_rows(lengths: Sequence[int], rows: list[list[int]], step: int = 8) -> list[list[int]]:

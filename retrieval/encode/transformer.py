@@ -31,9 +31,12 @@ from retrieval.encode.precision import (
 from retrieval.encode.shapes import (
     PACK_MAX_TOKENS,
     PACK_TOKENS,
+    PACK_WIDTH_TOKENS,
+    PACK_WIDTHS,
     TOKEN_BUDGET,
     narrowest_rows,
     pack_rows,
+    pack_widths,
     packed_batch,
     pool_packed,
     shape_batches,
@@ -129,6 +132,7 @@ class TransformerEncoder:
         self.bucketed = True  # batches take shapes from a bounded set (``shape_batches``)
         self.token_budget: int | None = TOKEN_BUDGET  # long texts in smaller batches (``shape_batches``)
         self.packing: bool | None = None  # short texts packed (``pack_rows``); None: checked on first use
+        self.pack_widths: tuple[int, ...] = PACK_WIDTHS  # narrower rows for many short texts; () keeps PACK_TOKENS
         self._sha = weights_sha256(self.folder) if self.folder else None
         self._dim = int(self.model.config.hidden_size)
         if precision == "int8":  # made and checked now: a model int8 does not suit is refused before any work
@@ -254,22 +258,26 @@ class TransformerEncoder:
         return short
 
     def _encode_packs(self, work: _Work, short: list[int]) -> None:
-        """The ``short`` texts packed into rows (``pack_rows``), the rows into forward passes (``shape_batches``)."""
+        """The ``short`` texts packed into rows (``pack_rows``; many short texts in narrower rows, ``pack_widths``), the
+        rows into forward passes (``shape_batches``)."""
         if not short:
             return
         tokens, lengths, poolings, out, on_batch = work
         capacity = min(PACK_TOKENS, self.max_length)
-        short_lengths = [lengths[i] for i in short]
-        packed_rows = pack_rows(short_lengths, capacity)
-        if 1 < len(packed_rows) <= self.batch_size:  # one forward pass, as wide as its widest row: even them out
-            packed_rows = narrowest_rows(short_lengths, packed_rows)
-        packs = [[short[i] for i in pack] for pack in packed_rows]
-        width_cap = capacity if self.bucketed else None
-        widths = [sum(lengths[i] for i in pack) for pack in packs]
-        for rows, width in shape_batches(widths, self.batch_size, width_cap, self.token_budget):
-            self._encode_packed([packs[r] for r in rows], width, tokens["input_ids"], poolings, out)
-            if on_batch:
-                on_batch(sum(len(packs[r]) for r in rows))
+        classes = pack_widths([lengths[i] for i in short], capacity, self.pack_widths, PACK_WIDTH_TOKENS)
+        for capacity, members in classes:
+            texts = [short[i] for i in members]
+            text_lengths = [lengths[i] for i in texts]
+            packed_rows = pack_rows(text_lengths, capacity)
+            if 1 < len(packed_rows) <= self.batch_size:  # one forward pass, as wide as its widest row: even them out
+                packed_rows = narrowest_rows(text_lengths, packed_rows)
+            packs = [[texts[i] for i in pack] for pack in packed_rows]
+            width_cap = capacity if self.bucketed else None
+            widths = [sum(lengths[i] for i in pack) for pack in packs]
+            for rows, width in shape_batches(widths, self.batch_size, width_cap, self.token_budget):
+                self._encode_packed([packs[r] for r in rows], width, tokens["input_ids"], poolings, out)
+                if on_batch:
+                    on_batch(sum(len(packs[r]) for r in rows))
 
     def _encode_padded(self, work: _Work, texts: list[int]) -> None:
         """The texts at these indices in length-sorted batches (``batches``), each padded to its longest."""
