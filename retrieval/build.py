@@ -17,8 +17,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
 from retrieval import files
 from retrieval.corpus import Corpus, CorpusReport, CorpusSpec
 from retrieval.docs import ColumnsWriter
@@ -26,6 +24,7 @@ from retrieval.encode.spec import POOLINGS, Encoder, EncoderInfo
 from retrieval.errors import ConfigError, IndexDirError, RetrievalError
 from retrieval.index import (
     IndexSpec,
+    add_rows,
     check_buildable,
     create_index,
     default_search_params,
@@ -455,20 +454,15 @@ def fill_index(
     index = create_index(spec, transform.dim_out, n)
     sample_rows = training_rows(index, spec, n)
     if sample_rows:
-        train(index, transform.transform(stash.sample(sample_rows, pooling=pooling)))
+        sample = stash.sample(sample_rows, pooling=pooling)
+        train(index, transform.transform(sample), sample, transform)
     filled = engine.fill(index, stash, transform, pooling) if engine else None
     if filled is not None:  # shards filled in parallel and merged
         index = filled
         progress("index", n, n)
     else:
         for block in stash.iter_blocks(BLOCK_ROWS, pooling=pooling):
-            vectors = transform.transform(block)
-            if not np.isfinite(vectors).all():  # never publish an index of NaN or inf vectors
-                raise ConfigError(
-                    "the transform gives non-finite vectors on this data; use a larger `epsilon` or a smaller `gamma`",
-                    "epsilon",
-                )
-            index.add(vectors)
+            add_rows(index, transform, block)  # refuses non-finite vectors: never an index of NaN or inf
             progress("index", block.shape[0], n)
     set_search_params(index, **default_search_params(index, spec))
     return index

@@ -47,7 +47,7 @@ from retrieval import errors
 from retrieval.corpus import Corpus, CorpusReport, Tally, repeated_values
 from retrieval.encode.spec import Encoder, EncoderInfo, EncoderSpec
 from retrieval.errors import ConfigError, RetrievalError
-from retrieval.index import deserialize, load_index, merge, mergeable, save_index, serialize
+from retrieval.index import add_rows, deserialize, load_index, merge, mergeable, save_index, serialize
 from retrieval.ingest import Ingest
 from retrieval.moments import RunningMoments
 from retrieval.raylocal import LOCAL_RAY_ENV, init_local, keep_sigterm_handler, on_loopback, ray_output_to_stderr
@@ -549,7 +549,7 @@ def _fill_shard(
         index = deserialize(empty)
         for first in range(int(start), int(stop), BLOCK_ROWS):
             rows = np.arange(first, min(first + BLOCK_ROWS, int(stop)))
-            index.add(transform.transform(stash.read_rows(rows, pooling, keep=False)))  # a pass: maps dropped
+            add_rows(index, transform, stash.read_rows(rows, pooling, keep=False))  # a pass: maps dropped
         paths.append(str(Path(folder) / f"shard-{int(shard):05d}.faiss"))
         save_index(index, Path(paths[-1]))
     return {"shard": items["shard"], "path": np.array(paths, dtype=object)}

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from retrieval.codes import BinaryIndex
 from retrieval.index import list_count, search_parameters
 from retrieval.scan import FlatScan
 
@@ -212,10 +213,12 @@ def search_filtered(
     vectors_of: Callable[[np.ndarray], np.ndarray] | None,
     flat: np.ndarray | None,
     rule: Rule | None = None,
+    raw: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(scores, rows) of each query's best ``k`` rows among those ``kept`` holds. ``vectors_of(rows)`` gives
     rows' vectors in the index's space for exact scoring (None: this index cannot, and the selector search is
-    widened to span every row instead); ``flat``: a flat index's vectors (None for any other kind)."""
+    widened to span every row instead); ``flat``: a flat index's vectors (None for any other kind); ``raw``: the
+    queries' raw vectors, for a binary index's re-rank (``codes.RawDecoder``)."""
     n = int(index.ntotal)
     if flat is not None and len(kept) > FLAT_SELECTOR_SHARE * n:
         return scan_masked(flat, queries, k, kept.mask)
@@ -239,13 +242,17 @@ def search_filtered(
     chosen = kept.selector()
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     params = search_parameters(index, ef_search=ef_search, nprobe=nprobe, selector=chosen)
-    scores[:, :take], found[:, :take] = index.search(queries, take, params=params)
+    raw_rows = np.atleast_2d(raw) if raw is not None and isinstance(index, BinaryIndex) else None
+    extra = {} if raw_rows is None else {"raw": raw_rows}
+    scores[:, :take], found[:, :take] = index.search(queries, take, params=params, **extra)
     # Fewer than ``take`` found (the probed lists or the beam held fewer kept rows): those queries again, the knob
     # doubled until they fill or it spans the index, as an unfiltered search does
     short = np.flatnonzero((found[:, :take] < 0).any(axis=1))
     while len(short) and (wider := wider_knobs(index, ef_search, nprobe)) is not None:
         ef_search, nprobe = wider
         params = search_parameters(index, ef_search=ef_search, nprobe=nprobe, selector=chosen)
-        scores[short, :take], found[short, :take] = index.search(queries[short], take, params=params)
+        if raw_rows is not None:
+            extra = {"raw": raw_rows[short]}
+        scores[short, :take], found[short, :take] = index.search(queries[short], take, params=params, **extra)
         short = short[(found[short, :take] < 0).any(axis=1)]
     return scores, found

@@ -15,10 +15,11 @@ import numpy as np
 if TYPE_CHECKING:
     import faiss
 
-from retrieval.codes import MAGIC, ROTATIONS, BinaryIndex, binary_factory, is_binary_file
+from retrieval.codes import MAGIC, ROTATIONS, SCALAR_BYTES, BinaryIndex, binary_factory, is_binary_file
 from retrieval.errors import ConfigError, IndexDirError
 from retrieval.files import WRITE_ERRNOS
 from retrieval.options import option
+from retrieval.whitening import l2_normalize
 
 log = logging.getLogger(__name__)
 
@@ -182,10 +183,11 @@ class IndexSpec:
                 f"binary codes pack 8 dimensions a byte: the index's `dim` must be a multiple of 8 (got {dim})", "dim"
             )
 
-    def bytes_per_vector(self, dim: int) -> float | None:
-        """The bytes of one vector's code in the index (graph links and list ids aside); None for factory strings."""
+    def bytes_per_vector(self, dim: int, scalars: int = 0) -> float | None:
+        """The bytes of one vector's code in the index (graph links and list ids aside); None for factory strings.
+        ``scalars``: a binary index's bytes a row beside its bits (``codes.RawDecoder``'s, where it has one)."""
         sizes = {"fp32": 4.0, "fp16": 2.0, "sq8": 1.0, "sq4": 0.5, "binary": 0.125}
-        return None if self.code is None else sizes[self.code] * dim
+        return None if self.code is None else sizes[self.code] * dim + (scalars if self.code == "binary" else 0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -278,12 +280,35 @@ def _check_training_rows(index: faiss.Index, rows: int) -> None:
         )
 
 
-def train(index: faiss.Index, sample: np.ndarray) -> None:
+def train(index: faiss.Index, sample: np.ndarray, raw: np.ndarray | None = None, transform: Any = None) -> None:
+    """Train ``index`` on ``sample`` (transformed rows); a binary index given the same rows ``raw`` and the
+    ``transform`` also learns to estimate raw cosines (``codes.RawDecoder``), and then adds rows by ``add_rows``."""
     _check_training_rows(index, sample.shape[0])
     try:
-        index.train(np.ascontiguousarray(sample, dtype=np.float32))
+        if isinstance(index, BinaryIndex):
+            index.train(np.ascontiguousarray(sample, dtype=np.float32), raw, transform)
+        else:
+            index.train(np.ascontiguousarray(sample, dtype=np.float32))
     except RuntimeError as err:  # what FAISS refuses that the checks above do not foresee: one line, not a trace
         raise ConfigError(f"FAISS could not train the index ({str(err).splitlines()[0]})", "index_type") from err
+
+
+def add_rows(index: Any, transform: Any, raw: np.ndarray) -> np.ndarray:
+    """Add raw rows to ``index`` through ``transform``, and return them transformed. The rows are checked finite
+    first (an index of NaN or inf vectors is never written); a binary index with a raw decoder also takes the raw
+    rows, for its per-row scalars."""
+    unnormalised = transform.transform(raw, normalize=False)
+    vectors = l2_normalize(unnormalised)  # transform.transform(raw), with the lengths a binary index needs
+    if not np.isfinite(vectors).all():
+        raise ConfigError(
+            "the transform gives non-finite vectors on this data; use a larger `epsilon` or a smaller `gamma`",
+            "epsilon",
+        )
+    if isinstance(index, BinaryIndex) and index.decoder is not None:
+        index.add(vectors, np.asarray(raw, dtype=np.float32), unnormalised)
+    else:
+        index.add(vectors)
+    return vectors
 
 
 class FaissProduct:
@@ -377,6 +402,7 @@ def describe(index: faiss.Index) -> dict[str, Any]:
     info: dict[str, Any] = {"class": type(core).__name__, "ntotal": int(index.ntotal), "dim": int(index.d)}
     if isinstance(index, BinaryIndex):
         info |= {"rotation": index.rotation, "code_bytes": index.code_size}
+        info |= {"scalar_bytes": SCALAR_BYTES} if index.decoder is not None else {}
     hnsw = _hnsw(index)
     if hnsw is not None:
         info |= {

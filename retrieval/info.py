@@ -80,7 +80,7 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
         "dims": f"{t.d} -> {t.dim}",
         "rows (N)": f"{manifest.n:,}",
         "index": f"{idx.kind} ({idx.factory}) {_params(idx.faiss)}".strip(),
-        **({"codes": _codes(idx.spec, t.dim)} if idx.spec.code else {}),
+        **({"codes": _codes(idx.spec, t.dim, idx.faiss.get("scalar_bytes", 0))} if idx.spec.code else {}),
         "search default": _search_default(idx),
         **({"lists": lists_line(idx.faiss)} if "empty_lists" in idx.faiss else {}),
         "corpus": manifest.corpus.path,
@@ -108,13 +108,16 @@ def summary(manifest: Manifest, transform: Whitening | RawTransform) -> dict[str
     return lines
 
 
-def _codes(spec: IndexSpec, k: int) -> str:
+def _codes(spec: IndexSpec, k: int, scalars: int = 0) -> str:
     """What the index keeps of each vector: ``fp16 (256 bytes a vector)``, ``binary (16 bytes a vector, itq
-    rotation, Hamming distance, top 400 re-ranked asymmetrically)``."""
-    line = f"{spec.code} ({spec.bytes_per_vector(k):g} bytes a vector"
+    rotation, Hamming distance, top 400 re-ranked asymmetrically)``; ``scalars``: a binary index's bytes a row for
+    its raw decoder (``codes.RawDecoder``), 0 without one."""
+    line = f"{spec.code} ({spec.bytes_per_vector(k, scalars):g} bytes a vector"
     if not spec.binary:
         return line + ")"
-    rerank = f", top {spec.rerank_used} re-ranked asymmetrically" if spec.rerank_used else ""
+    line += f": {k // 8} of bits, {scalars} of scalars" if scalars else ""
+    how = "by whitened and estimated raw cosine" if scalars else "asymmetrically"
+    rerank = f", top {spec.rerank_used} re-ranked {how}" if spec.rerank_used else ""
     return line + f", {spec.rotation_used} rotation, Hamming distance{rerank})"
 
 

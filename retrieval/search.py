@@ -334,9 +334,11 @@ class Searcher:
         # one query: numpy's product, measured 3% faster than FAISS's at batch 1, where no pools fight
         vectors = self.transform.transform(raw, product=self._query_product if len(raw) > 1 else None)
         if kept is None:
-            scores, rows = self.search_transformed(vectors, depth, params.ef_search, params.nprobe, params.rerank)
+            scores, rows = self.search_transformed(
+                vectors, depth, params.ef_search, params.nprobe, params.rerank, raw=raw
+            )
         else:
-            scores, rows = self._search_filtered(vectors, depth, params, kept)
+            scores, rows = self._search_filtered(vectors, depth, params, kept, raw)
         if rescore:
             scores, rows = self._rescore(raw, rows, params.k)
         return scores[:, : params.k], rows[:, : params.k]
@@ -352,10 +354,12 @@ class Searcher:
         ef_search: int | None = None,
         nprobe: int | None = None,
         rerank: int | None = None,
+        raw: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(scores, rows) for query vectors already in the index's space. Knobs left unset take the index's
         defaults; they apply to this call only (FAISS search parameters; a binary index's ``rerank``), so
-        concurrent callers never race."""
+        concurrent callers never race. ``raw``: the queries' raw vectors, by which a binary index re-ranks its
+        Hamming candidates when it can (``codes.RawDecoder``)."""
         k = min(k, self.index.ntotal)
         if self._scan is not None:
             return self._scan.search(vectors, k)
@@ -369,7 +373,9 @@ class Searcher:
             nprobe = None if nprobe is None else max(nprobe, k, list_count(index) or 0)
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         searched: Any = index  # a FAISS index, or a binary one that also takes this call's ``rerank``
-        extra = {"rerank": rerank} if rerank is not None and isinstance(index, BinaryIndex) else {}
+        extra: dict[str, Any] = {}
+        if isinstance(index, BinaryIndex):
+            extra = ({} if rerank is None else {"rerank": rerank}) | ({} if raw is None else {"raw": raw})
         params = search_parameters(index, ef_search=ef_search, nprobe=nprobe)
         scores, rows = searched.search(vectors, k, params=params, **extra)
         # Fewer than k found (the probed lists held fewer rows, the beam reached fewer): those queries again, with
@@ -378,12 +384,14 @@ class Searcher:
         while len(short) and (wider := wider_knobs(index, ef_search, nprobe)) is not None:
             ef_search, nprobe = wider
             params = search_parameters(index, ef_search=ef_search, nprobe=nprobe)
+            if "raw" in extra:
+                extra["raw"] = raw[short]  # type: ignore[index]
             scores[short], rows[short] = searched.search(vectors[short], k, params=params, **extra)
             short = short[(rows[short] < 0).any(axis=1)]
         return scores, rows
 
     def _search_filtered(
-        self, vectors: np.ndarray, k: int, params: SearchParams, kept: Kept
+        self, vectors: np.ndarray, k: int, params: SearchParams, kept: Kept, raw: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """``search_transformed`` over only the rows ``kept`` holds (``filtered.search_filtered``)."""
         defaults = self.manifest.index.search
@@ -399,7 +407,7 @@ class Searcher:
         k = min(k, self.index.ntotal)
         flat = self._scan.matrix if self._scan is not None else None
         index = self._one_query if self._one_query is not None and len(vectors) == 1 else self.index
-        return search_filtered(index, vectors, k, kept, ef_search, nprobe, vectors_of, flat, self.filter_rule)
+        return search_filtered(index, vectors, k, kept, ef_search, nprobe, vectors_of, flat, self.filter_rule, raw)
 
     def stash(self) -> VectorStash:
         """This version's raw-vector stash, its parts memory-mapped (``Loaded.open_stash``)."""

@@ -34,7 +34,7 @@ from retrieval.encode.spec import Encoder
 from retrieval.encode.transformer import from_info
 from retrieval.errors import BusyError, ConfigError, CorpusError
 from retrieval.fusion import FusionSpec, check_mode
-from retrieval.index import KINDS, IndexSpec, check_buildable, set_search_params
+from retrieval.index import KINDS, IndexSpec, add_rows, check_buildable, set_search_params
 from retrieval.indexdir import (
     COLUMNS,
     DOCS,
@@ -276,7 +276,7 @@ def _add(old: IndexDir, corpus: CorpusSpec, encoder: Encoder | None, progress: P
         with timer.stage("encode"):
             for batch in source.batches(window_rows):
                 ids = [str(int(i) + offset) for i in batch.ids] if offset else batch.ids
-                faiss_index.add(transform.transform(ingest(batch, ids)))
+                add_rows(faiss_index, transform, ingest(batch, ids))
             grown.merge_tail(window_rows)  # small adds do not pile up parts (each an open file in a reader)
             if ingest.columns is not None:
                 ingest.columns.close()
@@ -359,7 +359,7 @@ def _remove(old: IndexDir, wanted: set[str], missing_ok: bool, progress: Progres
         with timer.stage("index"):
             for block in kept.iter_blocks(pooling=pooling):
                 moments.update(block)
-                faiss_index.add(transform.transform(block))
+                add_rows(faiss_index, transform, block)
                 progress("index", len(block), len(kept))
         with timer.stage("write"):
             save_moments(work, moments)

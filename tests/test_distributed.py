@@ -265,6 +265,9 @@ def test_a_large_ivf_index_is_filled_in_shards_and_merged(
     assert engine.filled_shards == 2
     assert_same_index(tmp_path / "local", tmp_path / "ray", FakeEncoder())
     a, b = (IndexDir(tmp_path / d).faiss_index() for d in ("local", "ray"))
+    if codes == "binary":  # the raw decoder's per-row scalars, merged in row order as the lists are
+        assert a.decoder is not None and b.scalars is not None and a.scalars.shape == (a.ntotal, 2)
+        np.testing.assert_array_equal(a.scalars, b.scalars)
     a, b = (getattr(x, "binary", x) for x in (a, b))  # a binary index's lists are its FAISS binary IVF's
     for number in range(8):  # every inverted list holds the same rows, in the same order
         size = a.invlists.list_size(number)

@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -261,9 +262,9 @@ def test_ivf_trains_on_a_transformed_sample_of_the_stash(tmp_path: Path, monkeyp
     captured = []
     real_train = retrieval.build.train
 
-    def spy(index, sample: np.ndarray) -> None:
+    def spy(index, sample: np.ndarray, raw: np.ndarray | None = None, transform: Any = None) -> None:
         captured.append(np.array(sample))
-        real_train(index, sample)
+        real_train(index, sample, raw, transform)
 
     monkeypatch.setattr(retrieval.build, "train", spy)
     corpus = write_corpus(tmp_path / "corpus.parquet", n=600)
