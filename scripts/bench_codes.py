@@ -41,6 +41,7 @@ import basket  # noqa: E402
 import benchlib  # noqa: E402
 
 from retrieval.build import BuildOptions, build_index
+from retrieval.codes import SCALAR_BYTES, BinaryIndex
 from retrieval.corpus import CorpusSpec
 from retrieval.encode.models import resolve_model
 from retrieval.evaluate import read_qrels, read_queries, to_run
@@ -48,9 +49,11 @@ from retrieval.index import (
     CODES,
     RERANK_DEPTH,
     IndexSpec,
+    add_rows,
     create_index,
     default_search_params,
     search_parameters,
+    train,
     train_size,
 )
 from retrieval.indexdir import IndexDir
@@ -65,7 +68,9 @@ SETS = ("scifact", "cisi", "cacm", "npl", "scifact-train")  # <corpus>[-train]: 
 DEV = ("cisi", "cacm", "npl", "scifact-train")  # the IR dev basket; SciFact test is the held-out headline
 DEPTHS = (0, 20, 50, 100, 200, 400)
 RERANKS = (RERANK_DEPTH, 1000)  # Hamming candidates re-ranked asymmetrically (the top max(DEPTHS) of them kept)
-ASYMMETRIC = tuple(f"binary-asym{r}" for r in RERANKS)
+# re-ranked as the library does (whitened codes: the blend with the raw decoder's estimate), and by the whitened
+# asymmetric cosine alone (the decoder left out)
+ASYMMETRIC = (*(f"binary-asym{r}" for r in RERANKS), f"binary-whitened{RERANK_DEPTH}")
 LOST = 0.005  # recall@10 (against exact raw search) a default depth may lose to the uncompressed index
 LATENCY_ROWS = 100_000
 LATENCY_QUERIES = 200
@@ -128,26 +133,36 @@ def measure_set(data: dict[str, Any], model: str, name: str, int8: VectorStash) 
     # d/4: 4-bit codes of it take d/8 bytes, as many as the sign bits of all d dimensions
     dims = [("raw", d), ("whitened", d), ("whitened", d // 2), ("whitened", d // 3), ("whitened", d // 4)]
     dims += [("whitened", d // 6)]
+    # binary codes of d bytes in all: d - 16 bits and the raw decoder's 2 bytes, the kernel as the library
+    # defaults it below full dimension (uncentred) and centred
+    dims += [("whitened", d - 8 * SCALAR_BYTES), ("whitened-centred", d - 8 * SCALAR_BYTES)]
     moments = data["stash"].moments()
     for kind, k in dims:
-        spec = TransformSpec.raw() if kind == "raw" else TransformSpec(dim=k, whiten=True)  # whitened at d too
+        spec = TransformSpec(dim=k, whiten=True, center=True if kind == "whitened-centred" else None)
+        spec = TransformSpec.raw() if kind == "raw" else spec  # whitened at d too
         transform = spec.fit(moments)
         docs, queries = transform.transform(data["docs"]), transform.transform(data["raw"])
         for code in (*CODES, "binary-random"):
+            if k == d - 8 * SCALAR_BYTES and not code.startswith("binary"):
+                continue  # the 48-byte binary case only
             index_spec = IndexSpec("flat", codes="binary", rotation="random") if code == "binary-random" else None
             index_spec = index_spec or IndexSpec("flat", codes=code)
             index = create_index(index_spec, k, n)
-            if train_size(index, index_spec, n):
-                index.train(docs)
-            index.add(docs)
-            # binary codes by Hamming distance alone, and re-ranked asymmetrically from RERANKS candidates
-            searches: dict[str, dict[str, int]] = {code: {"rerank": 0} if code.startswith("binary") else {}}
-            searches |= {f"binary-asym{r}": {"rerank": r} for r in RERANKS} if code == "binary" else {}
+            if train_size(index, index_spec, n):  # as a build trains: a binary index learns its raw decoder too
+                train(index, docs, data["docs"], transform)
+            add_rows(index, transform, data["docs"])
+            decoded = isinstance(index, BinaryIndex) and index.decoder is not None
+            # binary codes by Hamming distance alone, and re-ranked from RERANKS candidates as a search does (the
+            # queries' raw vectors given), and by the whitened asymmetric cosine alone where there is a decoder
+            searches: dict[str, dict[str, Any]] = {code: {"rerank": 0} if code.startswith("binary") else {}}
+            if code == "binary":
+                searches |= {f"binary-asym{r}": {"rerank": r, "raw": data["raw"]} for r in RERANKS}
+                searches |= {f"binary-whitened{RERANK_DEPTH}": {"rerank": RERANK_DEPTH}} if decoded else {}
             for label, extra in searches.items():
                 _, top = index.search(queries, max(DEPTHS), **extra)
                 row: dict[str, Any] = {"model": model, "set": name, "transform": kind, "dim": k, "code": label}
                 row |= {"raw_ndcg": raw_score, "ndcg": ndcg(data, top[:, :10]), "recall": recall(data, top)}
-                row["ram_bytes"] = index_spec.bytes_per_vector(k)
+                row["ram_bytes"] = index_spec.bytes_per_vector(k, SCALAR_BYTES if decoded else 0)
                 for depth in DEPTHS[1:]:
                     for stash_label, stash in (("f32", data["stash"]), ("i8", int8)):
                         _, found = rescore(stash, scorer, data["raw"], top[:, :depth], 10)
@@ -257,8 +272,9 @@ def latency(model: str, sets: dict[str, dict[str, Any]], depths: dict[str, Any],
                     index = create_index(index_spec, k, len(docs))
                     sample = train_size(index, index_spec, len(docs))
                     if sample:
-                        index.train(vectors[rng.choice(len(docs), sample, replace=False)])
-                    index.add(vectors)
+                        chosen = rng.choice(len(docs), sample, replace=False)
+                        train(index, vectors[chosen], docs[chosen], transform)
+                    add_rows(index, transform, docs)
                     params = search_parameters(index, **default_search_params(index, index_spec))
                     depth = depths.get(code) or (RESCORE_DEPTH if k < d else 0)
                     row = {"model": model, "rows": len(docs), "transform": kind, "dim": k, "kind": index_kind}
@@ -270,7 +286,8 @@ def latency(model: str, sets: dict[str, dict[str, Any]], depths: dict[str, Any],
             for number in rng.permutation(len(configs)):
                 row, transform, index, params, times = configs[number]
                 began = time.perf_counter()
-                _, top = index.search(transform.transform(q), max(10, row["depth"]), params=params)
+                extra = {"raw": q} if isinstance(index, BinaryIndex) else {}  # as a searcher hands them over
+                _, top = index.search(transform.transform(q), max(10, row["depth"]), params=params, **extra)
                 if row["depth"]:
                     rescore(stash, RawTransform(d), q, top, 10)
                 times.append(time.perf_counter() - began)
@@ -326,6 +343,7 @@ def targets(rows: list[dict[str, Any]], depths: dict[str, Any]) -> list[dict[str
     for model, name in sorted({(r["model"], r["set"]) for r in rows}):
         group = [r for r in rows if (r["model"], r["set"]) == (model, name)]
         d = _d(group[0])
+        bits = d - 8 * SCALAR_BYTES  # with the decoder's scalars, the anchor's d / 8 bytes
         binary = score(group, "anchor", d, "raw-binary")
         shift = []
         for r in group:
@@ -337,7 +355,10 @@ def targets(rows: list[dict[str, Any]], depths: dict[str, Any]) -> list[dict[str
                 "set": name,
                 "raw_binary": binary,
                 "w_binary": score(group, "whitened", d, "binary") - binary,
+                "w_binary_whitened": score(group, "whitened", d, f"binary-whitened{RERANK_DEPTH}") - binary,
                 "w_binary_asym": score(group, "whitened", d, f"binary-asym{RERANK_DEPTH}") - binary,
+                "w_binary_same": score(group, "whitened", bits, f"binary-asym{RERANK_DEPTH}") - binary,
+                "w_binary_centred": score(group, "whitened-centred", bits, f"binary-asym{RERANK_DEPTH}") - binary,
                 "raw_binary_asym": score(group, "raw", d, f"binary-asym{RERANK_DEPTH}") - binary,
                 "w_sq4": score(group, "whitened", d // 4, "sq4") - binary,
                 "raw_int8": score(group, "anchor", d, "raw-int8"),
@@ -353,8 +374,11 @@ TARGET_COLUMNS = [
     ("model", "model"),
     ("set", "set"),
     ("raw_binary", "raw sign bits, d/8 B"),
-    ("w_binary", "whitened ITQ bits, d/8 B (+-)"),
-    ("w_binary_asym", f"whitened ITQ bits, top {RERANK_DEPTH} re-ranked asymmetrically (+-)"),
+    ("w_binary", "whitened ITQ bits, d/8 B, Hamming (+-)"),
+    ("w_binary_whitened", f"whitened ITQ bits, d/8 B, top {RERANK_DEPTH} re-ranked by the whitened cosine (+-)"),
+    ("w_binary_asym", f"whitened ITQ bits + scalars, d/8 + 2 B, top {RERANK_DEPTH} re-ranked as searched (+-)"),
+    ("w_binary_same", "whitened d - 16 bits + scalars, d/8 B, as searched (+-)"),
+    ("w_binary_centred", "the same, centred kernel (+-)"),
     ("raw_binary_asym", f"raw ITQ bits, top {RERANK_DEPTH} re-ranked asymmetrically (+-)"),
     ("w_sq4", "whitened d/4 sq4, d/8 B (+-)"),
     ("raw_int8", "raw int8, d B"),
@@ -400,7 +424,7 @@ def pareto_plot(table: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for ax, key, title in ((axes[0], "mean_share", "codes alone"), (axes[1], "mean_share_i8", "re-scored")):
         for model in sorted({r["model"] for r in table}):
-            for group, marker in (("whitened", "o"), ("raw", "s"), ("anchor", "x")):
+            for group, marker in (("whitened", "o"), ("whitened-centred", "^"), ("raw", "s"), ("anchor", "x")):
                 points = [r for r in table if r["model"] == model and r["transform"] == group]
                 ax.scatter(
                     [r["ram"] for r in points], [r[key] for r in points], marker=marker, label=f"{model} {group}"
