@@ -1,9 +1,10 @@
 """Compressed codes at a million rows: single-query p50 (query encoding excluded), recall@10, and what a loaded
 index keeps resident, for the 48-byte configuration ``docs/benchmarks/codes.md`` recommends.
 
-The configuration: whitened at full width (``--dim 384``), binary codes (sign bits after ITQ: 48 bytes a row),
-an int8 stash (``--stash-dtype int8``), in a binary IVF or HNSW index; searched in each of CONFIGS: the stash's
-rows read through maps or by pread, Hamming candidates re-ranked asymmetrically or not, re-scoring depths.
+The configuration: whitened to 368 dims (``--dim 368``), binary codes (sign bits after ITQ, 46 bytes a row, and
+the raw decoder's 2 bytes: 48), an int8 stash (``--stash-dtype int8``), in a binary IVF or HNSW index; searched in
+each of CONFIGS: the stash's rows read through maps or by pread, Hamming candidates re-ranked or not (with the raw
+decoder, as a search does, or by the whitened cosine alone), re-scoring depths.
 
     python scripts/bench_codes_scale.py build --corpus ROWS.parquet --work DIR [--kinds ivf hnsw]
     python scripts/bench_codes_scale.py run --work DIR --query-vectors Q.npy --truth ROWS.parquet [--kinds ...]
@@ -36,10 +37,17 @@ import benchlib  # noqa: E402
 
 KINDS = ("ivf", "hnsw")
 QUERIES = 1000
-# (stash reads, Hamming candidates re-ranked asymmetrically, candidates re-scored from the int8 stash); each index
-# is measured in each, a fresh process apiece. The first is the configuration measured before the asymmetric
-# re-rank and pread existed.
-CONFIGS = (("map", 0, 400), ("pread", 0, 400), ("pread", 400, 400), ("pread", 400, 100), ("pread", 200, 50))
+# (stash reads, Hamming candidates re-ranked, candidates re-scored from the int8 stash, the raw decoder used); each
+# index is measured in each, a fresh process apiece. The first is the configuration measured before the asymmetric
+# re-rank and pread existed; the decoder left out is the re-rank by the whitened cosine alone.
+CONFIGS = (
+    ("map", 0, 400, False),
+    ("pread", 0, 400, False),
+    ("pread", 400, 100, False),
+    ("pread", 400, 100, True),
+    ("pread", 400, 50, True),
+    ("pread", 200, 50, True),
+)
 
 
 def build(args: argparse.Namespace) -> None:
@@ -58,7 +66,7 @@ def build(args: argparse.Namespace) -> None:
         options = BuildOptions(stash_dtype="int8", lexical=None, overwrite=True, resume=args.resume)
         corpus = CorpusSpec(args.corpus, vectors_column="vector")
         started = time.perf_counter()
-        build_index(corpus, None, out, TransformSpec(dim=384), index, options=options)
+        build_index(corpus, None, out, TransformSpec(dim=args.dim), index, options=options)
         print(f"{out}: built in {time.perf_counter() - started:.0f} s", flush=True)
 
 
@@ -99,6 +107,8 @@ def measure(args: argparse.Namespace) -> None:
     queries = np.load(args.query_vectors).astype(np.float32)
     before = memory(args.index)
     searcher = Searcher.load(args.index, verify="quick", stash_reads=args.stash_reads)
+    if args.no_decoder:  # the re-rank by the whitened cosine alone
+        searcher.index.decoder = None
     loaded = memory(args.index)
     params = SearchParams(k=10, mode="dense", rescore=args.rescore, rerank=args.rerank)
     # a served index's warm-up: maps opened; the docs made resident; a stash read by pread asked into the page
@@ -118,9 +128,10 @@ def measure(args: argparse.Namespace) -> None:
     result = {
         "index": manifest.index.factory,
         "rows": int(searcher.index.ntotal),
-        "bytes per row": int(searcher.index.code_size),
+        "bytes per row": int(searcher.index.code_size) + (2 if searcher.index.decoder is not None else 0),
         "rescore": manifest.rescoring.depth if args.rescore is None else args.rescore,
         "rerank": searcher.index.rerank if args.rerank is None else args.rerank,
+        "decoder": searcher.index.decoder is not None,
         "stash reads": args.stash_reads,
         "search": manifest.index.search,
         "p50 ms": float(np.median(times)) * 1e3,
@@ -174,11 +185,12 @@ def run(args: argparse.Namespace) -> None:
     if not args.untimed:
         benchlib.hold_bench_lock()
     rows = []
-    for kind, (reads, rerank, depth) in ((kind, config) for kind in args.kinds for config in CONFIGS):
+    for kind, (reads, rerank, depth, decoder) in ((kind, config) for kind in args.kinds for config in CONFIGS):
         directory = args.work / f"binary-{kind}"
         result_path = args.work / f"measure-{kind}.json"
         command = [sys.executable, __file__, "measure", "--index", str(directory), "--query-vectors", str(chosen)]
         command += ["--stash-reads", reads, "--rerank", str(rerank), "--rescore", str(depth)]
+        command += [] if decoder else ["--no-decoder"]
         subprocess.run([*command, "--out", str(result_path)], check=True, env=benchlib.retrieval_env())
         # ``measure`` reads no lock: under ``run``'s (held by this process) its times do not overlap others'
         result: dict[str, Any] = json.loads(result_path.read_text())
@@ -200,7 +212,8 @@ def run(args: argparse.Namespace) -> None:
     name = args.name + ("-untimed" if args.untimed else "")
     benchlib.write_json(out / f"{name}.json", record)
     times = () if args.untimed else ("p50 ms", "p99 ms")
-    columns = [(k, k) for k in ("kind", "index", "rows", "bytes per row", "stash reads", "rerank", "rescore")]
+    columns = [(k, k) for k in ("kind", "index", "rows", "bytes per row", "stash reads", "rerank", "decoder")]
+    columns += [("rescore", "rescore")]
     columns += [(k, k) for k in ("recall@10", *times, "disk MiB read by the queries")]
     columns += [(k, k) for k in ("RSS after imports", "RSS loaded", "index RSS loaded", "RSS after queries")]
     columns += [(k, k) for k in ("index anon after queries", "index files mapped after queries")]
@@ -234,6 +247,8 @@ def main() -> None:
     parser.add_argument("--index", type=Path, help="measure: the index directory")
     parser.add_argument("--stash-reads", default="map", choices=("map", "pread"), help="measure: how rows are read")
     parser.add_argument("--rerank", type=int, help="measure: Hamming candidates re-ranked asymmetrically")
+    parser.add_argument("--no-decoder", action="store_true", help="measure: re-rank by the whitened cosine alone")
+    parser.add_argument("--dim", type=int, default=368, help="build: the whitened dimensions (bits)")
     parser.add_argument("--rescore", type=int, help="measure: candidates re-scored from the stash")
     parser.add_argument("--out", type=Path, help="measure: where its JSON goes")
     parser.add_argument("--name", default="codes-scale", help="run: the result files' name in results/codes-scale")
