@@ -138,7 +138,7 @@ def _rescoring(manifest: Manifest) -> str:
         if manifest.stash is None:
             return "off by default (no stash)"
         if not RescoreRecord.default(
-            manifest.transform, manifest.stash, manifest.index.factory, depth_key(manifest.index.spec)
+            manifest.transform, manifest.stash, manifest.index.factory, depth_key(manifest.index)
         ).depth:
             return "off by default (the index keeps every dimension)"
         # a depth of 0 recorded for an index that loses information: chosen, or written by an older version

@@ -39,12 +39,20 @@ RESCORE_DEPTH = 50
 # Binary codes whose Hamming candidates are re-ranked asymmetrically first (``binary-asym``, the default rerank
 # of 400): 100 met the same rule (recall@10 0.998 of raw search's top 10 on NPL, 0.979-0.993 elsewhere), and kept
 # 99.98-101.2% of raw nDCG@10 on SciFact and every dev set; at 1M rows it re-scores a quarter of the rows.
-RESCORE_DEPTHS = {"sq8": 20, "sq4": 50, "binary": 400, "binary-asym": 100}
+# With the raw decoder (``binary-decoded``: whitened codes whose re-rank blends in the estimated raw cosine), 50
+# met the same rule (recall@10 of raw search's top 10 0.982-0.996 on the dev basket at 384 bits, where the
+# whitened cosine alone needed 200 in the same run) and kept 99.6-100.8% of raw nDCG@10 on SciFact and every dev
+# set, from the int8 stash, at 384 and at 368 bits (docs/benchmarks/codes.md; scripts/bench_codes.py).
+RESCORE_DEPTHS = {"sq8": 20, "sq4": 50, "binary": 400, "binary-asym": 100, "binary-decoded": 50}
 
 
-def depth_key(spec: IndexSpec) -> str | None:
-    """The key of ``RESCORE_DEPTHS`` an index spec's default re-scoring depth is measured under."""
-    return "binary-asym" if spec.binary and spec.rerank_used else spec.code
+def depth_key(index: IndexRecord) -> str | None:
+    """The key of ``RESCORE_DEPTHS`` an index's default re-scoring depth is measured under: its code, or for binary
+    codes re-ranked, whether the re-rank has the raw decoder (the scalars its FAISS record counts)."""
+    spec = index.spec
+    if spec.binary and spec.rerank_used:
+        return "binary-decoded" if index.faiss.get("scalar_bytes") else "binary-asym"
+    return spec.code
 
 
 # ----- the manifest's sections -------------------------------------------------------------------------------
@@ -296,7 +304,7 @@ class Manifest:
     def rescoring(self) -> RescoreRecord:
         """How this index re-scores by default (the recorded choice, else the default rule)."""
         return self.rescore or RescoreRecord.default(
-            self.transform, self.stash, self.index.factory, depth_key(self.index.spec)
+            self.transform, self.stash, self.index.factory, depth_key(self.index)
         )
 
     def to_dict(self) -> dict[str, Any]:

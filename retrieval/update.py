@@ -177,7 +177,7 @@ def _refit(
         if isinstance(fitted, Whitening):
             save_rescorer(work, fitted)
         default = RescoreRecord.default(
-            transform_record, manifest.stash, index_record_.factory, depth_key(index_record_.spec)
+            transform_record, manifest.stash, index_record_.factory, depth_key(index_record_)
         )
         rescore = RescoreRecord(default.depth, scorer)
         changes = len(manifest.corpus.added) + len(manifest.corpus.removed)

@@ -566,6 +566,10 @@ def test_a_whitened_binary_index_is_searched_through_its_raw_decoder(
     build_index(spec, FakeEncoder(), out, TransformSpec(dim=8), IndexSpec("flat", codes="binary"))
     manifest = IndexDir(out).manifest()
     assert manifest.index.faiss["scalar_bytes"] == 2
+    # whitened at full width: re-scored at the depth measured with the decoder, not the whitened cosine's
+    full = tmp_path / "full"
+    build_index(CorpusSpec(corpus), FakeEncoder(), full, TransformSpec(dim=16, gamma=0.3), IndexSpec(codes="binary"))
+    assert IndexDir(full).manifest().rescoring.depth == RESCORE_DEPTHS["binary-decoded"] < RESCORE_DEPTHS["binary-asym"]
     searcher = Searcher.load(out, encoder=FakeEncoder())
     index = searcher.index
     assert isinstance(index, BinaryIndex) and index.decoder is not None
