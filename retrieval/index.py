@@ -28,8 +28,8 @@ CODES = ("fp32", "fp16", "sq8", "sq4", "binary")
 # What each code is called in FAISS's index_factory after "HNSW32_" (or alone, for flat) and after "IVF1024,"
 _SQ = {"fp32": "Flat", "fp16": "SQfp16", "sq8": "SQ8", "sq4": "SQ4"}
 DEFAULT_ROTATION = "itq"
-# Hamming candidates a binary index re-ranks by the query's floats against the codes' +-1 bits by default
-# (codes.BinaryIndex.asymmetric); chosen in docs/benchmarks/codes.md (scripts/bench_codes.py)
+# Hamming candidates a binary index re-ranks from their codes by default (codes.BinaryIndex.asymmetric, blended
+# with codes.RawDecoder's estimate for whitened codes); chosen in docs/benchmarks/codes.md (scripts/bench_codes.py)
 RERANK_DEPTH = 400
 REFINE_K_FACTOR = 16  # a Refine(...) step re-ranks 16 k candidates of the compressed index exactly
 MAX_KNOB = 1 << 24  # no count-like knob (lists, beam widths, training rows) is sensible beyond this
@@ -70,8 +70,8 @@ class IndexSpec:
     )
     rerank: int | None = option(
         None,
-        "Binary codes: re-rank this many Hamming candidates by the query's floats against the codes' +-1 bits "
-        "(asymmetric, from the codes in the index); 0: Hamming distance only.",
+        "Binary codes: re-rank this many Hamming candidates by the query's floats against the codes' bits "
+        "(whitened codes: blended with the raw cosine estimated from the bits); 0: Hamming distance only.",
         default_help=str(RERANK_DEPTH),
     )
 
@@ -91,7 +91,7 @@ class IndexSpec:
 
     @property
     def rerank_used(self) -> int:
-        """Hamming candidates re-ranked asymmetrically (``rerank``, else ``RERANK_DEPTH``); 0 for other codes."""
+        """Hamming candidates re-ranked from their codes (``rerank``, else ``RERANK_DEPTH``); 0 for other codes."""
         return (RERANK_DEPTH if self.rerank is None else self.rerank) if self.binary else 0
 
     @property

@@ -49,7 +49,7 @@ class SearchParams:
     ``RESCORE_DEPTH`` when the index kept its stash and is reduced (k < d, or lossy FAISS codes), else off
     (``Manifest.rescoring``).
     ``ef_search`` / ``nprobe``: HNSW / IVF knobs for this call (None: the index's defaults). ``rerank``: binary
-    codes' Hamming candidates re-ranked asymmetrically before any re-scoring (None: the index's ``rerank``).
+    codes' Hamming candidates re-ranked from their codes before any re-scoring (None: the index's ``rerank``).
     ``mode``: dense, lexical or hybrid (None: hybrid where the index has a lexical part, else dense); ``fusion``:
     how hybrid fuses (None: the index's recorded choice); ``where``: a metadata filter (``retrieval.filters``),
     applied inside the search."""
@@ -63,8 +63,8 @@ class SearchParams:
     )
     rerank: int | None = option(
         None,
-        "Binary codes: re-rank this many Hamming candidates by the query's floats against the codes' +-1 bits, "
-        "before any re-scoring from the stash; 0: Hamming distance only.",
+        "Binary codes: re-rank this many Hamming candidates by the query's floats against the codes' bits "
+        "(whitened codes: blended with the estimated raw cosine), before any re-scoring; 0: Hamming only.",
         default_help="the index's",
     )
     fusion: FusionSpec | None = None  # the command line's --fusion and --fusion-weight: FusionSpec's fields
