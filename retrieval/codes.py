@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from retrieval.errors import IndexDirError
+from retrieval.whitening import Whitening
 
 ROTATIONS = ("itq", "random")
 ITQ_ITERATIONS = 50  # as FAISS's ITQMatrix; the probe in the notes saw no gain past it
@@ -67,7 +68,7 @@ class RawDecoder:
     """A binary code's estimate of the raw vector it came from, and of its cosine to a raw query.
 
     The transform is ``y = normalize(z)``, ``z = (x - mu) W`` for a centred kernel, ``z = x W`` for an uncentred
-    one (W the identity for raw vectors); the bits are ``b = (y - c) R - t > 0``. Each bit decodes to its mean over
+    one; the bits are ``b = (y - c) R - t > 0``. Each bit decodes to its mean over
     the training rows on its side of the threshold, and back through R and the kernel's pseudo-inverse the bits
     give the part of a row that they code: ``dev = base + b . steps``. Centred, ``x = mu + |z| y W+``: the
     ``offset`` mu is exact and dev (the centre c included) estimates the direction of ``x - mu``. Uncentred,
@@ -88,12 +89,12 @@ class RawDecoder:
         self._tables: tuple[np.ndarray, np.ndarray] | None = None  # ``values``' levels, for these bounds
 
     @classmethod
-    def fit(cls, index: BinaryIndex, transform: Any, sample: np.ndarray, raw: np.ndarray) -> RawDecoder:
-        """Learn the decoder of ``index`` (trained) on the training rows: ``sample`` transformed, ``raw`` as they
-        came; ``transform`` a ``whitening.Whitening`` or ``RawTransform``."""
+    def fit(cls, index: BinaryIndex, transform: Whitening, sample: np.ndarray, raw: np.ndarray) -> RawDecoder:
+        """Learn the decoder of ``index`` (trained) on the training rows: ``sample`` transformed by ``transform``,
+        ``raw`` as they came."""
         assert index.matrix is not None and index.centre is not None and index.thresholds is not None
-        centred, mean, kernel = transform_parts(transform)
-        back = np.linalg.pinv(kernel)  # (k, d_in): the transform's space -> the raw space
+        centred, mean = transform.center, np.asarray(transform.mean, np.float64)
+        back = np.linalg.pinv(np.asarray(transform.kernel, np.float64))  # (k, d_in): the kernel's space -> raw
         rotated = index.rotated(sample)
         bits = rotated > 0
         # each bit's mean on either side of its threshold (the threshold itself where a side is empty)
@@ -227,16 +228,6 @@ def blend(whitened: np.ndarray, raw: np.ndarray, found: np.ndarray, weight: floa
     return out
 
 
-def transform_parts(transform: Any) -> tuple[bool, np.ndarray, np.ndarray]:
-    """(centred, mu (d_in,), W (d_in, k)) of ``y = normalize((x - mu) W)`` or ``normalize(x W)``: a whitening's,
-    or an uncentred identity for raw vectors."""
-    kernel = getattr(transform, "kernel", None)
-    if kernel is None:  # RawTransform: y = x / |x|
-        d = int(transform.dim_in)
-        return False, np.zeros(d), np.eye(d)
-    return bool(transform.center), np.asarray(transform.mean, np.float64), np.asarray(kernel, np.float64)
-
-
 class BinaryIndex:
     """Sign-bit codes of centred, rotated vectors in a FAISS binary index.
 
@@ -318,7 +309,7 @@ class BinaryIndex:
             self.thresholds = np.median((sample - self.centre) @ self.matrix, axis=0).astype(np.float32)
         # raw vectors' codes need no decoder: their asymmetric cosine already estimates the raw one (and on a
         # narrow cone of raw vectors, the decoded estimate ranked worse)
-        if raw is not None and transform is not None and self.decoder is None and hasattr(transform, "kernel"):
+        if raw is not None and isinstance(transform, Whitening) and self.decoder is None:
             assert self.ntotal == 0, "a raw decoder is learned before the index holds rows"
             self.decoder = RawDecoder.fit(self, transform, sample, raw)
             self.scalars = np.zeros((0, SCALAR_BYTES), np.uint8)

@@ -293,10 +293,10 @@ def train(index: faiss.Index, sample: np.ndarray, raw: np.ndarray | None = None,
         raise ConfigError(f"FAISS could not train the index ({str(err).splitlines()[0]})", "index_type") from err
 
 
-def add_rows(index: Any, transform: Any, raw: np.ndarray) -> np.ndarray:
-    """Add raw rows to ``index`` through ``transform``, and return them transformed. The rows are checked finite
-    first (an index of NaN or inf vectors is never written); a binary index with a raw decoder also takes the raw
-    rows, for its per-row scalars."""
+def add_rows(index: Any, transform: Any, raw: np.ndarray) -> None:
+    """Add raw rows to ``index`` through ``transform``. The rows are checked finite first (an index of NaN or inf
+    vectors is never written); a binary index with a raw decoder also takes the raw rows, for its per-row
+    scalars."""
     unnormalised = transform.transform(raw, normalize=False)
     vectors = l2_normalize(unnormalised)  # transform.transform(raw), with the lengths a binary index needs
     if not np.isfinite(vectors).all():
@@ -308,7 +308,6 @@ def add_rows(index: Any, transform: Any, raw: np.ndarray) -> np.ndarray:
         index.add(vectors, np.asarray(raw, dtype=np.float32), unnormalised)
     else:
         index.add(vectors)
-    return vectors
 
 
 class FaissProduct:
