@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from retrieval.codes import BinaryIndex
 from retrieval.errors import ConfigError
 from retrieval.fusion import FusionSpec, fuse
 from retrieval.index import _hnsw, _ivf, search_parameters
@@ -158,9 +159,13 @@ def recall_with_ties(found: np.ndarray, rows: np.ndarray, scores: np.ndarray, k:
     return hits / wanted if wanted else 1.0
 
 
-def search_with(index: faiss.Index, queries: np.ndarray, knob: str, value: int, k: int = K) -> np.ndarray:
-    """The rows ``index`` finds for ``queries`` with ``knob`` at ``value`` (this call only)."""
-    _, found = index.search(queries, k, params=search_parameters(index, **{knob: value}))
+def search_with(
+    index: faiss.Index, queries: np.ndarray, knob: str, value: int, k: int = K, raw: np.ndarray | None = None
+) -> np.ndarray:
+    """The rows ``index`` finds for ``queries`` with ``knob`` at ``value`` (this call only). ``raw``: the
+    queries' raw vectors, which a binary index re-ranks its candidates by as a search does (its raw decoder)."""
+    extra: dict[str, np.ndarray] = {"raw": raw} if raw is not None and isinstance(index, BinaryIndex) else {}
+    _, found = index.search(queries, k, params=search_parameters(index, **{knob: value}), **extra)
     return found
 
 
@@ -179,13 +184,18 @@ def exact_served(
 
 
 def served_rows(
-    index: faiss.Index, queries: np.ndarray, knob: str, value: int, served: Served | None = None
+    index: faiss.Index,
+    queries: np.ndarray,
+    knob: str,
+    value: int,
+    served: Served | None = None,
+    raw: np.ndarray | None = None,
 ) -> np.ndarray:
     """The top 10 rows a search with ``knob`` at ``value`` serves: the index's, or with ``served``, its top
-    ``served.depth`` re-ranked."""
+    ``served.depth`` re-ranked (``raw``: as ``search_with``)."""
     if served is None:
-        return search_with(index, queries, knob, value)
-    return served.rerank(search_with(index, queries, knob, value, max(K, served.depth)), K)[1]
+        return search_with(index, queries, knob, value, raw=raw)
+    return served.rerank(search_with(index, queries, knob, value, max(K, served.depth), raw), K)[1]
 
 
 def calibrate(
@@ -197,11 +207,13 @@ def calibrate(
     source: str = "",
     pooling: str | None = None,
     served: Served | None = None,
+    raw: np.ndarray | None = None,
 ) -> Calibration:
     """The smallest knob value of ``index`` (filled with every stash row, in order) whose recall@10 on
     ``queries`` (already transformed) reaches ``target``; when none does, the smallest within PLATEAU of the best
     (logged). With ``served`` (the index's re-scoring of these queries' candidates): recall@10 of searches that
-    re-score their top ``served.depth`` candidates, against the exact top ``served.depth`` re-scored."""
+    re-score their top ``served.depth`` candidates, against the exact top ``served.depth`` re-scored. ``raw``: the
+    queries' raw vectors, by which a binary index with a raw decoder re-ranks as it does when serving."""
     check_target(target)
     knob = knob_of(index)
     if knob is None:
@@ -213,7 +225,7 @@ def calibrate(
     rescore, rows = (served.depth if served else 0), int(index.ntotal)
     curve: list[tuple[int, float]] = []
     for value in grid(knob, index):
-        recall = recall_with_ties(served_rows(index, queries, knob, value, served), exact, scores)
+        recall = recall_with_ties(served_rows(index, queries, knob, value, served, raw), exact, scores)
         curve.append((value, round(recall, 4)))
         if recall >= target:
             return Calibration(knob, value, round(recall, 4), target, len(queries), source, True, curve, rescore, rows)

@@ -527,7 +527,7 @@ def _measure(
         assert texts is not None
         served = hybrid_served(old, manifest, stash, raw, [texts[i] for i in sample], served)
     pooling = manifest.transform.pooling
-    calibration = calibrate(index, stash, transform, transform.transform(raw), target, source, pooling, served)
+    calibration = calibrate(index, stash, transform, transform.transform(raw), target, source, pooling, served, raw)
     return dataclasses.replace(calibration, mode=mode, rescore=depth)
 
 

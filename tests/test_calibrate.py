@@ -221,6 +221,33 @@ def test_a_rescoring_index_is_calibrated_as_served(built) -> None:
         calibrate_index(reduced, queries(), 0.97, rescore=-1)
 
 
+def test_a_binary_index_is_calibrated_by_the_re_rank_it_serves_with(tmp_path: Path, monkeypatch) -> None:
+    """A binary index with a raw decoder re-ranks its Hamming candidates by the queries' raw vectors when it
+    serves: calibrate hands it the same raw vectors (the sampled queries, row for row), so each point of the
+    curve is the recall of those searches, checked against an independent computation with them."""
+    from retrieval.codes import BinaryIndex
+
+    directory = build(tmp_path, "binary", IndexSpec("ivf", codes="binary", nlist=16), TransformSpec(dim=16))
+    seen: list[np.ndarray | None] = []
+    search = BinaryIndex.search
+
+    def spy(self, vectors, k, params=None, rerank=None, raw=None):  # type: ignore[no-untyped-def]
+        seen.append(raw)
+        return search(self, vectors, k, params, rerank, raw)
+
+    monkeypatch.setattr(BinaryIndex, "search", spy)
+    index, stash, transform = parts(directory)
+    assert isinstance(index, BinaryIndex) and index.decoder is not None
+    raw = queries(60)
+    calibration, _ = calibrate_index(directory, raw, 0.9, rescore=0)
+    assert seen and all(r is not None and np.array_equal(r, raw) for r in seen)
+    transformed = transform.transform(raw)
+    scores, exact = exact_neighbours(stash, transform, transformed)
+    for value, recall in calibration.curve:
+        found = index.search(transformed, 10, params=search_parameters(index, nprobe=value), raw=raw)[1]
+        assert recall_with_ties(found, exact, scores) == pytest.approx(recall, abs=1e-4)
+
+
 def test_an_unreachable_target_takes_the_start_of_the_plateau(tmp_path: Path, caplog) -> None:
     # 4-bit product codes: the compressed scores cap recall@10 well below 1 however many lists are probed
     out = build(tmp_path, "pq", IndexSpec("IVF16,PQ4x4np"))
