@@ -1,4 +1,4 @@
-"""Compressed codes (issue 41): bytes per vector against nDCG@10, per model x code x dimension, with and without
+"""Compressed codes: bytes per vector against nDCG@10, per model x code x dimension, with and without
 re-scoring from the stash (float32 and int8), beside the anchors' recipe (int8 and binary codes of the raw vectors).
 
 Each IR set's corpus is encoded once into a stash (an index built with the raw transform, under indexes/bench);
@@ -267,8 +267,8 @@ def latency(model: str, sets: dict[str, dict[str, Any]], depths: dict[str, Any],
                 for code in CODES:
                     # IVF lists trained on 20k rows (k-means on FAISS's default 50 per list took minutes per index
                     # here): the lists' quality moves recall, not the time a probe takes
-                    train = LATENCY_TRAIN if index_kind == "ivf" else None
-                    index_spec = IndexSpec(index_kind, codes=code, train_size=train)
+                    train_rows = LATENCY_TRAIN if index_kind == "ivf" else None
+                    index_spec = IndexSpec(index_kind, codes=code, train_size=train_rows)
                     index = create_index(index_spec, k, len(docs))
                     sample = train_size(index, index_spec, len(docs))
                     if sample:
@@ -482,7 +482,7 @@ def main() -> None:
                 print(f"{model} {name}: {len(data['docs']):,} docs, {len(data['raw'])} queries", file=sys.stderr)
                 rows += measure_set(data, model, name, int8)
     depths = choose_depths(rows)
-    if not args.no_latency and minilm in models:
+    if not args.no_latency and not args.combine and minilm in models:  # combined: the earlier runs' timings
         names = [name for name in args.sets if not name.endswith("-train")]  # each corpus once
         sets = {name: collection(name, minilm, args.stashes, args.data) for name in names}
         lat = latency(minilm, sets, depths, args.latency_rows)
