@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from retrieval.codes import BinaryIndex
+from retrieval.codes import search_extras
 from retrieval.errors import ConfigError
 from retrieval.fusion import FusionSpec, fuse
 from retrieval.index import _hnsw, _ivf, search_parameters
@@ -164,8 +164,7 @@ def search_with(
 ) -> np.ndarray:
     """The rows ``index`` finds for ``queries`` with ``knob`` at ``value`` (this call only). ``raw``: the
     queries' raw vectors, which a binary index re-ranks its candidates by as a search does (its raw decoder)."""
-    extra: dict[str, np.ndarray] = {"raw": raw} if raw is not None and isinstance(index, BinaryIndex) else {}
-    _, found = index.search(queries, k, params=search_parameters(index, **{knob: value}), **extra)
+    _, found = index.search(queries, k, params=search_parameters(index, **{knob: value}), **search_extras(index, raw))
     return found
 
 

@@ -557,6 +557,14 @@ class BinaryIndex:
         return cls.from_bytes(Path(path).read_bytes(), str(path))
 
 
+def search_extras(index: Any, raw: np.ndarray | None = None, rerank: int | None = None) -> dict[str, Any]:
+    """The keyword arguments of a search that only a ``BinaryIndex`` takes: this call's ``rerank`` depth and the
+    queries' ``raw`` vectors (each where given); none for a FAISS index."""
+    if not isinstance(index, BinaryIndex):
+        return {}
+    return ({} if rerank is None else {"rerank": rerank}) | ({} if raw is None else {"raw": np.atleast_2d(raw)})
+
+
 def is_binary_file(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(len(MAGIC)) == MAGIC

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.codes import BinaryIndex
+from retrieval.codes import search_extras
 from retrieval.index import list_count, search_parameters
 from retrieval.scan import FlatScan
 
@@ -242,8 +242,8 @@ def search_filtered(
     chosen = kept.selector()
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     params = search_parameters(index, ef_search=ef_search, nprobe=nprobe, selector=chosen)
-    raw_rows = np.atleast_2d(raw) if raw is not None and isinstance(index, BinaryIndex) else None
-    extra = {} if raw_rows is None else {"raw": raw_rows}
+    every = search_extras(index, raw)  # the short queries' rows of it on each retry
+    extra = dict(every)
     scores[:, :take], found[:, :take] = index.search(queries, take, params=params, **extra)
     # Fewer than ``take`` found (the probed lists or the beam held fewer kept rows): those queries again, the knob
     # doubled until they fill or it spans the index, as an unfiltered search does
@@ -251,8 +251,8 @@ def search_filtered(
     while len(short) and (wider := wider_knobs(index, ef_search, nprobe)) is not None:
         ef_search, nprobe = wider
         params = search_parameters(index, ef_search=ef_search, nprobe=nprobe, selector=chosen)
-        if raw_rows is not None:
-            extra = {"raw": raw_rows[short]}
+        if "raw" in every:
+            extra = {"raw": every["raw"][short]}
         scores[short, :take], found[short, :take] = index.search(queries[short], take, params=params, **extra)
         short = short[(found[short, :take] < 0).any(axis=1)]
     return scores, found

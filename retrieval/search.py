@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.codes import BinaryIndex, best_k
+from retrieval.codes import best_k, search_extras
 from retrieval.encode.spec import Encoder
 from retrieval.encode.transformer import from_info
 from retrieval.errors import ConfigError, IndexDirError
@@ -373,9 +373,8 @@ class Searcher:
             nprobe = None if nprobe is None else max(nprobe, k, list_count(index) or 0)
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         searched: Any = index  # a FAISS index, or a binary one that also takes this call's ``rerank``
-        extra: dict[str, Any] = {}
-        if isinstance(index, BinaryIndex):
-            extra = ({} if rerank is None else {"rerank": rerank}) | ({} if raw is None else {"raw": raw})
+        every = search_extras(index, raw, rerank)  # the short queries' rows of it on each retry
+        extra = dict(every)
         params = search_parameters(index, ef_search=ef_search, nprobe=nprobe)
         scores, rows = searched.search(vectors, k, params=params, **extra)
         # Fewer than k found (the probed lists held fewer rows, the beam reached fewer): those queries again, with
@@ -384,8 +383,8 @@ class Searcher:
         while len(short) and (wider := wider_knobs(index, ef_search, nprobe)) is not None:
             ef_search, nprobe = wider
             params = search_parameters(index, ef_search=ef_search, nprobe=nprobe)
-            if "raw" in extra:
-                extra["raw"] = raw[short]  # type: ignore[index]
+            if "raw" in every:
+                extra["raw"] = every["raw"][short]
             scores[short], rows[short] = searched.search(vectors[short], k, params=params, **extra)
             short = short[(rows[short] < 0).any(axis=1)]
         return scores, rows

@@ -41,7 +41,7 @@ import basket  # noqa: E402
 import benchlib  # noqa: E402
 
 from retrieval.build import BuildOptions, build_index
-from retrieval.codes import SCALAR_BYTES, BinaryIndex
+from retrieval.codes import SCALAR_BYTES, BinaryIndex, search_extras
 from retrieval.corpus import CorpusSpec
 from retrieval.encode.models import resolve_model
 from retrieval.evaluate import read_qrels, read_queries, to_run
@@ -286,7 +286,7 @@ def latency(model: str, sets: dict[str, dict[str, Any]], depths: dict[str, Any],
             for number in rng.permutation(len(configs)):
                 row, transform, index, params, times = configs[number]
                 began = time.perf_counter()
-                extra = {"raw": q} if isinstance(index, BinaryIndex) else {}  # as a searcher hands them over
+                extra = search_extras(index, q)  # as a searcher hands them over
                 _, top = index.search(transform.transform(q), max(10, row["depth"]), params=params, **extra)
                 if row["depth"]:
                     rescore(stash, RawTransform(d), q, top, 10)
