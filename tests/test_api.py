@@ -114,6 +114,7 @@ def test_tune_process_shortens_the_openmp_spin_unless_the_user_set_it() -> None:
 def test_tune_process_for_serving_caps_onednn_caches_and_is_too_late_after_torch(monkeypatch) -> None:
     for variable in ("GOMP_SPINCOUNT", *runtime.ONEDNN_CACHE_VARIABLES):
         monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(runtime, "_tune_allocator", dict)  # glibc's part: its own test, in a process of its own
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")  # the user's
     monkeypatch.setitem(sys.modules, "torch", object())
     assert runtime.tune_process(serving=True) == {}  # torch is imported: nothing it reads is set any more
@@ -121,6 +122,44 @@ def test_tune_process_for_serving_caps_onednn_caches_and_is_too_late_after_torch
     monkeypatch.delitem(sys.modules, "faiss", raising=False)
     assert runtime.tune_process(serving=True) == {"GOMP_SPINCOUNT": "20000", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
     assert os.environ["LRU_CACHE_CAPACITY"] == "512"
+
+
+# In a fresh process: is a first 16 MiB block mapped apart (bit 2 of its chunk header, the size_t before the
+# pointer), and is the heap's top handed back to the kernel (the program break lowered) once 64 MiB of it is free?
+ALLOCATOR = """
+import ctypes, json, os, sys, retrieval
+set_now = retrieval.tune_process() if sys.argv[1] == "tune" else {}
+libc = ctypes.CDLL(None)
+libc.malloc.restype = libc.sbrk.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+block = libc.malloc(16 << 20)
+mapped = bool(ctypes.c_size_t.from_address(block - ctypes.sizeof(ctypes.c_size_t)).value & 2)
+libc.free(block)
+blocks = [libc.malloc(64 << 10) for _ in range(1024)]
+top = libc.sbrk(0)
+for block in reversed(blocks):
+    libc.free(block)
+print(json.dumps([mapped, top - libc.sbrk(0) > 32 << 20, set_now]))
+"""
+
+
+@pytest.mark.process
+@pytest.mark.skipif(not runtime._glibc(), reason="glibc's allocator")
+def test_tune_process_keeps_batch_sized_blocks_on_the_heap_unless_the_user_tuned_malloc() -> None:
+    """A batch's activations (MB) freshly mapped for every tensor cost more in page faults than int8's arithmetic."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+
+    def allocator(*args: str, **variables: str) -> list:
+        out = subprocess.run([sys.executable, "-c", ALLOCATOR, *args], env=env | variables, capture_output=True,
+                             text=True, check=True)
+        return json.loads(out.stdout)
+
+    assert allocator("default") == [True, True, {}]  # glibc's defaults: mapped apart, the free top trimmed
+    mapped, trimmed, set_now = allocator("tune")
+    assert (mapped, trimmed) == (False, False)
+    assert set_now["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20) and set_now["MALLOC_TRIM_THRESHOLD_"] == str(256 << 20)
+    mapped, _, set_now = allocator("tune", MALLOC_ARENA_MAX="2")  # the user's allocator settings win
+    assert mapped and not any(name.startswith("MALLOC_") for name in set_now)
 
 
 @pytest.mark.process
