@@ -111,9 +111,10 @@ def int8_linear_class(torch: Any) -> type:
     half = 128.5  # u8 zero point 128, and 0.5 so that truncation rounds
 
     def to_uint8(values: Any) -> Any:
-        """float32 ``values`` in [0, 256) truncated to uint8, through int32: the same bytes as ``.to(torch.uint8)``,
-        whose float-to-uint8 cast torch does not vectorise (1024 x 1536: 0.41 ms, against 0.07 + 0.05 ms)."""
-        return values.to(torch.int32).to(torch.uint8)
+        """float32 ``values`` in [0, 256) truncated to uint8, through int16: the same bytes as ``.to(torch.uint8)``,
+        whose float-to-uint8 cast torch does not vectorise (4096 x 1536, 2 threads: 1.67 ms; through int32 1.40,
+        through int16 0.86)."""
+        return values.to(torch.int16).to(torch.uint8)
 
     class Int8Linear(torch.nn.Module):  # type: ignore[misc, name-defined]
         """``linear(x / smooth)`` in int8: weights per output channel, int32 sums, by oneDNN's int8 matmul
