@@ -44,6 +44,8 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
+from retrieval import runtime  # noqa: E402  (no torch: tune_process runs before torch loads)
+
 DATA = benchlib.REPO.parent / "shared" / "data"  # --data overrides
 POOLINGS = ("mean", "cls", "first-last-avg")
 # What each variant is: the library's own paths, and the levers measured against them (not adopted unless they win).
@@ -572,9 +574,16 @@ def main() -> None:
         help="quality check: SciFact documents encoded (the test queries' relevant ones first; 0: all)",
     )
     p.add_argument("--out", type=Path, default=None, help="results root (default: results/)")
+    p.add_argument(
+        "--untuned",
+        action="store_true",
+        help="skip retrieval.tune_process (the OpenMP spin and glibc allocator settings the command line applies)",
+    )
     args = p.parse_args()
     DATA = args.data
     benchlib.hold_bench_lock()  # timed: never beside another benchmark
+    # as `retrieval index` runs: sentence-transformers shares this process, so its cells run under the same settings
+    process = {} if args.untuned else runtime.tune_process()
     if args.memory_worker:
         bucketed = args.memory_worker == "bucketed"
         result = memory_worker(bucketed, args.memory_seconds, args.seed, args.model, args.precision)
@@ -630,6 +639,8 @@ def main() -> None:
         stem += "_no_bf16"
     if os.environ.get(benchlib.ISA_CAP_ENV):  # a CPU emulated by capping oneDNN's instruction set
         stem += "_isa_" + os.environ[benchlib.ISA_CAP_ENV].lower()
+    if args.untuned:
+        stem += "_untuned"
     data = {
         "command": benchlib.command_line(),
         "machine": info,
@@ -646,6 +657,7 @@ def main() -> None:
         "bucketing_check": checks,
         "quality": quality,
         "onednn_max_cpu_isa": os.environ.get(benchlib.ISA_CAP_ENV),
+        "tune_process": process,
         "gemm_gflops": gemm,
         "memory": memory,
         "rows": rows,
@@ -730,7 +742,9 @@ def main() -> None:
                 "(torch's matrix products; tokenisation and numpy are not capped): a CPU without native bf16 or AMX"
                 if os.environ.get(benchlib.ISA_CAP_ENV)
                 else ""
-            ),
+            )
+            + "\n- Process settings (`retrieval.tune_process`, both sides): "
+            + (", ".join(f"`{k}={v}`" for k, v in process.items()) or "none (`--untuned`, or set by the caller)"),
             "## Summary (target: >= 3x sentence-transformers with min cosine >= 0.999 on every pooling)",
             benchlib.md_table(summary, scols),
             "## Roofline (model FLOPs per text x texts/s, against the CPU's dense matmul rate)",
