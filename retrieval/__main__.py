@@ -11,7 +11,7 @@ def main() -> None:
     try:
         from retrieval import runtime
 
-        runtime.tune_process()  # before the CLI imports FAISS (and a command torch)
+        runtime.tune_process(serving=sys.argv[1:2] == ["serve"])  # before the CLI imports FAISS (and torch)
         from retrieval.cli.app import run
 
         run()

@@ -31,6 +31,8 @@ ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY
 # oneDNN capped at AVX512_CORE_VNNI, 2 threads, separate processes: int8 STS-B sentences +10%, SciFact passages
 # +25%, bf16 sentences +12%, fp32 within noise; peak RSS unchanged within 5%. A 64 MiB trim kept half the gain.
 # Set with mallopt (glibc reads MALLOC_*_ only at start) and exported, so that worker processes start the same way.
+# Not for a server: its request threads each get an arena of their own, and each arena may keep up to the trim
+# threshold of freed memory; that cost has not been measured against its gain there.
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": (-3, 32 << 20), "MALLOC_TRIM_THRESHOLD_": (-1, 256 << 20)}
 
 
@@ -38,9 +40,9 @@ def tune_process(serving: bool = False) -> dict[str, str]:
     """Set the process-wide variables this package is tuned for, unless the environment already sets them (a
     value the user set wins): ``GOMP_SPINCOUNT``, and oneDNN's cache sizes when ``serving``. Each is read once,
     when its library loads, so each is set only before then (GOMP_SPINCOUNT before torch and FAISS, the caches
-    before torch); too late, it is left alone and logged. On glibc, also the allocator's mmap and trim
-    thresholds (``MALLOC_SETTINGS``), at any time, unless a ``MALLOC_`` variable is set. Returns what was set."""
-    wanted: dict[str, str] = _tune_allocator()
+    before torch); too late, it is left alone and logged. Unless ``serving``, on glibc, also the allocator's mmap
+    and trim thresholds (``MALLOC_SETTINGS``), at any time, unless the user tunes malloc. Returns what was set."""
+    wanted: dict[str, str] = {} if serving else _tune_allocator()
     if _not_loaded("torch", "faiss", what="the OpenMP spin"):
         wanted["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
     if serving and _not_loaded("torch", what="oneDNN's primitive caches"):
@@ -53,7 +55,8 @@ def tune_process(serving: bool = False) -> dict[str, str]:
 def _tune_allocator() -> dict[str, str]:
     """glibc's thresholds set in this process by ``mallopt``; the names and values of the variables that set them
     at start (for the environment of child processes), or {} where the user set one or the C library is not glibc."""
-    if any(name.startswith("MALLOC_") for name in os.environ) or not _glibc():
+    tuned = any(name.startswith("MALLOC_") for name in os.environ) or "malloc" in os.environ.get("GLIBC_TUNABLES", "")
+    if tuned or not _glibc():
         return {}
     try:
         mallopt = ctypes.CDLL(None).mallopt

@@ -114,7 +114,6 @@ def test_tune_process_shortens_the_openmp_spin_unless_the_user_set_it() -> None:
 def test_tune_process_for_serving_caps_onednn_caches_and_is_too_late_after_torch(monkeypatch) -> None:
     for variable in ("GOMP_SPINCOUNT", *runtime.ONEDNN_CACHE_VARIABLES):
         monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setattr(runtime, "_tune_allocator", dict)  # glibc's part: its own test, in a process of its own
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")  # the user's
     monkeypatch.setitem(sys.modules, "torch", object())
     assert runtime.tune_process(serving=True) == {}  # torch is imported: nothing it reads is set any more
@@ -128,7 +127,7 @@ def test_tune_process_for_serving_caps_onednn_caches_and_is_too_late_after_torch
 # pointer), and is the heap's top handed back to the kernel (the program break lowered) once 64 MiB of it is free?
 ALLOCATOR = """
 import ctypes, json, os, sys, retrieval
-set_now = retrieval.tune_process() if sys.argv[1] == "tune" else {}
+set_now = retrieval.tune_process(serving=sys.argv[1] == "serve") if sys.argv[1] != "default" else {}
 libc = ctypes.CDLL(None)
 libc.malloc.restype = libc.sbrk.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -150,16 +149,22 @@ def test_tune_process_keeps_batch_sized_blocks_on_the_heap_unless_the_user_tuned
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
 
     def allocator(*args: str, **variables: str) -> list:
-        out = subprocess.run([sys.executable, "-c", ALLOCATOR, *args], env=env | variables, capture_output=True,
-                             text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", ALLOCATOR, *args], env=env | variables, capture_output=True, text=True, check=True
+        )
         return json.loads(out.stdout)
 
     assert allocator("default") == [True, True, {}]  # glibc's defaults: mapped apart, the free top trimmed
     mapped, trimmed, set_now = allocator("tune")
     assert (mapped, trimmed) == (False, False)
     assert set_now["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20) and set_now["MALLOC_TRIM_THRESHOLD_"] == str(256 << 20)
-    mapped, _, set_now = allocator("tune", MALLOC_ARENA_MAX="2")  # the user's allocator settings win
-    assert mapped and not any(name.startswith("MALLOC_") for name in set_now)
+    for args, variables in (
+        (["tune"], {"MALLOC_ARENA_MAX": "2"}),
+        (["tune"], {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}),
+        (["serve"], {}),
+    ):
+        mapped, _, set_now = allocator(*args, **variables)  # the user's allocator settings win; a server keeps glibc's
+        assert mapped and not any(name.startswith("MALLOC_") for name in set_now), (args, variables)
 
 
 @pytest.mark.process
