@@ -30,6 +30,8 @@ ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY
 # A fixed 32 MiB threshold (the most glibc accepts) and a 256 MiB trim keep them on the heap for reuse: MiniLM,
 # oneDNN capped at AVX512_CORE_VNNI, 2 threads, separate processes: int8 STS-B sentences +10%, SciFact passages
 # +25%, bf16 sentences +12%, fp32 within noise; peak RSS unchanged within 5%. A 64 MiB trim kept half the gain.
+# (Where a process has run long before it times anything, glibc's own threshold has risen and the two are within
+# noise: scripts/bench_encode.py against --untuned, docs/benchmarks/encode.md.)
 # Set with mallopt (glibc reads MALLOC_*_ only at start) and exported, so that worker processes start the same way.
 # Not for a server: its request threads each get an arena of their own, and each arena may keep up to the trim
 # threshold of freed memory; that cost has not been measured against its gain there.
