@@ -154,9 +154,10 @@ def test_tune_process_keeps_batch_sized_blocks_on_the_heap_unless_the_user_tuned
         )
         return json.loads(out.stdout)
 
-    assert allocator("default") == [True, True, {}]  # glibc's defaults: mapped apart, the free top trimmed
+    # glibc's defaults map the block apart (whether the top is trimmed then depends on what else the heap holds)
+    assert allocator("default")[0::2] == [True, {}]
     mapped, trimmed, set_now = allocator("tune")
-    assert (mapped, trimmed) == (False, False)
+    assert (mapped, trimmed) == (False, False)  # on the heap, and 64 MiB of free top kept below the 256 MiB trim
     assert set_now["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20) and set_now["MALLOC_TRIM_THRESHOLD_"] == str(256 << 20)
     for args, variables in (
         (["tune"], {"MALLOC_ARENA_MAX": "2"}),
